@@ -1,0 +1,224 @@
+"""Command-line flags shared by the scripts, checked before any process group starts.
+
+A typo should cost a second, not a queue wait: every flag is parsed and checked
+first, and a mistake is reported once (by rank 0) with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import IO
+
+from common.distributed import env_rank
+from common.models import GPT_PRESETS, GPTConfig
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage, help and errors appear once, not once per rank."""
+
+    def print_usage(self, file: IO[str] | None = None) -> None:
+        if env_rank() == 0:
+            super().print_usage(file)
+
+    def print_help(self, file: IO[str] | None = None) -> None:
+        if env_rank() == 0:
+            super().print_help(file)
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        if message and env_rank() == 0:
+            sys.stderr.write(message)
+        sys.exit(status)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be zero or a positive number, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> Parser:
+    """A parser with the flags every script has: device, timeouts, seed, output."""
+    parser = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = parser.add_argument_group("run")
+    run.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: this process's GPU with NCCL if CUDA is available, else CPU with gloo",
+    )
+    run.add_argument(
+        "--dist-timeout",
+        type=positive_float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long a collective waits for the other ranks before failing (default: %(default)s)",
+    )
+    run.add_argument("--seed", type=int, default=1)
+    run.add_argument(
+        "--run-dir", type=Path, default=Path(run_dir), help="where metrics.jsonl and model.pt go (default: %(default)s)"
+    )
+    run.add_argument("--log-interval", type=positive_int, default=log_interval, metavar="STEPS")
+    return parser
+
+
+def add_training_flags(
+    parser: Parser, *, batch_size: int, lr: float, epochs: int | None, max_steps: int | None, grad_clip: float
+) -> None:
+    group = parser.add_argument_group("training")
+    group.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=batch_size,
+        help="examples per rank per micro-step (default: %(default)s)",
+    )
+    group.add_argument(
+        "--grad-accum-steps",
+        type=positive_int,
+        default=1,
+        help="micro-steps per optimizer step; gradients sync only on the last one",
+    )
+    group.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate (default: %(default)s)")
+    group.add_argument(
+        "--epochs", type=positive_int, default=epochs, help="passes over the training set (default: %(default)s)"
+    )
+    group.add_argument(
+        "--max-steps",
+        type=non_negative_int,
+        default=max_steps,
+        help="stop after this many optimizer steps; 0 only evaluates (default: %(default)s)",
+    )
+    group.add_argument(
+        "--grad-clip",
+        type=non_negative_float,
+        default=grad_clip,
+        help="clip the global gradient norm to this; 0 turns clipping off (default: %(default)s)",
+    )
+
+
+def add_mnist_flags(parser: Parser) -> None:
+    group = parser.add_argument_group("MNIST")
+    group.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("./data"),
+        help="holds MNIST/raw/; downloaded there if missing (default: %(default)s)",
+    )
+    group.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="train on generated 28x28 images instead of MNIST (smoke tests, no data needed)",
+    )
+    group.add_argument("--test-batch-size", type=positive_int, default=1000)
+    group.add_argument("--gamma", type=positive_float, default=0.7, help="StepLR decay per epoch")
+
+
+def add_transformer_flags(parser: Parser) -> None:
+    group = parser.add_argument_group("transformer")
+    group.add_argument("--model", choices=sorted(GPT_PRESETS), default="tiny", help="size preset (default: tiny)")
+    group.add_argument("--n-layer", type=positive_int, help="override the preset's number of Blocks")
+    group.add_argument("--n-head", type=positive_int, help="override the preset's attention heads")
+    group.add_argument("--d-model", type=positive_int, help="override the preset's width")
+    group.add_argument("--block-size", type=positive_int, help="override the preset's context length")
+    group.add_argument("--dropout", type=probability, default=0.0)
+    group.add_argument(
+        "--text-file", type=Path, help="train character-level on this UTF-8 file instead of the synthetic Markov tokens"
+    )
+    group.add_argument(
+        "--train-sequences",
+        type=positive_int,
+        default=20_000,
+        help="synthetic training sequences (default: %(default)s)",
+    )
+    group.add_argument(
+        "--heldout-sequences",
+        type=positive_int,
+        default=1_000,
+        help="synthetic held-out sequences (default: %(default)s)",
+    )
+    group.add_argument("--warmup-steps", type=non_negative_int, default=30)
+    group.add_argument(
+        "--min-lr-ratio", type=probability, default=0.1, help="the cosine schedule ends at lr times this"
+    )
+    group.add_argument("--weight-decay", type=non_negative_float, default=0.1)
+    group.add_argument("--eval-interval", type=positive_int, default=100, metavar="STEPS")
+    group.add_argument("--eval-batch-size", type=positive_int, default=100)
+
+
+def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
+    """Fill the model dimensions from the preset and refuse shapes that cannot work."""
+    for name, value in GPT_PRESETS[args.model].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.d_model % args.n_head:
+        parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
+    if args.text_file is not None:
+        check_text_file(parser, args.text_file, args.block_size)
+
+
+def check_text_file(parser: Parser, path: Path, block_size: int) -> None:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        parser.error(f"--text-file {path}: no such file")
+    except UnicodeDecodeError:
+        parser.error(f"--text-file {path}: not UTF-8 text")
+    except OSError as err:
+        parser.error(f"--text-file {path}: cannot read it ({err.strerror})")
+    # 90% trains and 10% is held out; each part needs at least one window.
+    needed = 10 * (block_size + 1)
+    if len(text) < needed:
+        parser.error(
+            f"--text-file {path} has {len(text)} characters; at --block-size {block_size} it needs at least {needed}"
+        )
+
+
+def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
+    if args.epochs is None and args.max_steps is None:
+        parser.error("give --epochs or --max-steps")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: CUDA is not available on this machine")
+
+
+def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=vocab_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        d_model=args.d_model,
+        dropout=args.dropout,
+    )

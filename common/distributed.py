@@ -1,0 +1,159 @@
+"""Process-group setup and the small helpers every training script needs.
+
+The one contract is torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. A laptop run, the CPU tests and
+a SLURM job (one torchrun per node) all go through it. A plain
+``python script.py`` has none of these variables and becomes a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class FatalError(Exception):
+    """A problem the user can fix (bad flag, missing data).
+
+    Every rank raises it together; rank 0 alone prints it and every rank exits
+    with ``exit_code``, so a job shows one message instead of one per rank.
+    """
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_rank() -> int:
+    """Global rank from torchrun's environment; usable before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def print0(*args: object, **kwargs: object) -> None:
+    """Print on global rank 0 only, so N ranks do not print N copies."""
+    if env_rank() == 0:
+        print(*args, **kwargs, flush=True)  # type: ignore[call-overload]
+
+
+def choose_device(requested: str, local_rank: int) -> torch.device:
+    """``auto`` takes this process's GPU when CUDA is present, else the CPU."""
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise FatalError("--device cuda was asked for, but CUDA is not available here")
+        # The local rank, not the global one: rank 9 on a node of 8 GPUs is GPU 1.
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def set_cpu_threads(local_world_size: int) -> None:
+    """Share the cores between the processes of this node.
+
+    torchrun exports OMP_NUM_THREADS=1 when it starts several workers and
+    SLURM launchers set it per task; an explicit value always wins. Without one,
+    every process would otherwise spawn a thread per core and they would fight.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // local_world_size))
+
+
+def setup_distributed(requested_device: str, timeout_s: float) -> DistContext:
+    """Start the process group for this process and pick its device and backend."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+
+    device = choose_device(requested_device, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    set_cpu_threads(local_world_size)
+
+    timeout = timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ:
+        # Launched by torchrun (or a SLURM launcher running torchrun).
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    else:
+        # A plain `python script.py`: a world of one over an in-memory store,
+        # so DDP and FSDP wrap exactly as they do under torchrun, with no port.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistContext(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+def teardown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext]:
+    """Set up the process group and always tear it down, however training ends.
+
+    A FatalError raised inside becomes one message from rank 0 and the same
+    exit code on every rank, instead of a traceback from each of them.
+    """
+    try:
+        yield setup_distributed(requested_device, timeout_s)
+    except FatalError as err:
+        print0(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    finally:
+        teardown_distributed()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python and torch (CPU and every GPU) so a run can be repeated."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def all_ranks_agree(ok: bool, device: torch.device) -> bool:
+    """True only if ``ok`` holds on every rank: one rank's failure stops them all."""
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Sum numbers across ranks in float64, so counts and loss sums stay exact."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()

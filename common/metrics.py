@@ -1,0 +1,82 @@
+"""What a run reports: metrics.jsonl for tools and plots, one fixed-width line for people."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from common.distributed import DistContext, max_over_ranks
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``run_dir/metrics.jsonl`` on rank 0.
+
+    The file is opened on the first record, not when the run starts, so a run
+    that fails its checks writes nothing over an earlier run's metrics.
+    """
+
+    def __init__(self, run_dir: Path, ctx: DistContext) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.enabled = ctx.is_main
+        self._file = None
+
+    def write(self, event: str, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("w", encoding="utf-8")
+        self._file.write(json.dumps({"event": event, **fields}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def progress_line(step: int, max_steps: int, epoch: int, loss: float, lr: float, rate: str, step_ms: float) -> str:
+    width = len(str(max_steps))
+    return (
+        f"step {step:>{width}}/{max_steps} | epoch {epoch:>2} | loss {loss:8.4f} | "
+        f"lr {lr:9.3e} | {rate} | {step_ms:8.1f} ms/step"
+    )
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: allocated tensors on a GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak_rss if sys.platform == "darwin" else peak_rss * 1024  # Linux reports KiB
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    # FSDP2 parameters are DTensors: count only the shard this rank stores.
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state that this rank holds."""
+    params = list(model.parameters())
+    optimizer_tensors = [
+        value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)
+    ]
+    return {
+        "params": sum(_local_bytes(p) for p in params),
+        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(_local_bytes(t) for t in optimizer_tensors),
+    }
+
+
+def max_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, int]:
+    """``local_state_bytes`` of the rank that holds the most, per kind."""
+    local = local_state_bytes(model, optimizer)
+    largest = max_over_ranks([float(v) for v in local.values()], ctx.device)
+    return {key: int(value) for key, value in zip(local, largest, strict=True)}

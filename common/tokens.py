@@ -1,0 +1,146 @@
+"""Data for the transformer scripts, with nothing to download.
+
+By default the tokens come from a fixed random Markov source. Because we know
+its transition probabilities, we know the lowest loss any model can reach on
+it, and a run can say how close it got. ``--text-file`` trains character-level
+on any text instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+# The source is part of the task, not of the run: a fixed seed keeps it the same
+# whatever --seed the training uses, so runs with different seeds are comparable.
+MARKOV_SEED = 1234
+
+
+@dataclass
+class TokenData:
+    train: Dataset  # (input, target) pairs of shape (block_size,)
+    heldout: Dataset
+    vocab_size: int
+    entropy_floor: float | None  # nats per token; None for real text
+    description: str
+
+
+def _entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats along the last dimension, treating 0 log 0 as 0."""
+    return -(probs * probs.clamp_min(1e-300).log()).sum(-1)
+
+
+class MarkovSource:
+    """Tokens where each one depends on the ``order`` tokens before it.
+
+    A state is the tuple of the last ``order`` tokens, numbered in base
+    ``vocab_size``. Each state has its own next-token distribution: a softmax
+    of random logits, where a larger ``logit_scale`` makes the rows more
+    peaked, so the source is predictable but not trivially so.
+    """
+
+    def __init__(self, vocab_size: int = 16, order: int = 2, logit_scale: float = 3.0) -> None:
+        generator = torch.Generator().manual_seed(MARKOV_SEED)
+        self.vocab_size, self.order = vocab_size, order
+        self.num_states = vocab_size**order
+        logits = logit_scale * torch.randn(self.num_states, vocab_size, dtype=torch.float64, generator=generator)
+        self.transition = logits.softmax(-1)
+        self.stationary = self._stationary_distribution()
+
+    def _next_state(self, state: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        return (state % (self.num_states // self.vocab_size)) * self.vocab_size + token
+
+    def _stationary_distribution(self) -> torch.Tensor:
+        """Solve pi = pi T for the chain on states, exactly, as a linear system."""
+        states = torch.arange(self.num_states).repeat_interleave(self.vocab_size)
+        tokens = torch.arange(self.vocab_size).repeat(self.num_states)
+        state_transition = torch.zeros(self.num_states, self.num_states, dtype=torch.float64)
+        state_transition.index_put_(
+            (states, self._next_state(states, tokens)), self.transition.flatten(), accumulate=True
+        )
+        # (T^t - I) pi = 0 with one equation swapped for sum(pi) = 1.
+        system = state_transition.T - torch.eye(self.num_states, dtype=torch.float64)
+        system[-1] = 1.0
+        rhs = torch.zeros(self.num_states, dtype=torch.float64)
+        rhs[-1] = 1.0
+        return torch.linalg.solve(system, rhs)
+
+    def entropy_rate(self) -> float:
+        """Nats per token of an ideal predictor that sees the full ``order`` tokens of context."""
+        return float((self.stationary * _entropy(self.transition)).sum())
+
+    def loss_floor(self, block_size: int) -> float:
+        """Lowest mean loss over the ``block_size`` targets of a sequence that starts fresh.
+
+        The first targets have fewer than ``order`` tokens of context, so they
+        cost a little more than the entropy rate. By the chain rule the total
+        is H(first block_size + 1 tokens) - H(first token).
+        """
+        first_tokens = self.stationary.view(self.vocab_size, -1).sum(-1)
+        whole_sequence = float(_entropy(self.stationary)) + (block_size + 1 - self.order) * self.entropy_rate()
+        return (whole_sequence - float(_entropy(first_tokens))) / block_size
+
+    def sample(self, num_sequences: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        """Independent sequences, each started from the stationary distribution."""
+        state = torch.multinomial(self.stationary, num_sequences, replacement=True, generator=generator)
+        tokens = torch.empty(num_sequences, length, dtype=torch.long)
+        # The first `order` tokens are the digits of the starting state.
+        for position in range(self.order):
+            tokens[:, position] = (state // self.vocab_size ** (self.order - 1 - position)) % self.vocab_size
+        cumulative = self.transition.cumsum(-1)
+        for position in range(self.order, length):
+            uniform = torch.rand(num_sequences, 1, dtype=torch.float64, generator=generator)
+            token = torch.searchsorted(cumulative[state], uniform).squeeze(1).clamp_max(self.vocab_size - 1)
+            tokens[:, position] = token
+            state = self._next_state(state, token)
+        return tokens
+
+
+def _pairs(sequences: torch.Tensor) -> TensorDataset:
+    """Next-token prediction: the target is the input shifted by one."""
+    return TensorDataset(sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous())
+
+
+def markov_data(block_size: int, train_sequences: int, heldout_sequences: int) -> TokenData:
+    source = MarkovSource()
+    generator = torch.Generator().manual_seed(MARKOV_SEED + 1)
+    sequences = source.sample(train_sequences + heldout_sequences, block_size + 1, generator)
+    floor = source.loss_floor(block_size)
+    description = (
+        f"synthetic Markov tokens: vocab {source.vocab_size}, order {source.order}, "
+        f"{train_sequences} train / {heldout_sequences} held-out sequences; "
+        f"entropy rate {source.entropy_rate():.4f} nats/token, loss floor {floor:.4f} at block size {block_size}"
+    )
+    return TokenData(
+        _pairs(sequences[:train_sequences]),
+        _pairs(sequences[train_sequences:]),
+        source.vocab_size,
+        floor,
+        description,
+    )
+
+
+def text_data(path: Path, block_size: int, heldout_fraction: float = 0.1) -> TokenData:
+    """Character-level tokens from a UTF-8 text file: the first 90% trains, the rest is held out."""
+    text = path.read_text(encoding="utf-8")
+    vocab = sorted(set(text))
+    lookup = {char: index for index, char in enumerate(vocab)}
+    ids = torch.tensor([lookup[char] for char in text], dtype=torch.long)
+    split = int(len(ids) * (1 - heldout_fraction))
+
+    def windows(stream: torch.Tensor) -> TensorDataset:
+        # Non-overlapping windows of block_size + 1: each character is a target once.
+        count = (len(stream) - 1) // block_size
+        starts = torch.arange(count) * block_size
+        return _pairs(stream[starts[:, None] + torch.arange(block_size + 1)])
+
+    train, heldout = windows(ids[:split]), windows(ids[split:])
+    description = (
+        f"characters of {path}: vocab {len(vocab)}, {len(train)} train / {len(heldout)} held-out windows "
+        f"(a uniform guess costs {math.log(len(vocab)):.3f} nats/token)"
+    )
+    return TokenData(train, heldout, len(vocab), None, description)

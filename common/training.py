@@ -1,0 +1,92 @@
+"""Pieces of the training loop that do not depend on the distribution strategy."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from common.distributed import DistContext, max_over_ranks, print0
+from common.metrics import MetricsLog, max_state_bytes, peak_memory_bytes, progress_line
+
+
+def plan_total_steps(steps_per_epoch: int, epochs: int | None, max_steps: int | None) -> int:
+    """Optimizer steps to run: the end of the last epoch or --max-steps, whichever is first."""
+    by_epochs = steps_per_epoch * epochs if epochs is not None else None
+    candidates = [n for n in (by_epochs, max_steps) if n is not None]
+    return min(candidates)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float) -> LambdaLR:
+    """Linear warmup to the peak lr, then a cosine decay to ``min_ratio`` of it."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    """The average of a scalar over all ranks (gloo has no AVG, so SUM then divide)."""
+    total = value.detach().clone().float()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / dist.get_world_size()
+
+
+class ProgressReporter:
+    """Every --log-interval steps: one metrics.jsonl record and one console line.
+
+    Every rank must call ``report`` at the same steps, because the loss it
+    reports is averaged over ranks with a collective.
+    """
+
+    def __init__(self, log: MetricsLog, total_steps: int, items_per_step: int, unit: str) -> None:
+        self.log = log
+        self.total_steps = total_steps
+        self.items_per_step = items_per_step  # global: all ranks and micro-steps
+        self.unit = unit  # "samples" or "tokens"
+        self._last_time = time.perf_counter()
+        self._last_step = 0
+
+    def report(self, step: int, epoch: int, loss: torch.Tensor, lr: float) -> None:
+        mean_loss = mean_over_ranks(loss)
+        now = time.perf_counter()
+        steps = step - self._last_step
+        elapsed = max(now - self._last_time, 1e-9)
+        rate = self.items_per_step * steps / elapsed
+        step_ms = 1000 * elapsed / steps
+        self._last_time, self._last_step = now, step
+        self.log.write(
+            "train", step=step, epoch=epoch, loss=mean_loss, lr=lr, step_ms=step_ms, **{f"{self.unit}_per_s": rate}
+        )
+        short_unit = "tok" if self.unit == "tokens" else "img"
+        print0(progress_line(step, self.total_steps, epoch, mean_loss, lr, f"{rate:9.0f} {short_unit}/s", step_ms))
+
+
+def finish_run(
+    log: MetricsLog,
+    ctx: DistContext,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    **fields: Any,
+) -> dict[str, Any]:
+    """Write the final record (memory figures are the largest over ranks) and print a summary."""
+    state_bytes = max_state_bytes(model, optimizer, ctx)
+    (peak,) = max_over_ranks([float(peak_memory_bytes(ctx.device))], ctx.device)
+    record = {**fields, "world_size": ctx.world_size, "local_state_bytes": state_bytes, "peak_memory_bytes": int(peak)}
+    log.write("final", **record)
+    mib = 2**20
+    print0(
+        f"done: {record['steps']} steps in {record['wall_s']:.1f} s | eval loss {record['eval_loss']:.4f} | "
+        f"per-rank params/grads/optimizer {state_bytes['params'] / mib:.1f}/{state_bytes['grads'] / mib:.1f}/"
+        f"{state_bytes['optimizer'] / mib:.1f} MiB | peak memory {peak / mib:.0f} MiB"
+    )
+    return record

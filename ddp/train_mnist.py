@@ -1,0 +1,136 @@
+"""Train the MNIST CNN with DistributedDataParallel (DDP).
+
+Every rank holds a full copy of the model and trains on its own slice of each
+batch; during backward DDP all-reduces the gradients, so every copy takes the
+same optimizer step. Lines marked DISTRIBUTED are the ones a single-GPU script
+would not have.
+
+    python ddp/train_mnist.py                                   # one process
+    torchrun --standalone --nproc_per_node=4 ddp/train_mnist.py # four, one machine
+    python ddp/train_mnist.py --synthetic --epochs 1            # no dataset needed
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+# Let `python ddp/train_mnist.py` find common/ without installing the repository.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import StepLR
+
+from common.checkpoint import save_atomic
+from common.cli import add_mnist_flags, add_training_flags, check_training_flags, make_parser
+from common.data import eval_loader, load_mnist, synthetic_mnist, train_loader
+from common.distributed import DistContext, distributed, print0, seed_everything
+from common.evaluation import evaluate_classifier
+from common.metrics import MetricsLog
+from common.models import MnistNet
+from common.training import ProgressReporter, finish_run, plan_total_steps
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = make_parser(__doc__, run_dir="runs/ddp_mnist", log_interval=50)
+    add_training_flags(parser, batch_size=64, lr=1.0, epochs=3, max_steps=None, grad_clip=0.0)
+    add_mnist_flags(parser)
+    args = parser.parse_args(argv)
+    check_training_flags(parser, args)
+    return args
+
+
+def train(args, ctx: DistContext) -> None:
+    start = time.perf_counter()
+    seed_everything(args.seed)
+    train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
+    loader = train_loader(train_set, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
+    test_loader = eval_loader(test_set, args.test_batch_size, ctx)
+    steps_per_epoch = len(loader) // args.grad_accum_steps
+    total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
+    global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
+    print0(
+        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} | "
+        f"{total_steps} steps, {steps_per_epoch} per epoch"
+    )
+
+    model = MnistNet().to(ctx.device)
+    # DISTRIBUTED: DDP copies rank 0's weights to every rank, then all-reduces
+    # (averages) gradients during backward. With gradient_as_bucket_view the
+    # .grad tensors are views into DDP's communication buckets, not extra copies.
+    model = DDP(
+        model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, gradient_as_bucket_view=True
+    )
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)  # stepped once per epoch
+
+    log = MetricsLog(args.run_dir, ctx)
+    progress = ProgressReporter(log, total_steps, global_batch, unit="samples")
+    step, epoch = 0, 0
+    while step < total_steps:
+        epoch += 1
+        loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank
+        batches = iter(loader)
+        for _ in range(min(steps_per_epoch, total_steps - step)):
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), device=ctx.device)
+            for micro_step in range(args.grad_accum_steps):
+                images, labels = next(batches)
+                images, labels = images.to(ctx.device), labels.to(ctx.device)
+                # DISTRIBUTED: skip the gradient all-reduce on all but the last
+                # micro-step; gradients add up locally until then.
+                last_micro_step = micro_step == args.grad_accum_steps - 1
+                with nullcontext() if last_micro_step else model.no_sync():
+                    loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps
+                    loss.backward()
+                step_loss += loss.detach()
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            step += 1
+            if step % args.log_interval == 0 or step == total_steps:
+                progress.report(step, epoch, step_loss, scheduler.get_last_lr()[0])
+        scheduler.step()
+        result = evaluate_classifier(model, test_loader, ctx)
+        log.write("eval", step=step, epoch=epoch, **result)
+        print0(f"eval after epoch {epoch}: loss {result['loss']:.4f} | accuracy {result['accuracy']:.2%}")
+
+    if total_steps == 0:
+        result = evaluate_classifier(model, test_loader, ctx)
+        log.write("eval", step=0, epoch=0, **result)
+
+    # DISTRIBUTED: every copy is identical, so rank 0 saves the inner module
+    # (no "module." prefix) and the others have nothing to do.
+    if ctx.is_main:
+        save_atomic({k: v.cpu() for k, v in model.module.state_dict().items()}, args.run_dir / "model.pt")
+    finish_run(
+        log,
+        ctx,
+        model,
+        optimizer,
+        script="ddp/train_mnist.py",
+        strategy="ddp",
+        global_batch_size=global_batch,
+        steps=step,
+        eval_loss=result["loss"],
+        accuracy=result["accuracy"],
+        eval_samples=result["samples"],
+        wall_s=time.perf_counter() - start,
+    )
+    log.close()
+
+
+@record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with distributed(args.device, args.dist_timeout) as ctx:
+        train(args, ctx)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Train a small GPT-style transformer with DistributedDataParallel (DDP).
+
+Every rank holds a full copy of the model and trains on its own slice of each
+batch; during backward DDP all-reduces the gradients, so every copy takes the
+same optimizer step. Lines marked DISTRIBUTED are the ones a single-GPU script
+would not have. The default data is a synthetic Markov source whose lowest
+reachable loss is known, so the run can tell how close it got.
+
+    python ddp/train_transformer.py                                    # one process
+    torchrun --standalone --nproc_per_node=4 ddp/train_transformer.py  # four, one machine
+    python ddp/train_transformer.py --text-file input.txt --model small
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+# Let `python ddp/train_transformer.py` find common/ without installing the repository.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common.checkpoint import save_atomic
+from common.cli import (
+    add_training_flags,
+    add_transformer_flags,
+    check_training_flags,
+    check_transformer_flags,
+    gpt_config,
+    make_parser,
+)
+from common.data import eval_loader, train_loader
+from common.distributed import DistContext, distributed, print0, seed_everything
+from common.evaluation import evaluate_language_model
+from common.metrics import MetricsLog
+from common.models import GPT, count_parameters
+from common.tokens import markov_data, text_data
+from common.training import ProgressReporter, finish_run, plan_total_steps, warmup_cosine
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = make_parser(__doc__, run_dir="runs/ddp_transformer", log_interval=25)
+    add_training_flags(parser, batch_size=32, lr=3e-3, epochs=None, max_steps=400, grad_clip=1.0)
+    add_transformer_flags(parser)
+    args = parser.parse_args(argv)
+    check_training_flags(parser, args)
+    check_transformer_flags(parser, args)
+    return args
+
+
+def train(args, ctx: DistContext) -> None:
+    start = time.perf_counter()
+    seed_everything(args.seed)
+    if args.text_file is not None:
+        data = text_data(args.text_file, args.block_size)
+    else:
+        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences)
+    print0(f"data: {data.description}")
+    loader = train_loader(data.train, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
+    heldout_loader = eval_loader(data.heldout, args.eval_batch_size, ctx)
+    steps_per_epoch = len(loader) // args.grad_accum_steps
+    total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
+    global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
+    print0(
+        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} "
+        f"sequences of {args.block_size} tokens | {total_steps} steps"
+    )
+
+    model = GPT(gpt_config(args, data.vocab_size)).to(ctx.device)
+    print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    # DISTRIBUTED: DDP copies rank 0's weights to every rank, then all-reduces
+    # (averages) gradients during backward. With gradient_as_bucket_view the
+    # .grad tensors are views into DDP's communication buckets, not extra copies.
+    model = DDP(
+        model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, gradient_as_bucket_view=True
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
+
+    log = MetricsLog(args.run_dir, ctx)
+    progress = ProgressReporter(log, total_steps, global_batch * args.block_size, unit="tokens")
+    step, epoch = 0, 0
+    result = None
+    while step < total_steps:
+        epoch += 1
+        loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank
+        batches = iter(loader)
+        for _ in range(min(steps_per_epoch, total_steps - step)):
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), device=ctx.device)
+            for micro_step in range(args.grad_accum_steps):
+                inputs, targets = next(batches)
+                inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+                # DISTRIBUTED: skip the gradient all-reduce on all but the last
+                # micro-step; gradients add up locally until then.
+                last_micro_step = micro_step == args.grad_accum_steps - 1
+                with nullcontext() if last_micro_step else model.no_sync():
+                    logits = model(inputs)
+                    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / args.grad_accum_steps
+                    loss.backward()
+                step_loss += loss.detach()
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            if step % args.log_interval == 0 or step == total_steps:
+                progress.report(step, epoch, step_loss, scheduler.get_last_lr()[0])
+            if step % args.eval_interval == 0 or step == total_steps:
+                result = evaluate_language_model(model, heldout_loader, ctx)
+                log.write("eval", step=step, epoch=epoch, **result)
+                print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
+
+    if result is None:  # --max-steps 0: evaluate the untrained model
+        result = evaluate_language_model(model, heldout_loader, ctx)
+        log.write("eval", step=0, epoch=0, **result)
+    if data.entropy_floor is not None:
+        print0(
+            f"held-out loss {result['loss']:.4f} vs. floor {data.entropy_floor:.4f}: "
+            f"{result['loss'] - data.entropy_floor:+.4f} nats/token above the best possible"
+        )
+
+    # DISTRIBUTED: every copy is identical, so rank 0 saves the inner module
+    # (no "module." prefix) and the others have nothing to do.
+    if ctx.is_main:
+        save_atomic({k: v.cpu() for k, v in model.module.state_dict().items()}, args.run_dir / "model.pt")
+    finish_run(
+        log,
+        ctx,
+        model,
+        optimizer,
+        script="ddp/train_transformer.py",
+        strategy="ddp",
+        global_batch_size=global_batch,
+        steps=step,
+        eval_loss=result["loss"],
+        eval_samples=result["samples"],
+        entropy_floor=data.entropy_floor,
+        wall_s=time.perf_counter() - start,
+    )
+    log.close()
+
+
+@record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with distributed(args.device, args.dist_timeout) as ctx:
+        train(args, ctx)
+
+
+if __name__ == "__main__":
+    main()

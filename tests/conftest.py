@@ -1,0 +1,111 @@
+"""Shared test machinery: run a training script the way a user does, and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.mnist_fixture import write_fake_mnist
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Variables a launcher or scheduler may have left in the environment of the
+# test run; a child that inherits them would try to join someone else's job.
+INHERITED_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_")
+INHERITED_NAMES = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+}
+
+
+def clean_env() -> dict[str, str]:
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in INHERITED_NAMES and not key.startswith(INHERITED_PREFIXES)
+    }
+    # One thread per process: several ranks share this machine's few cores.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    return env
+
+
+@dataclass
+class Run:
+    command: list[str]
+    returncode: int
+    output: str
+    run_dir: Path
+
+    def describe(self) -> str:
+        return f"$ {' '.join(self.command)}\nexit code {self.returncode}\n--- output ---\n{self.output}"
+
+    def check(self) -> Run:
+        assert self.returncode == 0, self.describe()
+        return self
+
+    def metrics(self) -> list[dict]:
+        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    def events(self, kind: str) -> list[dict]:
+        return [record for record in self.metrics() if record["event"] == kind]
+
+    def final(self) -> dict:
+        (record,) = self.events("final")
+        return record
+
+
+def run_script(script: str, args: list[str], run_dir: Path, nproc: int | None = None, timeout: float = 240) -> Run:
+    """Run ``script`` as a user would: plain python when ``nproc`` is None, else torchrun.
+
+    The child gets its own process group so a hang is killed whole, torchrun
+    and every worker, when ``timeout`` runs out; the test then fails showing
+    everything the child printed.
+    """
+    if nproc is None:
+        launcher = [sys.executable]
+    else:
+        # --standalone: a rendezvous on a free port, so parallel tests never collide.
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command = [*launcher, script, "--device", "cpu", "--dist-timeout", "60", "--run-dir", str(run_dir), *args]
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"timed out after {timeout} s\n$ {' '.join(command)}\n--- output ---\n{output}")
+    return Run(command, process.returncode, output, run_dir)
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small rendered-digit MNIST: 3000 training images, 1999 test images.
+
+    1999 is prime, so no world size above one divides the test set evenly.
+    """
+    return write_fake_mnist(tmp_path_factory.mktemp("mnist"), train_count=3000, test_count=1999)
