@@ -46,7 +46,7 @@ from common.training import ProgressReporter, finish_run, plan_total_steps, warm
 
 def parse_args(argv: list[str] | None = None):
     parser = make_parser(__doc__, run_dir="runs/ddp_transformer", log_interval=25)
-    add_training_flags(parser, batch_size=32, lr=3e-3, epochs=None, max_steps=400, grad_clip=1.0)
+    add_training_flags(parser, batch_size=32, lr=1e-2, epochs=None, max_steps=600, grad_clip=1.0)
     add_transformer_flags(parser)
     args = parser.parse_args(argv)
     check_training_flags(parser, args)

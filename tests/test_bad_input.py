@@ -1,0 +1,60 @@
+"""Mistakes a user makes get one clear message and a non-zero exit, not a traceback per rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_script
+
+CASES = [
+    # (script, arguments, text the single message must contain)
+    ("ddp/train_mnist.py", ["--batch-size", "0"], "--batch-size: must be a positive integer, got 0"),
+    ("ddp/train_mnist.py", ["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    ("ddp/train_mnist.py", ["--lr", "-1"], "--lr: must be a positive number, got -1"),
+    ("ddp/train_transformer.py", ["--d-model", "66", "--n-head", "4"], "--d-model 66 must be divisible by --n-head 4"),
+    ("ddp/train_transformer.py", ["--text-file", "does/not/exist.txt"], "--text-file does/not/exist.txt: no such file"),
+]
+
+
+# Every case as a plain process (exit code 2, like argparse); three of them
+# under torchrun too, where the point is that two ranks print one message.
+LAUNCHES = [(*case, None) for case in CASES] + [(*case, 2) for case in CASES[:3]]
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message", "nproc"),
+    LAUNCHES,
+    ids=[f"{' '.join(args)}-{'torchrun' if nproc else 'python'}" for _, args, _, nproc in LAUNCHES],
+)
+def test_bad_flag_is_reported_once(
+    script: str, args: list[str], message: str, nproc: int | None, tmp_path: Path
+) -> None:
+    run = run_script(script, args, tmp_path / "run", nproc=nproc, timeout=60)
+    assert run.returncode != 0, run.describe()
+    if nproc is None:
+        assert run.returncode == 2, run.describe()  # argparse's code for a usage error
+    assert run.output.count(message) == 1, run.describe()
+    assert not (tmp_path / "run").exists(), "a run that fails its checks must write nothing"
+
+
+@pytest.mark.parametrize("nproc", [None, 2], ids=["python", "torchrun-2"])
+def test_missing_mnist_names_the_way_out(nproc: int | None, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = run_script("ddp/train_mnist.py", ["--data-dir", str(empty)], tmp_path / "run", nproc=nproc, timeout=90)
+    assert run.returncode != 0, run.describe()
+    lines = [line for line in run.output.splitlines() if "MNIST is not in --data-dir" in line]
+    assert len(lines) == 1, run.describe()
+    assert "--synthetic" in lines[0]
+    # No rank prints a traceback; torchrun itself ends with one for ChildFailedError.
+    assert run.output.count("Traceback") == (0 if nproc is None else 1), run.describe()
+
+
+def test_empty_text_file_is_refused(tmp_path: Path) -> None:
+    text = tmp_path / "empty.txt"
+    text.write_text("")
+    run = run_script("ddp/train_transformer.py", ["--text-file", str(text)], tmp_path / "run", timeout=60)
+    assert run.returncode == 2, run.describe()
+    assert f"--text-file {text} has 0 characters" in run.output, run.describe()

@@ -1,0 +1,64 @@
+"""Unit tests of the data helpers: fast, no process group needed."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from common.data import eval_shard
+from common.distributed import DistContext
+from common.tokens import MarkovSource, markov_data
+
+
+def context(rank: int, world_size: int) -> DistContext:
+    return DistContext(rank, rank, world_size, world_size, torch.device("cpu"), "gloo")
+
+
+def test_eval_shards_cover_every_example_once() -> None:
+    dataset = list(range(1999))
+    for world_size in (1, 2, 3, 4, 7):
+        shards = [list(eval_shard(dataset, context(rank, world_size))) for rank in range(world_size)]
+        assert sorted(sum(shards, [])) == dataset
+        assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_markov_stationary_distribution_is_stationary() -> None:
+    source = MarkovSource()
+    assert math.isclose(source.stationary.sum().item(), 1.0)
+    assert (source.stationary >= 0).all()
+    # One step of the chain from the stationary distribution gives it back.
+    after = torch.zeros_like(source.stationary)
+    for state in range(source.num_states):
+        tokens = torch.arange(source.vocab_size)
+        after.index_add_(0, source._next_state(torch.full_like(tokens, state), tokens),
+                         source.stationary[state] * source.transition[state])  # fmt: skip
+    torch.testing.assert_close(after, source.stationary)
+
+
+def test_entropy_rate_matches_sampled_sequences() -> None:
+    """The true model's mean loss on sampled data is the computed floor, up to sampling noise."""
+    source = MarkovSource()
+    block_size = 32
+    sequences = source.sample(4000, block_size + 1, torch.Generator().manual_seed(7))
+    first_tokens = source.stationary.view(source.vocab_size, -1).sum(-1)
+    # Exact log-probabilities of each target under the source: the second token
+    # given only the first, then every later token given its full context.
+    log_probs = [torch.log(source.stationary.view(source.vocab_size, -1)[sequences[:, 0], sequences[:, 1]]
+                           / first_tokens[sequences[:, 0]])]  # fmt: skip
+    state = sequences[:, 0] * source.vocab_size + sequences[:, 1]
+    for position in range(2, block_size + 1):
+        log_probs.append(torch.log(source.transition[state, sequences[:, position]]))
+        state = source._next_state(state, sequences[:, position])
+    mean_loss = -torch.stack(log_probs).mean().item()
+    assert abs(mean_loss - source.loss_floor(block_size)) < 0.01
+    assert source.loss_floor(block_size) > source.entropy_rate()
+
+
+def test_markov_data_is_the_same_whatever_the_training_seed() -> None:
+    torch.manual_seed(0)
+    first = markov_data(16, 10, 5)
+    torch.manual_seed(123)
+    second = markov_data(16, 10, 5)
+    assert torch.equal(first.train.tensors[0], second.train.tensors[0])
+    assert first.entropy_floor == second.entropy_floor

@@ -1,0 +1,121 @@
+"""End-to-end tests of the DDP scripts, launched as a user launches them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.models import GPT, GPTConfig, MnistNet
+from tests.conftest import run_script
+
+MNIST = "ddp/train_mnist.py"
+TRANSFORMER = "ddp/train_transformer.py"
+
+# A short MNIST run on the rendered-digit fixture: about 3 epochs of 3000 images.
+MNIST_ARGS = ["--epochs", "3", "--batch-size", "32", "--log-interval", "10"]
+# A short transformer run; the default run is longer and gets closer to the floor.
+TRANSFORMER_ARGS = ["--max-steps", "300", "--log-interval", "10", "--eval-interval", "300"]
+
+
+def first_and_last_train_loss(metrics: list[dict]) -> tuple[float, float]:
+    losses = [record["loss"] for record in metrics if record["event"] == "train"]
+    assert len(losses) >= 2, metrics
+    return losses[0], losses[-1]
+
+
+@pytest.mark.parametrize("nproc", [None, 2, 3], ids=["python", "torchrun-2", "torchrun-3"])
+def test_mnist_trains(nproc: int | None, mnist_dir: Path, tmp_path: Path) -> None:
+    run = run_script(MNIST, [*MNIST_ARGS, "--data-dir", str(mnist_dir)], tmp_path, nproc=nproc).check()
+    final = run.final()
+    first, last = first_and_last_train_loss(run.metrics())
+    assert last < 0.5 * first, run.describe()
+    assert final["accuracy"] >= 0.90, run.describe()
+    assert final["world_size"] == (nproc or 1)
+    assert final["global_batch_size"] == 32 * (nproc or 1)
+    assert final["eval_samples"] == 1999
+
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    MnistNet().load_state_dict(state)  # strict: same keys, no "module." prefix
+
+
+@pytest.mark.parametrize("nproc", [None, 2, 3], ids=["python", "torchrun-2", "torchrun-3"])
+def test_transformer_trains_close_to_floor(nproc: int | None, tmp_path: Path) -> None:
+    run = run_script(TRANSFORMER, TRANSFORMER_ARGS, tmp_path, nproc=nproc).check()
+    final = run.final()
+    first, last = first_and_last_train_loss(run.metrics())
+    assert last < first - 0.8, run.describe()
+    # A uniform guess costs log(16) = 2.77 nats; the floor is about 1.17. A
+    # 300-step run lands within 0.15 of it; the default 600-step run within 0.1.
+    assert final["entropy_floor"] == pytest.approx(1.1709, abs=1e-3)
+    assert final["eval_loss"] - final["entropy_floor"] < 0.15, run.describe()
+
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    config = GPTConfig(vocab_size=16, block_size=64, n_layer=2, n_head=4, d_model=64)
+    GPT(config).load_state_dict(state)
+
+
+def test_transformer_default_run_reaches_floor(tmp_path: Path) -> None:
+    """The README's main job: default flags at 2 processes end within 0.1 nats/token of the floor."""
+    run = run_script(TRANSFORMER, [], tmp_path, nproc=2, timeout=300).check()
+    final = run.final()
+    assert final["steps"] == 600
+    assert final["eval_loss"] - final["entropy_floor"] < 0.1, run.describe()
+
+
+def test_gradient_accumulation_trains(mnist_dir: Path, tmp_path: Path) -> None:
+    args = ["--epochs", "2", "--batch-size", "16", "--grad-accum-steps", "2", "--data-dir", str(mnist_dir)]
+    run = run_script(MNIST, args, tmp_path, nproc=2).check()
+    final = run.final()
+    assert final["global_batch_size"] == 16 * 2 * 2
+    # 3000 images / 2 ranks / 16 per micro-batch = 93 micro-batches = 46 steps per epoch.
+    assert final["steps"] == 2 * 46
+    assert final["accuracy"] >= 0.8, run.describe()
+
+
+def untrained_eval(script: str, args: list[str], nproc: int | None, run_dir: Path) -> dict:
+    return run_script(script, ["--max-steps", "0", *args], run_dir, nproc=nproc).check().final()
+
+
+def test_mnist_eval_is_exact_at_any_world_size(mnist_dir: Path, tmp_path: Path) -> None:
+    """1999 test images over 3 ranks (667 + 666 + 666) score exactly as one process does."""
+    args = ["--data-dir", str(mnist_dir), "--test-batch-size", "100"]
+    single = untrained_eval(MNIST, args, None, tmp_path / "one")
+    three = untrained_eval(MNIST, args, 3, tmp_path / "three")
+    assert single["eval_samples"] == three["eval_samples"] == 1999
+    assert single["accuracy"] == three["accuracy"]
+    # Sums over differently sized batches round differently in float32.
+    assert three["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-6)
+
+
+def test_transformer_eval_is_exact_at_any_world_size(tmp_path: Path) -> None:
+    args = ["--heldout-sequences", "997", "--eval-batch-size", "50"]
+    single = untrained_eval(TRANSFORMER, args, None, tmp_path / "one")
+    three = untrained_eval(TRANSFORMER, args, 3, tmp_path / "three")
+    assert single["eval_samples"] == three["eval_samples"] == 997
+    assert three["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-6)
+
+
+def test_metrics_contract(mnist_dir: Path, tmp_path: Path) -> None:
+    args = ["--max-steps", "4", "--log-interval", "2", "--data-dir", str(mnist_dir)]
+    run = run_script(MNIST, args, tmp_path, nproc=2).check()
+    train_records = run.events("train")
+    assert [record["step"] for record in train_records] == [2, 4]
+    for record in train_records:
+        assert {"step", "epoch", "loss", "lr", "samples_per_s", "step_ms"} <= record.keys()
+    assert {"step", "loss", "accuracy", "samples"} <= run.events("eval")[-1].keys()
+    final = run.final()
+    expected = {"script", "strategy", "world_size", "global_batch_size", "steps", "eval_loss", "accuracy",
+                "eval_samples", "peak_memory_bytes", "wall_s", "local_state_bytes"}  # fmt: skip
+    assert expected <= final.keys()
+    assert final["peak_memory_bytes"] > 0
+    tensors = list(MnistNet().parameters())
+    parameters = sum(p.numel() for p in tensors)
+    # DDP keeps full fp32 parameters and gradients on every rank. Adadelta keeps
+    # two fp32 running averages per parameter and a float32 step count per tensor.
+    assert final["local_state_bytes"] == {
+        "params": 4 * parameters,
+        "grads": 4 * parameters,
+        "optimizer": 8 * parameters + 4 * len(tensors),
+    }
