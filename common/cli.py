@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from common.distributed import env_rank
+from common.distributed import env_rank, env_world_size
 from common.models import GPT_PRESETS, GPTConfig
 
 
@@ -222,3 +222,47 @@ def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
         d_model=args.d_model,
         dropout=args.dropout,
     )
+
+
+def will_use_cuda(requested_device: str) -> bool:
+    """Whether ``--device`` resolves to a GPU, the way ``choose_device`` will resolve it."""
+    import torch
+
+    return requested_device == "cuda" or (requested_device == "auto" and torch.cuda.is_available())
+
+
+def add_fsdp_flags(parser: Parser, *, precisions: list[str]) -> None:
+    """Flags both FSDP transformer scripts have; each script adds its own on top."""
+    group = parser.add_argument_group("FSDP")
+    group.add_argument(
+        "--mixed-precision",
+        choices=precisions,
+        default="fp32",
+        help="dtype of the gathered parameters in forward and backward; the sharded master weights, "
+        "the optimizer and the gradient reduction stay fp32 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="keep only each Block's input in forward and recompute the rest in backward: less memory, more compute",
+    )
+    group.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="keep the sharded parameters, gradients and optimizer state in host memory (CUDA runs only)",
+    )
+    group.add_argument(
+        "--replicate-degree",
+        type=positive_int,
+        metavar="R",
+        help="hybrid sharding: R groups each hold a full sharded copy, shard within a group, "
+        "all-reduce across groups; must divide the world size",
+    )
+
+
+def check_fsdp_flags(parser: Parser, args: argparse.Namespace) -> None:
+    if args.cpu_offload and not will_use_cuda(args.device):
+        parser.error("--cpu-offload frees GPU memory by moving state to the host; this run has no GPU")
+    world_size = env_world_size()
+    if args.replicate_degree is not None and world_size % args.replicate_degree:
+        parser.error(f"--replicate-degree {args.replicate_degree} does not divide the world size {world_size}")

@@ -157,3 +157,14 @@ def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
+
+
+def env_world_size() -> int:
+    """World size from torchrun's environment; usable before the process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def env_num_nodes() -> int:
+    """Machines in the job, from torchrun's environment: one torchrun (LOCAL_WORLD_SIZE workers) per node."""
+    world_size = env_world_size()
+    return max(1, world_size // int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
