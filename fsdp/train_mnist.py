@@ -1,0 +1,164 @@
+"""Train the MNIST CNN with FullyShardedDataParallel (FSDP1).
+
+Every rank stores only a 1/N shard of the parameters, gradients and optimizer
+state. Before a wrapped unit runs, FSDP gathers its full weights from all
+ranks and frees them right after. Each rank still trains on its own slice of
+each batch, and gradients are averaged (and scattered back into shards) during
+backward, so the result is the same model DDP would train. Lines marked
+DISTRIBUTED are the ones a single-GPU script would not have.
+
+The size-based policy makes every submodule with at least --min-num-params
+parameters its own unit; for this CNN that is only fc1 (1.18M of its 1.2M
+parameters), and the small layers share the root unit. A CNN this small gains
+nothing from sharding: the point is to see the same script shape as DDP.
+
+    python fsdp/train_mnist.py                                    # one process
+    torchrun --standalone --nproc_per_node=4 fsdp/train_mnist.py  # four, one machine
+    python fsdp/train_mnist.py --synthetic --epochs 1             # no dataset needed
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+# Let `python fsdp/train_mnist.py` find common/ without installing the repository.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+from torch.optim.lr_scheduler import StepLR
+
+from common.checkpoint import save_atomic
+from common.cli import add_mnist_flags, add_training_flags, check_training_flags, make_parser, positive_int
+from common.data import eval_loader, load_mnist, synthetic_mnist, train_loader
+from common.distributed import DistContext, distributed, print0, seed_everything
+from common.evaluation import evaluate_classifier
+from common.metrics import MetricsLog
+from common.models import MnistNet
+from common.training import ProgressReporter, finish_run, plan_total_steps
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = make_parser(__doc__, run_dir="runs/fsdp_mnist", log_interval=50)
+    add_training_flags(parser, batch_size=64, lr=1.0, epochs=3, max_steps=None, grad_clip=0.0)
+    add_mnist_flags(parser)
+    parser.add_argument_group("FSDP1").add_argument(
+        "--min-num-params",
+        type=positive_int,
+        default=20_000,
+        help="a submodule with at least this many parameters becomes its own FSDP unit (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    check_training_flags(parser, args)
+    return args
+
+
+def train(args, ctx: DistContext) -> None:
+    start = time.perf_counter()
+    seed_everything(args.seed)
+    train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
+    loader = train_loader(train_set, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
+    test_loader = eval_loader(test_set, args.test_batch_size, ctx)
+    steps_per_epoch = len(loader) // args.grad_accum_steps
+    total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
+    global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
+    print0(
+        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} | "
+        f"{total_steps} steps, {steps_per_epoch} per epoch"
+    )
+
+    # DISTRIBUTED: every rank seeds the same generator, so every rank builds the
+    # same initial weights and FSDP shards identical copies. (DDP broadcasts
+    # rank 0's weights instead; FSDP1's sync_module_states does that only on GPUs.)
+    model = MnistNet().to(ctx.device)
+    # DISTRIBUTED: FSDP keeps 1/N of every unit's parameters on this rank and
+    # gathers the rest just in time. use_orig_params keeps the original
+    # parameters visible (as views of this rank's shard) to the optimizer.
+    model = FSDP(
+        model,
+        auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=args.min_num_params),
+        device_id=ctx.device,  # CPU runs need it too, or FSDP looks for an accelerator
+        use_orig_params=True,
+    )
+    # DISTRIBUTED: built after wrapping, so the optimizer holds (and keeps state
+    # for) only this rank's shards.
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)  # stepped once per epoch
+
+    log = MetricsLog(args.run_dir, ctx)
+    progress = ProgressReporter(log, total_steps, global_batch, unit="samples")
+    step, epoch = 0, 0
+    while step < total_steps:
+        epoch += 1
+        loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank
+        batches = iter(loader)
+        for _ in range(min(steps_per_epoch, total_steps - step)):
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), device=ctx.device)
+            for micro_step in range(args.grad_accum_steps):
+                images, labels = next(batches)
+                images, labels = images.to(ctx.device), labels.to(ctx.device)
+                # DISTRIBUTED: skip the gradient reduce-scatter on all but the last
+                # micro-step; unsharded gradients add up locally until then.
+                last_micro_step = micro_step == args.grad_accum_steps - 1
+                with nullcontext() if last_micro_step else model.no_sync():
+                    loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps
+                    loss.backward()
+                step_loss += loss.detach()
+            if args.grad_clip > 0:
+                # DISTRIBUTED: each rank holds only part of the gradients; FSDP's own
+                # clip_grad_norm_ combines the shards' norms into the global one.
+                model.clip_grad_norm_(args.grad_clip)
+            optimizer.step()
+            step += 1
+            if step % args.log_interval == 0 or step == total_steps:
+                progress.report(step, epoch, step_loss, scheduler.get_last_lr()[0])
+        scheduler.step()
+        result = evaluate_classifier(model, test_loader, ctx)
+        log.write("eval", step=step, epoch=epoch, **result)
+        print0(f"eval after epoch {epoch}: loss {result['loss']:.4f} | accuracy {result['accuracy']:.2%}")
+
+    if total_steps == 0:
+        result = evaluate_classifier(model, test_loader, ctx)
+        log.write("eval", step=0, epoch=0, **result)
+
+    # DISTRIBUTED: no rank holds the whole model, so every rank takes part in
+    # gathering it; rank 0 receives plain CPU tensors under the original names
+    # (the others get an empty dict) and saves them.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:
+        save_atomic(state, args.run_dir / "model.pt")
+    finish_run(
+        log,
+        ctx,
+        model,
+        optimizer,
+        script="fsdp/train_mnist.py",
+        strategy="fsdp1_full_shard",
+        global_batch_size=global_batch,
+        steps=step,
+        eval_loss=result["loss"],
+        accuracy=result["accuracy"],
+        eval_samples=result["samples"],
+        wall_s=time.perf_counter() - start,
+    )
+    log.close()
+
+
+@record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with distributed(args.device, args.dist_timeout) as ctx:
+        train(args, ctx)
+
+
+if __name__ == "__main__":
+    main()
