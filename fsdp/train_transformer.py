@@ -1,0 +1,261 @@
+"""Train a small GPT-style transformer with FullyShardedDataParallel (FSDP1).
+
+Each transformer Block becomes one FSDP unit: every rank stores only its 1/N
+shard of the unit's parameters, gradients and optimizer state, gathers the
+full weights just before the unit runs and frees them right after. Each rank
+still trains on its own slice of each batch, and gradients are averaged (and
+scattered back into shards) during backward, so the result is the same model
+DDP would train. Lines marked DISTRIBUTED are the ones a single-GPU script
+would not have. The default data is a synthetic Markov source whose lowest
+reachable loss is known, so the run can tell how close it got.
+
+FSDP1 is the older, FlatParameter-based API; new code should prefer FSDP2
+(fsdp/train_transformer_fsdp2.py). This script shows FSDP1 because much
+existing code still uses it.
+
+    python fsdp/train_transformer.py                                    # one process
+    torchrun --standalone --nproc_per_node=4 fsdp/train_transformer.py  # four, one machine
+    torchrun --standalone --nproc_per_node=4 fsdp/train_transformer.py --sharding-strategy hybrid_shard
+    torchrun --standalone --nproc_per_node=8 fsdp/train_transformer.py --model medium --mixed-precision bf16 \\
+        --activation-checkpointing
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+# Let `python fsdp/train_transformer.py` find common/ without installing the repository.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+from common.checkpoint import save_atomic
+from common.cli import (
+    add_fsdp_flags,
+    add_training_flags,
+    add_transformer_flags,
+    check_fsdp_flags,
+    check_training_flags,
+    check_transformer_flags,
+    gpt_config,
+    make_parser,
+)
+from common.data import eval_loader, train_loader
+from common.distributed import DistContext, distributed, env_num_nodes, env_world_size, print0, seed_everything
+from common.evaluation import evaluate_language_model
+from common.metrics import MetricsLog
+from common.models import GPT, Block, count_parameters
+from common.tokens import markov_data, text_data
+from common.training import ProgressReporter, finish_run, plan_total_steps, warmup_cosine
+
+LOW_PRECISION = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = make_parser(__doc__, run_dir="runs/fsdp_transformer", log_interval=25)
+    add_training_flags(parser, batch_size=32, lr=1e-2, epochs=None, max_steps=600, grad_clip=1.0)
+    add_transformer_flags(parser)
+    add_fsdp_flags(parser, precisions=list(LOW_PRECISION))
+    group = parser.add_argument_group("FSDP1")
+    group.add_argument(
+        "--sharding-strategy",
+        choices=["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"],
+        default="full_shard",
+        help="full_shard: ZeRO-3, parameters too; shard_grad_op: ZeRO-2, parameters stay gathered between "
+        "forward and backward; hybrid_shard: full_shard within a group, replicated across groups; "
+        "no_shard: DDP (default: %(default)s)",
+    )
+    group.add_argument(
+        "--backward-prefetch",
+        choices=list(PREFETCH),
+        default="pre",
+        help="when to all-gather the next unit's parameters in backward: before (pre) or after (post) the "
+        "current unit's gradient computation, or not ahead of time (none) (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    check_training_flags(parser, args)
+    check_transformer_flags(parser, args)
+    if args.sharding_strategy != "hybrid_shard" and args.replicate_degree is not None:
+        parser.error("--replicate-degree only applies to --sharding-strategy hybrid_shard")
+    check_fsdp_flags(parser, args)
+    if args.sharding_strategy == "hybrid_shard" and args.replicate_degree is None:
+        # One replica per machine: sharding stays on the fast links inside a node
+        # and only the gradient all-reduce crosses the network.
+        args.replicate_degree = env_num_nodes()
+        if args.replicate_degree == 1:
+            # A single machine has no nodes to replicate across; pretend it has two.
+            if env_world_size() % 2:
+                parser.error(
+                    f"hybrid_shard on one machine: give --replicate-degree R dividing the world size {env_world_size()}"
+                )
+            args.replicate_degree = 2
+    return args
+
+
+def train(args, ctx: DistContext) -> None:
+    start = time.perf_counter()
+    seed_everything(args.seed)
+    if args.text_file is not None:
+        data = text_data(args.text_file, args.block_size)
+    else:
+        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences)
+    print0(f"data: {data.description}")
+    loader = train_loader(data.train, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
+    heldout_loader = eval_loader(data.heldout, args.eval_batch_size, ctx)
+    steps_per_epoch = len(loader) // args.grad_accum_steps
+    total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
+    global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
+    print0(
+        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} "
+        f"sequences of {args.block_size} tokens | {total_steps} steps"
+    )
+
+    # DISTRIBUTED: every rank seeds the same generator, so every rank builds the
+    # same initial weights and FSDP shards identical copies. (DDP broadcasts
+    # rank 0's weights instead; FSDP1's sync_module_states does that only on GPUs.)
+    model = GPT(gpt_config(args, data.vocab_size)).to(ctx.device)
+    print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    if args.sharding_strategy == "no_shard":
+        print0("note: no_shard keeps full copies and all-reduces gradients: the same as DDP (use DDP for that)")
+    mesh = None
+    if args.sharding_strategy == "hybrid_shard":
+        # DISTRIBUTED: rows of the mesh replicate, columns shard: consecutive ranks
+        # (one machine's GPUs) share a sharded copy.
+        shard_degree = ctx.world_size // args.replicate_degree
+        mesh = init_device_mesh(
+            ctx.device.type, (args.replicate_degree, shard_degree), mesh_dim_names=("replicate", "shard")
+        )
+        print0(f"hybrid_shard: {args.replicate_degree} replica(s), each sharded across {shard_degree} rank(s)")
+    low = LOW_PRECISION[args.mixed_precision]
+    # DISTRIBUTED: each Block is one FSDP unit, gathered just before it runs and
+    # freed after; what no Block claims (embeddings, final norm, head) forms the
+    # root unit. use_orig_params keeps the original parameters visible (as views
+    # of this rank's shard), so the optimizer and the metrics see real tensors.
+    model = FSDP(
+        model,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        sharding_strategy=ShardingStrategy[args.sharding_strategy.upper()],
+        device_mesh=mesh,
+        # Compute in low precision, but reduce gradients in fp32 so that summing
+        # N ranks' contributions loses nothing; the shards themselves stay fp32.
+        mixed_precision=None if low is None else MixedPrecision(param_dtype=low, reduce_dtype=torch.float32),
+        cpu_offload=CPUOffload(offload_params=args.cpu_offload),
+        backward_prefetch=PREFETCH[args.backward_prefetch],
+        device_id=ctx.device,  # CPU runs need it too, or FSDP looks for an accelerator
+        use_orig_params=True,
+    )
+    if args.activation_checkpointing:
+        # Inside each FSDP unit, so the recomputation in backward runs while that
+        # unit's parameters are gathered anyway. Non-reentrant is the supported kind.
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda module: isinstance(module, Block),
+        )
+    # DISTRIBUTED: built after wrapping, so the optimizer holds (and keeps state
+    # for) only this rank's shards.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
+    # fp16 gradients underflow without loss scaling; the sharded scaler checks for
+    # inf/nan across all ranks' shards. For other precisions it does nothing.
+    scaler = ShardedGradScaler(ctx.device.type, enabled=args.mixed_precision == "fp16")
+
+    log = MetricsLog(args.run_dir, ctx)
+    progress = ProgressReporter(log, total_steps, global_batch * args.block_size, unit="tokens")
+    step, epoch = 0, 0
+    result = None
+    while step < total_steps:
+        epoch += 1
+        loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank
+        batches = iter(loader)
+        for _ in range(min(steps_per_epoch, total_steps - step)):
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), device=ctx.device)
+            for micro_step in range(args.grad_accum_steps):
+                inputs, targets = next(batches)
+                inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+                # DISTRIBUTED: skip the gradient reduce-scatter on all but the last
+                # micro-step; unsharded gradients add up locally until then.
+                last_micro_step = micro_step == args.grad_accum_steps - 1
+                with nullcontext() if last_micro_step else model.no_sync():
+                    logits = model(inputs)
+                    # The loss in fp32 whatever the compute dtype: a low-precision softmax is too coarse.
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
+                    scaler.scale(loss).backward()
+                step_loss += loss.detach()
+            if args.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                # DISTRIBUTED: each rank holds only part of the gradients; FSDP's own
+                # clip_grad_norm_ combines the shards' norms into the global one.
+                model.clip_grad_norm_(args.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            step += 1
+            if step % args.log_interval == 0 or step == total_steps:
+                progress.report(step, epoch, step_loss, scheduler.get_last_lr()[0])
+            if step % args.eval_interval == 0 or step == total_steps:
+                result = evaluate_language_model(model, heldout_loader, ctx)
+                log.write("eval", step=step, epoch=epoch, **result)
+                print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
+
+    if result is None:  # --max-steps 0: evaluate the untrained model
+        result = evaluate_language_model(model, heldout_loader, ctx)
+        log.write("eval", step=0, epoch=0, **result)
+    if data.entropy_floor is not None:
+        print0(
+            f"held-out loss {result['loss']:.4f} vs. floor {data.entropy_floor:.4f}: "
+            f"{result['loss'] - data.entropy_floor:+.4f} nats/token above the best possible"
+        )
+
+    # DISTRIBUTED: no rank holds the whole model, so every rank takes part in
+    # gathering it; rank 0 receives plain CPU tensors under the original names
+    # (the others get an empty dict) and saves them.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:
+        save_atomic(state, args.run_dir / "model.pt")
+    finish_run(
+        log,
+        ctx,
+        model,
+        optimizer,
+        script="fsdp/train_transformer.py",
+        strategy=f"fsdp1_{args.sharding_strategy}",
+        mixed_precision=args.mixed_precision,
+        global_batch_size=global_batch,
+        steps=step,
+        eval_loss=result["loss"],
+        eval_samples=result["samples"],
+        entropy_floor=data.entropy_floor,
+        wall_s=time.perf_counter() - start,
+    )
+    log.close()
+
+
+@record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with distributed(args.device, args.dist_timeout) as ctx:
+        train(args, ctx)
+
+
+if __name__ == "__main__":
+    main()
