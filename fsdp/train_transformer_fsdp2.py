@@ -1,0 +1,239 @@
+"""Train a small GPT-style transformer with FSDP2 (``fully_shard``).
+
+Each transformer Block, and then the whole model, is sharded with
+``fully_shard``: every parameter becomes a DTensor of which each rank stores
+one 1/N slice, gathered just before the module runs and freed right after.
+Gradients come back as slices too, and the optimizer updates only this rank's
+slice. Each rank still trains on its own slice of each batch, so the result is
+the same model DDP would train. Lines marked DISTRIBUTED are the ones a
+single-GPU script would not have. The default data is a synthetic Markov
+source whose lowest reachable loss is known, so the run can tell how close it got.
+
+FSDP2 is the API PyTorch recommends for new code (torchtitan uses it).
+
+    python fsdp/train_transformer_fsdp2.py                                    # one process
+    torchrun --standalone --nproc_per_node=4 fsdp/train_transformer_fsdp2.py  # four, one machine
+    torchrun --standalone --nproc_per_node=4 fsdp/train_transformer_fsdp2.py --replicate-degree 2  # HSDP
+    torchrun --standalone --nproc_per_node=8 fsdp/train_transformer_fsdp2.py --model medium --mixed-precision bf16 \\
+        --activation-checkpointing --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+# Let `python fsdp/train_transformer_fsdp2.py` find common/ without installing the repository.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from common.checkpoint import save_atomic
+from common.cli import (
+    add_fsdp_flags,
+    add_training_flags,
+    add_transformer_flags,
+    check_fsdp_flags,
+    check_training_flags,
+    check_transformer_flags,
+    gpt_config,
+    make_parser,
+)
+from common.data import eval_loader, train_loader
+from common.distributed import DistContext, distributed, print0, seed_everything
+from common.evaluation import evaluate_language_model
+from common.metrics import MetricsLog
+from common.models import GPT, Block, count_parameters
+from common.tokens import markov_data, text_data
+from common.training import ProgressReporter, finish_run, plan_total_steps, warmup_cosine
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = make_parser(__doc__, run_dir="runs/fsdp2_transformer", log_interval=25)
+    add_training_flags(parser, batch_size=32, lr=1e-2, epochs=None, max_steps=600, grad_clip=1.0)
+    add_transformer_flags(parser)
+    add_fsdp_flags(parser, precisions=["fp32", "bf16"])
+    group = parser.add_argument_group("FSDP2")
+    group.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="free each Block's gathered parameters after its forward and gather them again for backward; "
+        "--no-reshard-after-forward keeps them (ZeRO-2-like: more memory, one all-gather less per step)",
+    )
+    group.add_argument(
+        "--compile", action="store_true", help="torch.compile each Block (the first steps are slow while it compiles)"
+    )
+    args = parser.parse_args(argv)
+    check_training_flags(parser, args)
+    check_transformer_flags(parser, args)
+    check_fsdp_flags(parser, args)
+    if args.replicate_degree is None:
+        args.replicate_degree = 1  # plain FSDP: one copy, sharded across every rank
+    return args
+
+
+def train(args, ctx: DistContext) -> None:
+    start = time.perf_counter()
+    seed_everything(args.seed)
+    if args.text_file is not None:
+        data = text_data(args.text_file, args.block_size)
+    else:
+        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences)
+    print0(f"data: {data.description}")
+    loader = train_loader(data.train, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
+    heldout_loader = eval_loader(data.heldout, args.eval_batch_size, ctx)
+    steps_per_epoch = len(loader) // args.grad_accum_steps
+    total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
+    global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
+    print0(
+        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} "
+        f"sequences of {args.block_size} tokens | {total_steps} steps"
+    )
+
+    # DISTRIBUTED: every rank seeds the same generator, so every rank builds the
+    # same initial weights, and fully_shard keeps this rank's slice of them.
+    model = GPT(gpt_config(args, data.vocab_size)).to(ctx.device)
+    print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    # DISTRIBUTED: the mesh says which ranks shard together. Passed explicitly
+    # (on CPU too) so FSDP2 never guesses a device type. A 2-D mesh is HSDP:
+    # consecutive ranks (one machine's GPUs) shard a copy, the rows replicate it.
+    if args.replicate_degree == 1:
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
+    else:
+        shard_degree = ctx.world_size // args.replicate_degree
+        mesh = init_device_mesh(
+            ctx.device.type, (args.replicate_degree, shard_degree), mesh_dim_names=("replicate", "shard")
+        )
+        print0(f"HSDP: {args.replicate_degree} replica(s), each sharded across {shard_degree} rank(s)")
+    if args.activation_checkpointing:
+        # Before sharding, so fully_shard below takes each checkpointed Block whole:
+        # its recomputation in backward runs while FSDP has that Block's
+        # parameters gathered for the gradients anyway. Non-reentrant is the supported kind.
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda module: isinstance(module, Block),
+        )
+    fsdp_options = {
+        "mesh": mesh,
+        "reshard_after_forward": args.reshard_after_forward,
+        # Compute in bf16, but reduce gradients in fp32 so that summing N ranks'
+        # contributions loses nothing; the sharded parameters themselves stay fp32.
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.mixed_precision == "bf16"
+        else MixedPrecisionPolicy(),
+        # Pinned host memory for fast copies: a GPU feature.
+        "offload_policy": CPUOffloadPolicy() if args.cpu_offload else None,
+    }
+    # DISTRIBUTED: one FSDP unit per Block, gathered just before it runs and freed
+    # after; the root call takes what is left (embeddings, final norm, head).
+    for block in model.blocks:
+        if args.compile:
+            block.compile()  # in place, so the state-dict names do not change
+        fully_shard(block, **fsdp_options)
+    fully_shard(model, **fsdp_options)
+    # DISTRIBUTED: built after sharding, so the optimizer holds (and keeps state
+    # for) only this rank's slices.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
+
+    log = MetricsLog(args.run_dir, ctx)
+    progress = ProgressReporter(log, total_steps, global_batch * args.block_size, unit="tokens")
+    step, epoch = 0, 0
+    result = None
+    while step < total_steps:
+        epoch += 1
+        loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank
+        batches = iter(loader)
+        for _ in range(min(steps_per_epoch, total_steps - step)):
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), device=ctx.device)
+            for micro_step in range(args.grad_accum_steps):
+                inputs, targets = next(batches)
+                inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+                # DISTRIBUTED: skip the gradient reduce-scatter on all but the last
+                # micro-step (FSDP2's no_sync); unsharded gradients add up locally until then.
+                last_micro_step = micro_step == args.grad_accum_steps - 1
+                model.set_requires_gradient_sync(last_micro_step)
+                logits = model(inputs)
+                # The loss in fp32 whatever the compute dtype: a bf16 softmax is too coarse.
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
+                loss.backward()
+                step_loss += loss.detach()
+            if args.grad_clip > 0:
+                # DISTRIBUTED: the gradients are DTensor slices; clip_grad_norm_
+                # combines every rank's part into the global norm.
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            if step % args.log_interval == 0 or step == total_steps:
+                progress.report(step, epoch, step_loss, scheduler.get_last_lr()[0])
+            if step % args.eval_interval == 0 or step == total_steps:
+                result = evaluate_language_model(model, heldout_loader, ctx)
+                log.write("eval", step=step, epoch=epoch, **result)
+                print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
+
+    if result is None:  # --max-steps 0: evaluate the untrained model
+        result = evaluate_language_model(model, heldout_loader, ctx)
+        log.write("eval", step=0, epoch=0, **result)
+    if data.entropy_floor is not None:
+        print0(
+            f"held-out loss {result['loss']:.4f} vs. floor {data.entropy_floor:.4f}: "
+            f"{result['loss'] - data.entropy_floor:+.4f} nats/token above the best possible"
+        )
+
+    # DISTRIBUTED: without a backward to follow, the evaluation may have left
+    # parameters gathered (--no-reshard-after-forward, the root unit); shard them
+    # again so the memory figures below describe the training state.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    # DISTRIBUTED: no rank holds the whole model, so every rank takes part in
+    # gathering it; rank 0 receives plain CPU tensors under the original names
+    # (the others get an empty dict) and saves them.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:
+        save_atomic(state, args.run_dir / "model.pt")
+    finish_run(
+        log,
+        ctx,
+        model,
+        optimizer,
+        script="fsdp/train_transformer_fsdp2.py",
+        strategy="fsdp2" if args.replicate_degree == 1 else "fsdp2_hsdp",
+        mixed_precision=args.mixed_precision,
+        reshard_after_forward=args.reshard_after_forward,
+        global_batch_size=global_batch,
+        steps=step,
+        eval_loss=result["loss"],
+        eval_samples=result["samples"],
+        entropy_floor=data.entropy_floor,
+        wall_s=time.perf_counter() - start,
+    )
+    log.close()
+
+
+@record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with distributed(args.device, args.dist_timeout) as ctx:
+        train(args, ctx)
+
+
+if __name__ == "__main__":
+    main()
