@@ -111,14 +111,16 @@ def train(args, ctx: DistContext) -> None:
     # DISTRIBUTED: the mesh says which ranks shard together. Passed explicitly
     # (on CPU too) so FSDP2 never guesses a device type. A 2-D mesh is HSDP:
     # consecutive ranks (one machine's GPUs) shard a copy, the rows replicate it.
+    shard_degree = ctx.world_size // args.replicate_degree
     if args.replicate_degree == 1:
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
+        shape, dim_names = (ctx.world_size,), ("shard",)
     else:
-        shard_degree = ctx.world_size // args.replicate_degree
-        mesh = init_device_mesh(
-            ctx.device.type, (args.replicate_degree, shard_degree), mesh_dim_names=("replicate", "shard")
-        )
+        shape, dim_names = (args.replicate_degree, shard_degree), ("replicate", "shard")
         print0(f"HSDP: {args.replicate_degree} replica(s), each sharded across {shard_degree} rank(s)")
+    # Offloaded shards live in host memory, and the collectives on them (the
+    # global gradient norm, gathering model.pt) need a CPU backend beside NCCL.
+    backends = dict.fromkeys(dim_names, "cpu:gloo,cuda:nccl") if args.cpu_offload else None
+    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names, backend_override=backends)
     if args.activation_checkpointing:
         # Before sharding, so fully_shard below takes each checkpointed Block whole:
         # its recomputation in backward runs while FSDP has that Block's
