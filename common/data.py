@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
-from torchvision import datasets, transforms
 
 from common.distributed import DistContext, FatalError, all_ranks_agree
 
@@ -21,6 +20,10 @@ SYNTHETIC_TRAIN_SIZE, SYNTHETIC_TEST_SIZE = 10_000, 2_000
 
 
 def _open_mnist(data_dir: Path, download: bool) -> tuple[Dataset, Dataset]:
+    # Imported here: torchvision takes seconds to import, and the transformer
+    # scripts, which share this module's loaders, never need it.
+    from torchvision import datasets, transforms
+
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
     train = datasets.MNIST(str(data_dir), train=True, download=download, transform=transform)
     test = datasets.MNIST(str(data_dir), train=False, download=download, transform=transform)
