@@ -96,11 +96,18 @@ def add_training_flags(
     parser: Parser, *, batch_size: int, lr: float, epochs: int | None, max_steps: int | None, grad_clip: float
 ) -> None:
     group = parser.add_argument_group("training")
+    parser.set_defaults(default_batch_size=batch_size)
     group.add_argument(
         "--batch-size",
         type=positive_int,
-        default=batch_size,
-        help="examples per rank per micro-step (default: %(default)s)",
+        help=f"examples per rank per micro-step (default: {batch_size})",
+    )
+    group.add_argument(
+        "--global-batch-size",
+        type=positive_int,
+        metavar="N",
+        help="examples per optimizer step over all ranks and micro-steps; the per-rank batch becomes "
+        "N / (world size x --grad-accum-steps), so the same N trains the same way at any world size",
     )
     group.add_argument(
         "--grad-accum-steps",
@@ -123,6 +130,11 @@ def add_training_flags(
         type=non_negative_float,
         default=grad_clip,
         help="clip the global gradient norm to this; 0 turns clipping off (default: %(default)s)",
+    )
+    group.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels and no dropout, so runs at different world sizes can be compared step by step",
     )
 
 
@@ -180,6 +192,8 @@ def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
     for name, value in GPT_PRESETS[args.model].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.deterministic and args.dropout > 0:
+        parser.error("--deterministic needs --dropout 0: dropout masks differ with the world size")
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     if args.text_file is not None:
@@ -206,11 +220,29 @@ def check_text_file(parser: Parser, path: Path, block_size: int) -> None:
 def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
     if args.epochs is None and args.max_steps is None:
         parser.error("give --epochs or --max-steps")
+    resolve_batch_size(parser, args)
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: CUDA is not available on this machine")
+
+
+def resolve_batch_size(parser: Parser, args: argparse.Namespace) -> None:
+    """Set ``args.batch_size`` (per rank) from --batch-size, --global-batch-size or the default."""
+    if args.global_batch_size is None:
+        args.batch_size = args.batch_size or args.default_batch_size
+        return
+    if args.batch_size is not None:
+        parser.error("give --batch-size (per rank) or --global-batch-size, not both")
+    world_size = env_world_size()
+    slices = world_size * args.grad_accum_steps
+    if args.global_batch_size % slices:
+        parser.error(
+            f"--global-batch-size {args.global_batch_size} does not divide into {world_size} rank(s) "
+            f"x {args.grad_accum_steps} micro-step(s)"
+        )
+    args.batch_size = args.global_batch_size // slices
 
 
 def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:

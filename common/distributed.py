@@ -133,10 +133,18 @@ def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext
         teardown_distributed()
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python and torch (CPU and every GPU) so a run can be repeated."""
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed Python and torch (CPU and every GPU) so a run can be repeated.
+
+    ``deterministic`` also makes torch pick kernels that give the same bits on
+    every run (and fail loudly where none exists), at some cost in speed.
+    """
     random.seed(seed)
     torch.manual_seed(seed)
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
 
 
 def all_ranks_agree(ok: bool, device: torch.device) -> bool:

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 class MnistNet(nn.Module):
     """Two conv layers and two linear layers, the shape pytorch/examples made familiar."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: bool = True) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, 3, 1)
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
+        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
+        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
         self.fc1 = nn.Linear(9216, 128)
         self.fc2 = nn.Linear(128, 10)
 
@@ -56,7 +56,10 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        # No bias: a bias on the keys adds the same amount to every score of a
+        # query, which softmax cancels. Its gradient is pure rounding noise, and
+        # Adam, which divides by the gradient's size, turns noise into full steps.
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

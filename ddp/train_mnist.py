@@ -12,6 +12,7 @@ would not have.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None):
 
 def train(args, ctx: DistContext) -> None:
     start = time.perf_counter()
-    seed_everything(args.seed)
+    seed_everything(args.seed, args.deterministic)
     train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
     loader = train_loader(train_set, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
     test_loader = eval_loader(test_set, args.test_batch_size, ctx)
@@ -59,7 +60,7 @@ def train(args, ctx: DistContext) -> None:
         f"{total_steps} steps, {steps_per_epoch} per epoch"
     )
 
-    model = MnistNet().to(ctx.device)
+    model = MnistNet(dropout=not args.deterministic).to(ctx.device)
     # DISTRIBUTED: DDP copies rank 0's weights to every rank, then all-reduces
     # (averages) gradients during backward. With gradient_as_bucket_view the
     # .grad tensors are views into DDP's communication buckets, not extra copies.
@@ -89,12 +90,13 @@ def train(args, ctx: DistContext) -> None:
                     loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()
-            if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            # Clipping also measures the global gradient norm that is logged; with
+            # --grad-clip 0 the limit is infinite, so it measures without clipping.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
             optimizer.step()
             step += 1
             if step % args.log_interval == 0 or step == total_steps:
-                progress.report(step, epoch, step_loss, scheduler.get_last_lr()[0])
+                progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
         scheduler.step()
         result = evaluate_classifier(model, test_loader, ctx)
         log.write("eval", step=step, epoch=epoch, **result)

@@ -20,6 +20,7 @@ nothing from sharding: the point is to see the same script shape as DDP.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None = None):
 
 def train(args, ctx: DistContext) -> None:
     start = time.perf_counter()
-    seed_everything(args.seed)
+    seed_everything(args.seed, args.deterministic)
     train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
     loader = train_loader(train_set, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
     test_loader = eval_loader(test_set, args.test_batch_size, ctx)
@@ -78,7 +79,7 @@ def train(args, ctx: DistContext) -> None:
     # DISTRIBUTED: every rank seeds the same generator, so every rank builds the
     # same initial weights and FSDP shards identical copies. (DDP broadcasts
     # rank 0's weights instead; FSDP1's sync_module_states does that only on GPUs.)
-    model = MnistNet().to(ctx.device)
+    model = MnistNet(dropout=not args.deterministic).to(ctx.device)
     # DISTRIBUTED: FSDP keeps 1/N of every unit's parameters on this rank and
     # gathers the rest just in time. use_orig_params keeps the original
     # parameters visible (as views of this rank's shard) to the optimizer.
@@ -113,14 +114,15 @@ def train(args, ctx: DistContext) -> None:
                     loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()
-            if args.grad_clip > 0:
-                # DISTRIBUTED: each rank holds only part of the gradients; FSDP's own
-                # clip_grad_norm_ combines the shards' norms into the global one.
-                model.clip_grad_norm_(args.grad_clip)
+            # Clipping also measures the global gradient norm that is logged; with
+            # --grad-clip 0 the limit is infinite, so it measures without clipping.
+            # DISTRIBUTED: each rank holds only part of the gradients; FSDP's own
+            # clip_grad_norm_ combines the shards' norms into the global one.
+            grad_norm = model.clip_grad_norm_(args.grad_clip or math.inf)
             optimizer.step()
             step += 1
             if step % args.log_interval == 0 or step == total_steps:
-                progress.report(step, epoch, step_loss, scheduler.get_last_lr()[0])
+                progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
         scheduler.step()
         result = evaluate_classifier(model, test_loader, ctx)
         log.write("eval", step=step, epoch=epoch, **result)

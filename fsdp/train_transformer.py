@@ -23,6 +23,7 @@ existing code still uses it.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -112,7 +113,7 @@ def parse_args(argv: list[str] | None = None):
 
 def train(args, ctx: DistContext) -> None:
     start = time.perf_counter()
-    seed_everything(args.seed)
+    seed_everything(args.seed, args.deterministic)
     if args.text_file is not None:
         data = text_data(args.text_file, args.block_size)
     else:
@@ -201,17 +202,18 @@ def train(args, ctx: DistContext) -> None:
                     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
                     scaler.scale(loss).backward()
                 step_loss += loss.detach()
-            if args.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                # DISTRIBUTED: each rank holds only part of the gradients; FSDP's own
-                # clip_grad_norm_ combines the shards' norms into the global one.
-                model.clip_grad_norm_(args.grad_clip)
+            scaler.unscale_(optimizer)
+            # Clipping also measures the global gradient norm that is logged; with
+            # --grad-clip 0 the limit is infinite, so it measures without clipping.
+            # DISTRIBUTED: each rank holds only part of the gradients; FSDP's own
+            # clip_grad_norm_ combines the shards' norms into the global one.
+            grad_norm = model.clip_grad_norm_(args.grad_clip or math.inf)
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
             step += 1
             if step % args.log_interval == 0 or step == total_steps:
-                progress.report(step, epoch, step_loss, scheduler.get_last_lr()[0])
+                progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
             if step % args.eval_interval == 0 or step == total_steps:
                 result = evaluate_language_model(model, heldout_loader, ctx)
                 log.write("eval", step=step, epoch=epoch, **result)

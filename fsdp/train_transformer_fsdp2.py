@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 import time
 from pathlib import Path
@@ -88,7 +89,7 @@ def parse_args(argv: list[str] | None = None):
 
 def train(args, ctx: DistContext) -> None:
     start = time.perf_counter()
-    seed_everything(args.seed)
+    seed_everything(args.seed, args.deterministic)
     if args.text_file is not None:
         data = text_data(args.text_file, args.block_size)
     else:
@@ -176,15 +177,16 @@ def train(args, ctx: DistContext) -> None:
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
                 loss.backward()
                 step_loss += loss.detach()
-            if args.grad_clip > 0:
-                # DISTRIBUTED: the gradients are DTensor slices; clip_grad_norm_
-                # combines every rank's part into the global norm.
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            # Clipping also measures the global gradient norm that is logged; with
+            # --grad-clip 0 the limit is infinite, so it measures without clipping.
+            # DISTRIBUTED: the gradients are DTensor slices; clip_grad_norm_
+            # combines every rank's part into the global norm, itself a DTensor.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).full_tensor()
             optimizer.step()
             scheduler.step()
             step += 1
             if step % args.log_interval == 0 or step == total_steps:
-                progress.report(step, epoch, step_loss, scheduler.get_last_lr()[0])
+                progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
             if step % args.eval_interval == 0 or step == total_steps:
                 result = evaluate_language_model(model, heldout_loader, ctx)
                 log.write("eval", step=step, epoch=epoch, **result)
