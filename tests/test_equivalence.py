@@ -1,0 +1,153 @@
+"""Is it still the same training? DDP and every FSDP mode against one process.
+
+Each run uses --deterministic (deterministic kernels, no dropout) and the same
+--global-batch-size, so step t sees the same examples at any world size and
+any split into micro-steps. Then per-step losses and final parameters must
+match the single-process reference.
+
+They match to rounding, not bit for bit: the ranks add their gradients in a
+different order than one process does (and FSDP reduce-scatters flat shards),
+and float addition is not associative. In fp32 that leaves differences of
+about 1e-7, far below the tolerances below and far above zero.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from common.compare_runs import compare
+from tests.conftest import run_script
+
+LOSS_RTOL = 1e-5  # per-step training loss, relative
+# Per-step global gradient norm, relative. Looser than the loss: the norm sums
+# a million squares in fp32, and FSDP1 sums them per flat shard, in another
+# order than one process does (measured: 1.4e-5 on the MNIST CNN). A broken
+# average is off by a factor, not by 1e-4.
+GRAD_NORM_RTOL = 1e-4
+PARAM_ATOL = 1e-5  # final parameters, largest absolute difference
+
+COMMON = ["--deterministic", "--global-batch-size", "24", "--max-steps", "12", "--log-interval", "1"]
+MNIST_ARGS = [*COMMON, "--synthetic"]
+# Adam divides each step by the gradient's recent size, so where a gradient is
+# tiny, rounding differences become visible steps. At the default lr of 1e-2
+# they reach 1e-5 within 12 steps; at 1e-3 they stay near 1e-6.
+TRANSFORMER_ARGS = [
+    *COMMON,
+    *("--block-size", "32", "--train-sequences", "600", "--heldout-sequences", "60"),
+    *("--warmup-steps", "3", "--eval-interval", "12", "--lr", "1e-3"),
+]
+
+# (id, script, processes, extra flags); each is compared with one process of the same family.
+MNIST_CASES = [
+    ("ddp-2", "ddp/train_mnist.py", 2, []),
+    ("ddp-3", "ddp/train_mnist.py", 3, []),
+    ("ddp-4", "ddp/train_mnist.py", 4, []),
+    ("ddp-2x2-accum", "ddp/train_mnist.py", 2, ["--grad-accum-steps", "2"]),
+    ("fsdp1-full_shard-2", "fsdp/train_mnist.py", 2, []),
+    ("fsdp1-full_shard-3", "fsdp/train_mnist.py", 3, []),
+]
+# For the transformer, also the largest share of the reference's per-rank state
+# (parameters, gradients, optimizer) each rank may hold; None: all of it, as DDP.
+TRANSFORMER_CASES = [
+    ("ddp-2", "ddp/train_transformer.py", 2, [], None),
+    ("ddp-3", "ddp/train_transformer.py", 3, [], None),
+    ("ddp-4", "ddp/train_transformer.py", 4, [], None),
+    ("ddp-2x2-accum", "ddp/train_transformer.py", 2, ["--grad-accum-steps", "2"], None),
+    # 1/N of the state plus the padding that makes each unit's flat shard even.
+    ("fsdp1-full_shard-2", "fsdp/train_transformer.py", 2, ["--sharding-strategy", "full_shard"], 0.55),
+    ("fsdp1-full_shard-4", "fsdp/train_transformer.py", 4, ["--sharding-strategy", "full_shard"], 0.3),
+    # Between steps SHARD_GRAD_OP holds the same shards; it differs only inside a step.
+    ("fsdp1-shard_grad_op-2", "fsdp/train_transformer.py", 2, ["--sharding-strategy", "shard_grad_op"], 0.55),
+    ("fsdp1-no_shard-2", "fsdp/train_transformer.py", 2, ["--sharding-strategy", "no_shard"], None),
+    # Two replicas, each sharded two ways: half of the state, not a quarter.
+    ("fsdp1-hybrid_shard-4", "fsdp/train_transformer.py", 4, ["--sharding-strategy", "hybrid_shard"], 0.55),
+    ("fsdp2-2", "fsdp/train_transformer_fsdp2.py", 2, [], 0.55),
+    ("fsdp2-3", "fsdp/train_transformer_fsdp2.py", 3, [], 0.4),
+    ("fsdp2-hsdp-2x2", "fsdp/train_transformer_fsdp2.py", 4, ["--replicate-degree", "2"], 0.55),
+]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One-process DDP runs: the ground truth every distributed run must reproduce."""
+    root = tmp_path_factory.mktemp("reference")
+    runs = {"mnist": ("ddp/train_mnist.py", MNIST_ARGS), "transformer": ("ddp/train_transformer.py", TRANSFORMER_ARGS)}
+    for name, (script, args) in runs.items():
+        run_script(script, args, root / name).check()
+    return {name: root / name for name in runs}
+
+
+def final_record(run_dir: Path) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return records[-1]
+
+
+def assert_same_training(reference: Path, candidate: Path, description: str) -> None:
+    result = compare(reference, candidate)
+    assert result.steps == 12, description
+    assert result.max_loss_rel_diff <= LOSS_RTOL, f"step {result.worst_step} differs\n{description}"
+    assert result.max_grad_norm_rel_diff <= GRAD_NORM_RTOL, description
+    assert result.max_param_abs_diff is not None
+    assert result.max_param_abs_diff <= PARAM_ATOL, f"{result.worst_param} differs\n{description}"
+
+
+@pytest.mark.parametrize(("case", "script", "nproc", "extra"), MNIST_CASES, ids=[c[0] for c in MNIST_CASES])
+def test_mnist_matches_one_process(
+    case: str, script: str, nproc: int, extra: list[str], references: dict[str, Path], tmp_path: Path
+) -> None:
+    run = run_script(script, [*MNIST_ARGS, *extra], tmp_path, nproc=nproc).check()
+    assert_same_training(references["mnist"], tmp_path, run.describe())
+
+
+@pytest.mark.parametrize(
+    ("case", "script", "nproc", "extra", "state_share"), TRANSFORMER_CASES, ids=[c[0] for c in TRANSFORMER_CASES]
+)
+def test_transformer_matches_one_process(
+    case: str,
+    script: str,
+    nproc: int,
+    extra: list[str],
+    state_share: float | None,
+    references: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    run = run_script(script, [*TRANSFORMER_ARGS, *extra], tmp_path, nproc=nproc).check()
+    assert_same_training(references["transformer"], tmp_path, run.describe())
+
+    full = final_record(references["transformer"])["local_state_bytes"]
+    held = run.final()["local_state_bytes"]
+    if state_share is None:
+        assert held == pytest.approx(full, rel=0.01), (held, full)
+    else:
+        for kind in full:  # each kind shrinks, not just the total
+            assert 0 < held[kind] <= state_share * full[kind], (kind, held, full)
+
+
+BREAKAGES = {
+    # One rank's gradient counts double: the ranks no longer average fairly.
+    "one-rank-doubled": "(loss * (2.0 if ctx.rank == 1 else 1.0)).backward()",
+    # Gradients summed over ranks instead of averaged, as some releases did for
+    # FSDP2 on gloo; Adam hides it from the loss, the gradient norm does not.
+    "summed-not-averaged": "(loss * ctx.world_size).backward()",
+}
+
+
+@pytest.mark.parametrize("breakage", sorted(BREAKAGES))
+def test_broken_gradient_averaging_is_caught(breakage: str, references: dict[str, Path], tmp_path: Path) -> None:
+    """The comparison has teeth: a copy of the DDP script with its averaging broken must fail it."""
+    source = (Path(__file__).resolve().parents[1] / "ddp/train_transformer.py").read_text()
+    healthy = "loss.backward()"
+    assert source.count(healthy) == 1
+    broken = tmp_path / "train_transformer_broken.py"
+    broken.write_text(source.replace(healthy, BREAKAGES[breakage]))
+
+    run = run_script(str(broken), TRANSFORMER_ARGS, tmp_path / "run", nproc=2).check()
+    result = compare(references["transformer"], tmp_path / "run")
+    assert result.max_grad_norm_rel_diff > 100 * GRAD_NORM_RTOL, run.describe()
+    if breakage == "one-rank-doubled":
+        assert result.max_loss_rel_diff > 100 * LOSS_RTOL, run.describe()
+        assert result.max_param_abs_diff is not None
+        assert result.max_param_abs_diff > 100 * PARAM_ATOL, run.describe()
