@@ -40,10 +40,12 @@ class MetricsLog:
             self._file.close()
 
 
-def progress_line(step: int, max_steps: int, epoch: int, loss: float, lr: float, rate: str, step_ms: float) -> str:
+def progress_line(
+    step: int, max_steps: int, epoch: int, loss: float, grad_norm: float, lr: float, rate: str, step_ms: float
+) -> str:
     width = len(str(max_steps))
     return (
-        f"step {step:>{width}}/{max_steps} | epoch {epoch:>2} | loss {loss:8.4f} | "
+        f"step {step:>{width}}/{max_steps} | epoch {epoch:>2} | loss {loss:8.4f} | grad norm {grad_norm:8.3f} | "
         f"lr {lr:9.3e} | {rate} | {step_ms:8.1f} ms/step"
     )
 

@@ -56,7 +56,8 @@ class ProgressReporter:
         self._last_time = time.perf_counter()
         self._last_step = 0
 
-    def report(self, step: int, epoch: int, loss: torch.Tensor, lr: float) -> None:
+    def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        """``grad_norm`` is the global norm, already the same on every rank."""
         mean_loss = mean_over_ranks(loss)
         now = time.perf_counter()
         steps = step - self._last_step
@@ -64,11 +65,21 @@ class ProgressReporter:
         rate = self.items_per_step * steps / elapsed
         step_ms = 1000 * elapsed / steps
         self._last_time, self._last_step = now, step
+        norm = grad_norm.item()
         self.log.write(
-            "train", step=step, epoch=epoch, loss=mean_loss, lr=lr, step_ms=step_ms, **{f"{self.unit}_per_s": rate}
+            "train",
+            step=step,
+            epoch=epoch,
+            loss=mean_loss,
+            grad_norm=norm,
+            lr=lr,
+            step_ms=step_ms,
+            **{f"{self.unit}_per_s": rate},
         )
         short_unit = "tok" if self.unit == "tokens" else "img"
-        print0(progress_line(step, self.total_steps, epoch, mean_loss, lr, f"{rate:9.0f} {short_unit}/s", step_ms))
+        print0(
+            progress_line(step, self.total_steps, epoch, mean_loss, norm, lr, f"{rate:9.0f} {short_unit}/s", step_ms)
+        )
 
 
 def finish_run(
