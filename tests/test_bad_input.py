@@ -8,25 +8,33 @@ import pytest
 
 from tests.conftest import run_script
 
+FSDP1, FSDP2 = "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"
 CASES = [
     # (script, arguments, text the single message must contain)
     ("ddp/train_mnist.py", ["--batch-size", "0"], "--batch-size: must be a positive integer, got 0"),
     ("ddp/train_mnist.py", ["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (FSDP2, ["--cpu-offload"], "--cpu-offload frees GPU memory by moving state to the host; this run has no GPU"),
     ("ddp/train_mnist.py", ["--lr", "-1"], "--lr: must be a positive number, got -1"),
     ("ddp/train_transformer.py", ["--d-model", "66", "--n-head", "4"], "--d-model 66 must be divisible by --n-head 4"),
     ("ddp/train_transformer.py", ["--text-file", "does/not/exist.txt"], "--text-file does/not/exist.txt: no such file"),
+    ("ddp/train_mnist.py", ["--global-batch-size", "10", "--batch-size", "5"], "not both"),
+    ("ddp/train_transformer.py", ["--deterministic", "--dropout", "0.1"], "--deterministic needs --dropout 0"),
+    (FSDP1, ["--sharding-strategy", "hybrid_shard", "--replicate-degree", "2"], "not divide the world size 1"),
+    (FSDP1, ["--replicate-degree", "2"], "--replicate-degree only applies to --sharding-strategy hybrid_shard"),
+    (FSDP1, ["--sharding-strategy", "hybrid_shard"], "hybrid_shard on one machine: give --replicate-degree R"),
 ]
 
 
 # Every case as a plain process (exit code 2, like argparse); three of them
 # under torchrun too, where the point is that two ranks print one message.
 LAUNCHES = [(*case, None) for case in CASES] + [(*case, 2) for case in CASES[:3]]
+LAUNCHES.append(("ddp/train_mnist.py", ["--global-batch-size", "25"], "does not divide into 2 rank(s) x 1", 2))
 
 
 @pytest.mark.parametrize(
     ("script", "args", "message", "nproc"),
     LAUNCHES,
-    ids=[f"{' '.join(args)}-{'torchrun' if nproc else 'python'}" for _, args, _, nproc in LAUNCHES],
+    ids=[f"{s.removesuffix('.py')} {' '.join(a)}-{'torchrun' if n else 'python'}" for s, a, _, n in LAUNCHES],
 )
 def test_bad_flag_is_reported_once(
     script: str, args: list[str], message: str, nproc: int | None, tmp_path: Path

@@ -2,10 +2,10 @@
 
 What is checked: each script trains to a useful model; model.pt is a plain
 state dict that loads into the unwrapped model and reproduces the reported
-evaluation; every option that runs without a GPU trains; flag mistakes stop
-the run with one message. GPU-only options are at the end, marked ``cuda``.
-That every strategy computes what one process computes, while a rank holds
-about 1/N of the training state, is test_equivalence.py's job.
+evaluation; every option that runs without a GPU trains. GPU-only options are
+at the end, marked ``cuda``. That every strategy computes what one process
+computes, while a rank holds about 1/N of the training state, is
+test_equivalence.py's job; flag mistakes are test_bad_input.py's.
 
 Each launch belongs to one test, so ``pytest -n auto`` never starts the same
 run twice on different workers.
@@ -138,33 +138,6 @@ def test_option_trains(script: str, args: list[str], tmp_path: Path) -> None:
     # Low-precision compute leaves the fp32 shards as they were: half of 4 bytes per parameter, plus padding.
     parameters = sum(p.numel() for p in GPT(GPT_CONFIG).parameters())
     assert final["local_state_bytes"]["params"] <= 0.55 * 4 * parameters, final
-
-
-# --- flag mistakes: one message, exit code 2, nothing written ---------------------------------------
-# test_bad_input.py shows the shared parser speaks once under torchrun; one torchrun case here is enough.
-
-BAD_FLAGS = [
-    (FSDP2, ["--cpu-offload"], "--cpu-offload frees GPU memory by moving state to the host; this run has no GPU", 2),
-    (FSDP1, ["--sharding-strategy", "hybrid_shard", "--replicate-degree", "2"], "not divide the world size 1", None),
-    (FSDP1, ["--replicate-degree", "2"], "--replicate-degree only applies to --sharding-strategy hybrid_shard", None),
-    (FSDP1, ["--sharding-strategy", "hybrid_shard"], "hybrid_shard on one machine: give --replicate-degree R", None),
-]
-
-
-@pytest.mark.parametrize(
-    ("script", "args", "message", "nproc"),
-    BAD_FLAGS,
-    ids=[f"{Path(s).stem} {' '.join(a)}-{'torchrun' if n else 'python'}" for s, a, _, n in BAD_FLAGS],
-)
-def test_bad_fsdp_flag_is_reported_once(
-    script: str, args: list[str], message: str, nproc: int | None, tmp_path: Path
-) -> None:
-    run = run_script(script, args, tmp_path / "run", nproc=nproc, timeout=90)
-    assert run.returncode != 0, run.describe()
-    if nproc is None:
-        assert run.returncode == 2, run.describe()
-    assert run.output.count(message) == 1, run.describe()
-    assert not (tmp_path / "run").exists(), "a run that fails its checks must write nothing"
 
 
 # --- GPU-only options: one CUDA process with NCCL -------------------------------------------------
