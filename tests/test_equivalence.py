@@ -44,10 +44,8 @@ TRANSFORMER_ARGS = [
 MNIST_CASES = [
     ("ddp-2", "ddp/train_mnist.py", 2, []),
     ("ddp-3", "ddp/train_mnist.py", 3, []),
-    ("ddp-4", "ddp/train_mnist.py", 4, []),
     ("ddp-2x2-accum", "ddp/train_mnist.py", 2, ["--grad-accum-steps", "2"]),
     ("fsdp1-full_shard-2", "fsdp/train_mnist.py", 2, []),
-    ("fsdp1-full_shard-3", "fsdp/train_mnist.py", 3, []),
 ]
 # For the transformer, also the largest share of the reference's per-rank state
 # (parameters, gradients, optimizer) each rank may hold; None: all of it, as DDP.
