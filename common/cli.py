@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from common.distributed import env_rank, env_world_size
+from common.distributed import env_rank, env_world_size, wants_cuda
 from common.models import GPT_PRESETS, GPTConfig
 
 
@@ -256,13 +256,6 @@ def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
     )
 
 
-def will_use_cuda(requested_device: str) -> bool:
-    """Whether ``--device`` resolves to a GPU, the way ``choose_device`` will resolve it."""
-    import torch
-
-    return requested_device == "cuda" or (requested_device == "auto" and torch.cuda.is_available())
-
-
 def add_fsdp_flags(parser: Parser, *, precisions: list[str]) -> None:
     """Flags both FSDP transformer scripts have; each script adds its own on top."""
     group = parser.add_argument_group("FSDP")
@@ -293,7 +286,7 @@ def add_fsdp_flags(parser: Parser, *, precisions: list[str]) -> None:
 
 
 def check_fsdp_flags(parser: Parser, args: argparse.Namespace) -> None:
-    if args.cpu_offload and not will_use_cuda(args.device):
+    if args.cpu_offload and not wants_cuda(args.device):
         parser.error("--cpu-offload frees GPU memory by moving state to the host; this run has no GPU")
     world_size = env_world_size()
     if args.replicate_degree is not None and world_size % args.replicate_degree:

@@ -4,8 +4,9 @@
     python -m common.compare_runs RUN_A RUN_B --loss-rtol 1e-5 --param-atol 1e-5
 
 Reads each run directory's metrics.jsonl (the per-step training loss and
-global gradient norm) and, when both have one, model.pt (the final parameters). Prints the largest differences
-and exits 1 when a tolerance is given and exceeded, so it can gate a change.
+global gradient norm) and, when both have one, model.pt (the final
+parameters). Prints the largest differences and exits 1 when a tolerance is
+given and exceeded, so it can gate a change.
 """
 
 from __future__ import annotations

@@ -57,11 +57,14 @@ def print0(*args: object, **kwargs: object) -> None:
         print(*args, **kwargs, flush=True)  # type: ignore[call-overload]
 
 
+def wants_cuda(requested: str) -> bool:
+    """Whether ``--device`` resolves to a GPU: ``cuda``, or ``auto`` where CUDA is present."""
+    return requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+
+
 def choose_device(requested: str, local_rank: int) -> torch.device:
     """``auto`` takes this process's GPU when CUDA is present, else the CPU."""
-    if requested == "cpu":
-        return torch.device("cpu")
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+    if wants_cuda(requested):
         if not torch.cuda.is_available():
             raise FatalError("--device cuda was asked for, but CUDA is not available here")
         # The local rank, not the global one: rank 9 on a node of 8 GPUs is GPU 1.
@@ -84,9 +87,9 @@ def set_cpu_threads(local_world_size: int) -> None:
 
 def setup_distributed(requested_device: str, timeout_s: float) -> DistContext:
     """Start the process group for this process and pick its device and backend."""
-    rank = int(os.environ.get("RANK", "0"))
+    rank = env_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = env_world_size()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
 
     device = choose_device(requested_device, local_rank)
