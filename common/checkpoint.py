@@ -1,12 +1,50 @@
-"""Saving files so that a crash mid-write never leaves a half-written one behind."""
+"""Checkpoints that a killed job never leaves half-written, and exact resume from them.
+
+A checkpoint is taken between two optimizer steps, where model, optimizer,
+LR schedule, data position and random state describe the run completely.
+Two formats, both under ``RUN_DIR/checkpoints/``:
+
+- full, ``step-N.pt``: one file that rank 0 writes (DDP, or FSDP gathering the
+  whole model and optimizer onto rank 0 first);
+- sharded, ``step-N/``: a torch.distributed.checkpoint (DCP) folder in which
+  every rank writes its own shard, so no rank ever holds the whole model; DCP
+  reshards on load, so it resumes at another world size.
+
+Either kind is written under a temporary name and renamed once complete, so
+anything named ``step-N`` is whole: a kill mid-save leaves only a temporary
+that the next save deletes.
+"""
 
 from __future__ import annotations
 
 import os
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from common.distributed import DistContext, FatalError, all_ranks_agree, print0
+
+CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
+TEMPORARY_PREFIX = ".tmp-"
+TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
+FORMAT_VERSION = 1
 
 
 def save_atomic(obj: Any, path: Path) -> None:
@@ -16,9 +54,301 @@ def save_atomic(obj: Any, path: Path) -> None:
     complete new one, never a truncated mix, even if the job dies mid-save.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
+    temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.name}")
     with temporary.open("wb") as file:
         torch.save(obj, file)
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
+
+
+def checkpoint_step(path: Path) -> int | None:
+    match = CHECKPOINT_NAME.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Every complete checkpoint in the run directory, oldest first."""
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [path for path in folder.iterdir() if checkpoint_step(path) is not None]
+    return sorted(found, key=checkpoint_step)  # type: ignore[arg-type]
+
+
+def capture_rng() -> dict[str, Any]:
+    """The random state that training draws from: dropout, and anything else in Python or torch.
+
+    Every rank seeds the same way and draws the same amount, so rank 0's state
+    stands for all of them. The data order needs none of this: the sampler
+    derives it from the seed and the epoch.
+    """
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@dataclass
+class Resumed:
+    step: int
+    path: Path | None  # None: a fresh start
+
+
+class Checkpointer:
+    """Saves and restores one run's training state; every rank calls every method together.
+
+    ``identity`` says what the checkpoint belongs to (the script and the model's
+    shape); a checkpoint written for anything else is refused, not half-loaded.
+    ``extra`` holds the objects with a ``state_dict`` beside model and optimizer
+    (LR scheduler, gradient scaler).
+    """
+
+    def __init__(
+        self,
+        ctx: DistContext,
+        run_dir: Path,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: dict[str, Any],
+        identity: dict[str, Any],
+        global_batch_size: int,
+        sharded: bool,
+        interval: int,
+        keep: int,
+    ) -> None:
+        self.ctx = ctx
+        self.folder = run_dir / "checkpoints"
+        self.model = model
+        self.optimizer = optimizer
+        self.extra = extra
+        self.identity = identity
+        self.global_batch_size = global_batch_size
+        self.sharded = sharded
+        self.interval = interval
+        self.keep = keep
+        self.last_saved: Path | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether --checkpoint-interval asks for a checkpoint after ``step`` steps (and none exists yet)."""
+        return self.interval > 0 and step > 0 and step % self.interval == 0 and not self._saved(step)
+
+    def _saved(self, step: int) -> bool:
+        return self.last_saved is not None and checkpoint_step(self.last_saved) == step and self.last_saved.exists()
+
+    # -- saving ---------------------------------------------------------------
+
+    def save(self, step: int) -> Path:
+        """Write a checkpoint of the state after ``step`` optimizer steps, then prune old ones."""
+        if self._saved(step):  # e.g. asked to stop right after resuming: that checkpoint is this state
+            return self.last_saved  # type: ignore[return-value]
+        with quiet_internal_warnings():
+            path = self._save(step)
+        self.last_saved = path
+        if self.ctx.is_main:
+            self._prune(keep_newest=path)
+        dist.barrier()  # nobody runs ahead and reads a folder that rank 0 is still pruning
+        print0(f"checkpoint: {path}")
+        return path
+
+    def _save(self, step: int) -> Path:
+        trainer = {
+            "format_version": FORMAT_VERSION,
+            "identity": self.identity,
+            "step": step,
+            "world_size": self.ctx.world_size,
+            "global_batch_size": self.global_batch_size,
+            "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
+            "rng": capture_rng(),
+        }
+        return self._save_sharded(step, trainer) if self.sharded else self._save_full(step, trainer)
+
+    def _save_full(self, step: int, trainer: dict[str, Any]) -> Path:
+        # DISTRIBUTED: for FSDP every rank takes part in gathering the full state
+        # onto rank 0 (the others get empty dicts); for DDP it is a local copy.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
+        path = self.folder / f"step-{step}.pt"
+        if self.ctx.is_main:
+            save_atomic({"model": model_state, "optimizer": optimizer_state, "trainer": trainer}, path)
+        return path
+
+    def _save_sharded(self, step: int, trainer: dict[str, Any]) -> Path:
+        path = self.folder / f"step-{step}"
+        temporary = self.folder / f"{TEMPORARY_PREFIX}step-{step}"
+        if self.ctx.is_main:
+            shutil.rmtree(temporary, ignore_errors=True)  # left behind by a save that was killed
+            temporary.mkdir(parents=True)
+        dist.barrier()
+        # DISTRIBUTED: each rank writes only its own shards; DCP writes the
+        # metadata (which rank holds which slice) last, from rank 0.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
+        if self.ctx.is_main:
+            save_atomic(trainer, temporary / TRAINER_FILE)
+        dist.barrier()  # every shard is on disk before the folder gets its final name
+        if self.ctx.is_main:
+            if path.exists():  # from an abandoned run that went further; this one replaces it
+                shutil.rmtree(path)
+            os.replace(temporary, path)
+        return path
+
+    def _prune(self, keep_newest: Path) -> None:
+        """Keep the newest ``keep`` checkpoints up to this one; delete leftovers of killed saves."""
+        step = checkpoint_step(keep_newest)
+        older = [path for path in complete_checkpoints(self.folder.parent) if checkpoint_step(path) < step]  # type: ignore[operator]
+        doomed = older[: max(0, len(older) - (self.keep - 1))]
+        doomed += [path for path in self.folder.iterdir() if path.name.startswith(TEMPORARY_PREFIX)]
+        for path in doomed:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+    # -- loading --------------------------------------------------------------
+
+    def resume(self, resume: bool, resume_from: Path | None) -> Resumed:
+        """Load the checkpoint asked for; a fresh start when ``--resume`` finds none.
+
+        A checkpoint that exists but cannot be loaded stops the run with a
+        message: silently starting over would throw away the work it holds.
+        """
+        if resume_from is not None:
+            path = resume_from
+        elif resume:
+            found = complete_checkpoints(self.folder.parent)
+            if not found:
+                print0(f"--resume: no checkpoint in {self.folder}, starting from step 0")
+                return Resumed(0, None)
+            path = found[-1]
+        else:
+            return Resumed(0, None)
+
+        with quiet_internal_warnings():
+            trainer = self._load(path)
+        for name, obj in self.extra.items():
+            obj.load_state_dict(trainer["extra"][name])
+        restore_rng(trainer["rng"])
+        if path.parent == self.folder:
+            self.last_saved = path
+        print0(
+            f"resumed from {path} at step {trainer['step']} "
+            f"(saved by {trainer['world_size']} process(es), now {self.ctx.world_size})"
+        )
+        if trainer["global_batch_size"] != self.global_batch_size:
+            # The position in the epoch is kept in steps: at another global batch
+            # size the rest of this epoch skips or repeats a few examples.
+            print0(
+                f"warning: the global batch was {trainer['global_batch_size']} sequences or images, now "
+                f"{self.global_batch_size}; keep it (--global-batch-size) to continue exactly"
+            )
+        return Resumed(trainer["step"], path)
+
+    def _load(self, path: Path) -> dict[str, Any]:
+        """Load ``path`` into model, optimizer and ``extra``; every rank fails together, with one message."""
+        if path.is_dir():
+            trainer = self._agree(path, lambda: torch.load(path / TRAINER_FILE, weights_only=True), every_rank=True)
+        else:
+            # DISTRIBUTED: only rank 0 reads the file; set_state_dict below
+            # broadcasts the tensors and every rank keeps what it needs.
+            checkpoint = self._agree(
+                path, lambda: torch.load(path, map_location="cpu", weights_only=True), every_rank=False
+            )
+            trainer = broadcast_object(checkpoint["trainer"] if self.ctx.is_main else None)
+        # Tensors of another shape fail with an unhelpful message; say what differs first.
+        mismatch = self._identity_mismatch(trainer)
+        if mismatch:
+            raise FatalError(f"checkpoint {path} was not written by this script and model: {mismatch}")
+
+        if path.is_dir():
+            # DISTRIBUTED: DCP fills this rank's shards in place, reading whichever
+            # slices of the saved shards overlap them (so the world size may change).
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+            self._agree(path, lambda: dcp.load(state, checkpoint_id=path), every_rank=True)
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+        else:
+            # Two calls, not set_state_dict: given an empty model dict (as the
+            # ranks other than 0 are), it would skip the model on those ranks
+            # and leave rank 0 waiting in the broadcast.
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(self.model, checkpoint["model"] if self.ctx.is_main else {}, options=options)
+            set_optimizer_state_dict(
+                self.model, self.optimizer, checkpoint["optimizer"] if self.ctx.is_main else {}, options=options
+            )
+        return trainer
+
+    def _agree(self, path: Path, read: Callable[[], Any], every_rank: bool) -> Any:
+        """Run ``read`` on every rank or on rank 0 only; if it fails anywhere, stop every rank.
+
+        Any exception counts: whatever is wrong with the bytes, the checkpoint
+        cannot be used, and the message says so instead of a traceback per rank.
+        """
+        result, error = None, None
+        if every_rank or self.ctx.is_main:
+            try:
+                result = read()
+            # DCP's CheckpointException is a BaseException, so it is named here.
+            except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - reported below, with its file
+                error = describe_failure(err)
+        if not all_ranks_agree(error is None, self.ctx.device):
+            raise FatalError(self._unloadable_message(path, error or "it failed to load on another rank"))
+        return result
+
+    def _identity_mismatch(self, trainer: dict[str, Any]) -> str | None:
+        theirs = trainer.get("identity", {})
+        differences = [
+            f"{key} is {theirs.get(key)!r} there, {value!r} here"
+            for key, value in self.identity.items()
+            if theirs.get(key) != value
+        ]
+        return "; ".join(differences) or None
+
+    def _unloadable_message(self, path: Path, error: str) -> str:
+        step = checkpoint_step(path)
+        earlier = [p for p in complete_checkpoints(self.folder.parent) if step is None or checkpoint_step(p) < step]  # type: ignore[operator]
+        advice = (
+            f"The previous complete checkpoint is {earlier[-1]}: resume from it with --resume-from {earlier[-1]}"
+            if earlier
+            else "There is no earlier checkpoint in this run directory"
+        )
+        return f"checkpoint {path} cannot be loaded ({error}). Nothing was deleted. {advice}."
+
+
+def describe_failure(err: BaseException) -> str:
+    """One line about what went wrong; for DCP, the first rank's own exception, not the wrapper."""
+    if isinstance(err, dcp.CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    if isinstance(err, EOFError):
+        return "EOFError: a file in it ends too early, as a truncated file does"
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+@contextmanager
+def quiet_internal_warnings() -> Iterator[None]:
+    """Silence warnings about torch's own internals that a user cannot act on.
+
+    FSDP1's sharded state dict still goes through ShardedTensor, which warns
+    about its deprecated helpers on every save and load (torch 2.14).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*will be deprecated")
+        warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup")
+        yield
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

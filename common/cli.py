@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
+from common.checkpoint import checkpoint_step, complete_checkpoints
 from common.distributed import env_rank, env_world_size, wants_cuda
 from common.models import GPT_PRESETS, GPTConfig
 
@@ -291,3 +292,57 @@ def check_fsdp_flags(parser: Parser, args: argparse.Namespace) -> None:
     world_size = env_world_size()
     if args.replicate_degree is not None and world_size % args.replicate_degree:
         parser.error(f"--replicate-degree {args.replicate_degree} does not divide the world size {world_size}")
+
+
+def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
+    """Checkpoint and resume flags; ``sharded`` adds --checkpoint-format (the FSDP scripts)."""
+    group = parser.add_argument_group("checkpoints")
+    group.add_argument(
+        "--checkpoint-interval",
+        type=non_negative_int,
+        default=0,
+        metavar="STEPS",
+        help="save a checkpoint into RUN_DIR/checkpoints every this many steps; 0: only when asked to stop "
+        "(SIGTERM, SIGUSR1 or a RUN_DIR/STOP file) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--keep-checkpoints",
+        type=positive_int,
+        default=2,
+        metavar="K",
+        help="keep the newest K checkpoints, delete older ones (default: %(default)s)",
+    )
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --run-dir; start from step 0 if there is none",
+    )
+    group.add_argument(
+        "--resume-from", type=Path, metavar="PATH", help="continue from this checkpoint (RUN_DIR/checkpoints/step-N)"
+    )
+    if sharded:
+        group.add_argument(
+            "--checkpoint-format",
+            choices=["sharded", "full"],
+            default="sharded",
+            help="sharded: each rank writes its own shard (torch.distributed.checkpoint), resumable at another "
+            "world size; full: rank 0 gathers everything into one file (default: %(default)s)",
+        )
+
+
+def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
+    """Refuse a resume that cannot work, and a fresh start that would mix with an earlier run's checkpoints."""
+    if args.resume and args.resume_from is not None:
+        parser.error("give --resume (the newest checkpoint) or --resume-from PATH, not both")
+    if args.resume_from is not None:
+        if not args.resume_from.exists():
+            parser.error(f"--resume-from {args.resume_from}: no such checkpoint")
+        if checkpoint_step(args.resume_from) is None:
+            parser.error(f"--resume-from {args.resume_from}: not a checkpoint (those are named step-N or step-N.pt)")
+    elif not args.resume:
+        existing = complete_checkpoints(args.run_dir)
+        if existing:
+            parser.error(
+                f"--run-dir {args.run_dir} already holds checkpoints of an earlier run (newest: {existing[-1].name}); "
+                "pass --resume to continue it, or choose another --run-dir"
+            )

@@ -75,7 +75,7 @@ def train_loader(dataset: Dataset, batch_size: int, ctx: DistContext, seed: int)
     sampler = DistributedSampler(
         dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed, drop_last=True
     )
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, generator=own_generator(seed))
 
 
 def eval_shard(dataset: Dataset, ctx: DistContext) -> Subset:
@@ -88,4 +88,13 @@ def eval_shard(dataset: Dataset, ctx: DistContext) -> Subset:
 
 
 def eval_loader(dataset: Dataset, batch_size: int, ctx: DistContext) -> DataLoader:
-    return DataLoader(eval_shard(dataset, ctx), batch_size=batch_size, shuffle=False)
+    return DataLoader(eval_shard(dataset, ctx), batch_size=batch_size, shuffle=False, generator=own_generator(0))
+
+
+def own_generator(seed: int) -> torch.Generator:
+    """A generator for a DataLoader's own draws, so iterating it leaves torch's global RNG alone.
+
+    Without one, every ``iter(loader)`` takes a number from the global RNG, so a
+    run resumed mid-epoch (one ``iter`` fewer) would draw different dropout masks.
+    """
+    return torch.Generator().manual_seed(seed)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import resource
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.nn as nn
@@ -18,22 +20,39 @@ class MetricsLog:
     """Appends one JSON object per line to ``run_dir/metrics.jsonl`` on rank 0.
 
     The file is opened on the first record, not when the run starts, so a run
-    that fails its checks writes nothing over an earlier run's metrics.
+    that fails its checks writes nothing over an earlier run's metrics. A run
+    resumed at step N keeps the records up to N and drops the later ones: the
+    steps after the checkpoint are trained again and logged again.
     """
 
-    def __init__(self, run_dir: Path, ctx: DistContext) -> None:
+    def __init__(self, run_dir: Path, ctx: DistContext, resumed_at: int | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.enabled = ctx.is_main
+        self.resumed_at = resumed_at
         self._file = None
 
     def write(self, event: str, **fields: Any) -> None:
         if not self.enabled:
             return
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("w", encoding="utf-8")
+            self._file = self._open()
         self._file.write(json.dumps({"event": event, **fields}) + "\n")
         self._file.flush()
+
+    def _open(self) -> IO[str]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.resumed_at is None or not self.path.exists():
+            return self.path.open("w", encoding="utf-8")
+        kept = [
+            line
+            for line in self.path.read_text(encoding="utf-8").splitlines()
+            if json.loads(line).get("step", math.inf) <= self.resumed_at
+        ]
+        # Replaced in one rename, so a kill here cannot lose the earlier history.
+        temporary = self.path.with_name(f".{self.path.name}.tmp")
+        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(temporary, self.path)
+        return self.path.open("a", encoding="utf-8")
 
     def close(self) -> None:
         if self._file is not None:

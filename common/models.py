@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,10 @@ class GPTConfig:
     n_head: int
     d_model: int
     dropout: float = 0.0
+
+    def shape(self) -> dict[str, int]:
+        """The fields that decide the parameters' shapes; a checkpoint must agree on all of them."""
+        return {name: value for name, value in asdict(self).items() if name != "dropout"}
 
 
 # Sizes for --model. Dimensions can still be overridden one by one with flags.

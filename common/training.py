@@ -11,12 +11,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from common.distributed import DistContext, max_over_ranks, print0
+from common.distributed import DistContext, FatalError, max_over_ranks, print0
 from common.metrics import MetricsLog, max_state_bytes, peak_memory_bytes, progress_line
 
 
 def plan_total_steps(steps_per_epoch: int, epochs: int | None, max_steps: int | None) -> int:
     """Optimizer steps to run: the end of the last epoch or --max-steps, whichever is first."""
+    if steps_per_epoch == 0:
+        raise FatalError(
+            "the training set is too small for one optimizer step per epoch at this batch size, "
+            "world size and --grad-accum-steps: lower the batch size or use fewer processes"
+        )
     by_epochs = steps_per_epoch * epochs if epochs is not None else None
     candidates = [n for n in (by_epochs, max_steps) if n is not None]
     return min(candidates)
@@ -48,13 +53,13 @@ class ProgressReporter:
     reports is averaged over ranks with a collective.
     """
 
-    def __init__(self, log: MetricsLog, total_steps: int, items_per_step: int, unit: str) -> None:
+    def __init__(self, log: MetricsLog, total_steps: int, items_per_step: int, unit: str, first_step: int = 0) -> None:
         self.log = log
         self.total_steps = total_steps
         self.items_per_step = items_per_step  # global: all ranks and micro-steps
         self.unit = unit  # "samples" or "tokens"
         self._last_time = time.perf_counter()
-        self._last_step = 0
+        self._last_step = first_step  # a resumed run starts counting at its checkpoint
 
     def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         """``grad_norm`` is the global norm, already the same on every rank."""

@@ -13,6 +13,7 @@ reachable loss is known, so the run can tell how close it got.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
@@ -27,10 +28,12 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import save_atomic
+from common.checkpoint import Checkpointer, save_atomic
 from common.cli import (
+    add_checkpoint_flags,
     add_training_flags,
     add_transformer_flags,
+    check_checkpoint_flags,
     check_training_flags,
     check_transformer_flags,
     gpt_config,
@@ -41,6 +44,7 @@ from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
 from common.models import GPT, count_parameters
+from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
 from common.training import ProgressReporter, finish_run, plan_total_steps, warmup_cosine
 
@@ -49,9 +53,11 @@ def parse_args(argv: list[str] | None = None):
     parser = make_parser(__doc__, run_dir="runs/ddp_transformer", log_interval=25)
     add_training_flags(parser, batch_size=32, lr=1e-2, epochs=None, max_steps=600, grad_clip=1.0)
     add_transformer_flags(parser)
+    add_checkpoint_flags(parser, sharded=False)
     args = parser.parse_args(argv)
     check_training_flags(parser, args)
     check_transformer_flags(parser, args)
+    check_checkpoint_flags(parser, args)
     return args
 
 
@@ -73,7 +79,8 @@ def train(args, ctx: DistContext) -> None:
         f"sequences of {args.block_size} tokens | {total_steps} steps"
     )
 
-    model = GPT(gpt_config(args, data.vocab_size)).to(ctx.device)
+    config = gpt_config(args, data.vocab_size)
+    model = GPT(config).to(ctx.device)
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
     # DISTRIBUTED: DDP copies rank 0's weights to every rank, then all-reduces
     # (averages) gradients during backward. With gradient_as_bucket_view the
@@ -84,15 +91,42 @@ def train(args, ctx: DistContext) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
 
-    log = MetricsLog(args.run_dir, ctx)
-    progress = ProgressReporter(log, total_steps, global_batch * args.block_size, unit="tokens")
-    step, epoch = 0, 0
+    # DISTRIBUTED: rank 0 writes one file; every copy of the model is the same.
+    checkpoints = Checkpointer(
+        ctx,
+        args.run_dir,
+        model=model,
+        optimizer=optimizer,
+        extra={"scheduler": scheduler},
+        identity={"script": "ddp/train_transformer.py", "model": config.shape()},
+        global_batch_size=global_batch,
+        sharded=False,
+        interval=args.checkpoint_interval,
+        keep=args.keep_checkpoints,
+    )
+    resumed = checkpoints.resume(args.resume, args.resume_from)
+    stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
+
+    log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
+    if resumed.path:
+        log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
+    progress = ProgressReporter(
+        log, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
+    )
+    step = resumed.step
     result = None
     while step < total_steps:
-        epoch += 1
+        epoch = step // steps_per_epoch + 1
         loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank
-        batches = iter(loader)
-        for _ in range(min(steps_per_epoch, total_steps - step)):
+        # A run resumed mid-epoch passes over the batches it trained on before the checkpoint.
+        done_in_epoch = step % steps_per_epoch
+        batches = itertools.islice(iter(loader), done_in_epoch * args.grad_accum_steps, None)
+        for _ in range(min(steps_per_epoch - done_in_epoch, total_steps - step)):
+            # Between two steps the saved state describes the run completely.
+            if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
+                stop.exit(step, checkpoints.save(step))
+            if checkpoints.due(step):
+                checkpoints.save(step)
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
@@ -119,9 +153,11 @@ def train(args, ctx: DistContext) -> None:
                 log.write("eval", step=step, epoch=epoch, **result)
                 print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
 
-    if result is None:  # --max-steps 0: evaluate the untrained model
+    if checkpoints.due(step):
+        checkpoints.save(step)
+    if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
         result = evaluate_language_model(model, heldout_loader, ctx)
-        log.write("eval", step=0, epoch=0, **result)
+        log.write("eval", step=step, **result)
     if data.entropy_floor is not None:
         print0(
             f"held-out loss {result['loss']:.4f} vs. floor {data.entropy_floor:.4f}: "

@@ -20,6 +20,7 @@ nothing from sharding: the point is to see the same script shape as DDP.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 import time
@@ -37,13 +38,22 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from torch.optim.lr_scheduler import StepLR
 
-from common.checkpoint import save_atomic
-from common.cli import add_mnist_flags, add_training_flags, check_training_flags, make_parser, positive_int
+from common.checkpoint import Checkpointer, save_atomic
+from common.cli import (
+    add_checkpoint_flags,
+    add_mnist_flags,
+    add_training_flags,
+    check_checkpoint_flags,
+    check_training_flags,
+    make_parser,
+    positive_int,
+)
 from common.data import eval_loader, load_mnist, synthetic_mnist, train_loader
 from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_classifier
 from common.metrics import MetricsLog
 from common.models import MnistNet
+from common.preemption import StopRequest
 from common.training import ProgressReporter, finish_run, plan_total_steps
 
 
@@ -57,8 +67,10 @@ def parse_args(argv: list[str] | None = None):
         default=20_000,
         help="a submodule with at least this many parameters becomes its own FSDP unit (default: %(default)s)",
     )
+    add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
     check_training_flags(parser, args)
+    check_checkpoint_flags(parser, args)
     return args
 
 
@@ -94,14 +106,41 @@ def train(args, ctx: DistContext) -> None:
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)  # stepped once per epoch
 
-    log = MetricsLog(args.run_dir, ctx)
-    progress = ProgressReporter(log, total_steps, global_batch, unit="samples")
-    step, epoch = 0, 0
+    # DISTRIBUTED: by default each rank saves its own shards (no rank holds the
+    # whole model); --checkpoint-format full gathers one file on rank 0 instead.
+    checkpoints = Checkpointer(
+        ctx,
+        args.run_dir,
+        model=model,
+        optimizer=optimizer,
+        extra={"scheduler": scheduler},
+        identity={"script": "fsdp/train_mnist.py"},
+        global_batch_size=global_batch,
+        sharded=args.checkpoint_format == "sharded",
+        interval=args.checkpoint_interval,
+        keep=args.keep_checkpoints,
+    )
+    resumed = checkpoints.resume(args.resume, args.resume_from)
+    stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
+
+    log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
+    if resumed.path:
+        log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
+    progress = ProgressReporter(log, total_steps, global_batch, unit="samples", first_step=resumed.step)
+    step = resumed.step
+    result = None
     while step < total_steps:
-        epoch += 1
+        epoch = step // steps_per_epoch + 1
         loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank
-        batches = iter(loader)
-        for _ in range(min(steps_per_epoch, total_steps - step)):
+        # A run resumed mid-epoch passes over the batches it trained on before the checkpoint.
+        done_in_epoch = step % steps_per_epoch
+        batches = itertools.islice(iter(loader), done_in_epoch * args.grad_accum_steps, None)
+        for _ in range(min(steps_per_epoch - done_in_epoch, total_steps - step)):
+            # Between two steps the saved state describes the run completely.
+            if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
+                stop.exit(step, checkpoints.save(step))
+            if checkpoints.due(step):
+                checkpoints.save(step)
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
@@ -128,9 +167,11 @@ def train(args, ctx: DistContext) -> None:
         log.write("eval", step=step, epoch=epoch, **result)
         print0(f"eval after epoch {epoch}: loss {result['loss']:.4f} | accuracy {result['accuracy']:.2%}")
 
-    if total_steps == 0:
+    if checkpoints.due(step):
+        checkpoints.save(step)
+    if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
         result = evaluate_classifier(model, test_loader, ctx)
-        log.write("eval", step=0, epoch=0, **result)
+        log.write("eval", step=step, **result)
 
     # DISTRIBUTED: no rank holds the whole model, so every rank takes part in
     # gathering it; rank 0 receives plain CPU tensors under the original names

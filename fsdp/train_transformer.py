@@ -23,6 +23,7 @@ existing code still uses it.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 import time
@@ -47,11 +48,13 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-from common.checkpoint import save_atomic
+from common.checkpoint import Checkpointer, save_atomic
 from common.cli import (
+    add_checkpoint_flags,
     add_fsdp_flags,
     add_training_flags,
     add_transformer_flags,
+    check_checkpoint_flags,
     check_fsdp_flags,
     check_training_flags,
     check_transformer_flags,
@@ -63,6 +66,7 @@ from common.distributed import DistContext, distributed, env_num_nodes, env_worl
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
 from common.models import GPT, Block, count_parameters
+from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
 from common.training import ProgressReporter, finish_run, plan_total_steps, warmup_cosine
 
@@ -91,8 +95,10 @@ def parse_args(argv: list[str] | None = None):
         help="when to all-gather the next unit's parameters in backward: before (pre) or after (post) the "
         "current unit's gradient computation, or not ahead of time (none) (default: %(default)s)",
     )
+    add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
     check_training_flags(parser, args)
+    check_checkpoint_flags(parser, args)
     check_transformer_flags(parser, args)
     if args.sharding_strategy != "hybrid_shard" and args.replicate_degree is not None:
         parser.error("--replicate-degree only applies to --sharding-strategy hybrid_shard")
@@ -132,7 +138,8 @@ def train(args, ctx: DistContext) -> None:
     # DISTRIBUTED: every rank seeds the same generator, so every rank builds the
     # same initial weights and FSDP shards identical copies. (DDP broadcasts
     # rank 0's weights instead; FSDP1's sync_module_states does that only on GPUs.)
-    model = GPT(gpt_config(args, data.vocab_size)).to(ctx.device)
+    config = gpt_config(args, data.vocab_size)
+    model = GPT(config).to(ctx.device)
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
     if args.sharding_strategy == "no_shard":
         print0("note: no_shard keeps full copies and all-reduces gradients: the same as DDP (use DDP for that)")
@@ -179,15 +186,43 @@ def train(args, ctx: DistContext) -> None:
     # inf/nan across all ranks' shards. For other precisions it does nothing.
     scaler = ShardedGradScaler(ctx.device.type, enabled=args.mixed_precision == "fp16")
 
-    log = MetricsLog(args.run_dir, ctx)
-    progress = ProgressReporter(log, total_steps, global_batch * args.block_size, unit="tokens")
-    step, epoch = 0, 0
+    # DISTRIBUTED: by default each rank saves its own shards (no rank holds the
+    # whole model); --checkpoint-format full gathers one file on rank 0 instead.
+    checkpoints = Checkpointer(
+        ctx,
+        args.run_dir,
+        model=model,
+        optimizer=optimizer,
+        extra={"scheduler": scheduler, "scaler": scaler},
+        identity={"script": "fsdp/train_transformer.py", "model": config.shape()},
+        global_batch_size=global_batch,
+        sharded=args.checkpoint_format == "sharded",
+        interval=args.checkpoint_interval,
+        keep=args.keep_checkpoints,
+    )
+    resumed = checkpoints.resume(args.resume, args.resume_from)
+    stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
+
+    log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
+    if resumed.path:
+        log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
+    progress = ProgressReporter(
+        log, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
+    )
+    step = resumed.step
     result = None
     while step < total_steps:
-        epoch += 1
+        epoch = step // steps_per_epoch + 1
         loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank
-        batches = iter(loader)
-        for _ in range(min(steps_per_epoch, total_steps - step)):
+        # A run resumed mid-epoch passes over the batches it trained on before the checkpoint.
+        done_in_epoch = step % steps_per_epoch
+        batches = itertools.islice(iter(loader), done_in_epoch * args.grad_accum_steps, None)
+        for _ in range(min(steps_per_epoch - done_in_epoch, total_steps - step)):
+            # Between two steps the saved state describes the run completely.
+            if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
+                stop.exit(step, checkpoints.save(step))
+            if checkpoints.due(step):
+                checkpoints.save(step)
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
@@ -219,9 +254,11 @@ def train(args, ctx: DistContext) -> None:
                 log.write("eval", step=step, epoch=epoch, **result)
                 print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
 
-    if result is None:  # --max-steps 0: evaluate the untrained model
+    if checkpoints.due(step):
+        checkpoints.save(step)
+    if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
         result = evaluate_language_model(model, heldout_loader, ctx)
-        log.write("eval", step=0, epoch=0, **result)
+        log.write("eval", step=step, **result)
     if data.entropy_floor is not None:
         print0(
             f"held-out loss {result['loss']:.4f} vs. floor {data.entropy_floor:.4f}: "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import math
 import sys
 import time
@@ -42,11 +43,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from common.checkpoint import save_atomic
+from common.checkpoint import Checkpointer, save_atomic
 from common.cli import (
+    add_checkpoint_flags,
     add_fsdp_flags,
     add_training_flags,
     add_transformer_flags,
+    check_checkpoint_flags,
     check_fsdp_flags,
     check_training_flags,
     check_transformer_flags,
@@ -58,6 +61,7 @@ from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
 from common.models import GPT, Block, count_parameters
+from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
 from common.training import ProgressReporter, finish_run, plan_total_steps, warmup_cosine
 
@@ -78,8 +82,10 @@ def parse_args(argv: list[str] | None = None):
     group.add_argument(
         "--compile", action="store_true", help="torch.compile each Block (the first steps are slow while it compiles)"
     )
+    add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
     check_training_flags(parser, args)
+    check_checkpoint_flags(parser, args)
     check_transformer_flags(parser, args)
     check_fsdp_flags(parser, args)
     if args.replicate_degree is None:
@@ -107,7 +113,8 @@ def train(args, ctx: DistContext) -> None:
 
     # DISTRIBUTED: every rank seeds the same generator, so every rank builds the
     # same initial weights, and fully_shard keeps this rank's slice of them.
-    model = GPT(gpt_config(args, data.vocab_size)).to(ctx.device)
+    config = gpt_config(args, data.vocab_size)
+    model = GPT(config).to(ctx.device)
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
     # DISTRIBUTED: the mesh says which ranks shard together. Passed explicitly
     # (on CPU too) so FSDP2 never guesses a device type. A 2-D mesh is HSDP:
@@ -154,15 +161,43 @@ def train(args, ctx: DistContext) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
 
-    log = MetricsLog(args.run_dir, ctx)
-    progress = ProgressReporter(log, total_steps, global_batch * args.block_size, unit="tokens")
-    step, epoch = 0, 0
+    # DISTRIBUTED: by default each rank saves its own shards (no rank holds the
+    # whole model); --checkpoint-format full gathers one file on rank 0 instead.
+    checkpoints = Checkpointer(
+        ctx,
+        args.run_dir,
+        model=model,
+        optimizer=optimizer,
+        extra={"scheduler": scheduler},
+        identity={"script": "fsdp/train_transformer_fsdp2.py", "model": config.shape()},
+        global_batch_size=global_batch,
+        sharded=args.checkpoint_format == "sharded",
+        interval=args.checkpoint_interval,
+        keep=args.keep_checkpoints,
+    )
+    resumed = checkpoints.resume(args.resume, args.resume_from)
+    stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
+
+    log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
+    if resumed.path:
+        log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
+    progress = ProgressReporter(
+        log, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
+    )
+    step = resumed.step
     result = None
     while step < total_steps:
-        epoch += 1
+        epoch = step // steps_per_epoch + 1
         loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank
-        batches = iter(loader)
-        for _ in range(min(steps_per_epoch, total_steps - step)):
+        # A run resumed mid-epoch passes over the batches it trained on before the checkpoint.
+        done_in_epoch = step % steps_per_epoch
+        batches = itertools.islice(iter(loader), done_in_epoch * args.grad_accum_steps, None)
+        for _ in range(min(steps_per_epoch - done_in_epoch, total_steps - step)):
+            # Between two steps the saved state describes the run completely.
+            if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
+                stop.exit(step, checkpoints.save(step))
+            if checkpoints.due(step):
+                checkpoints.save(step)
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
@@ -192,9 +227,11 @@ def train(args, ctx: DistContext) -> None:
                 log.write("eval", step=step, epoch=epoch, **result)
                 print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
 
-    if result is None:  # --max-steps 0: evaluate the untrained model
+    if checkpoints.due(step):
+        checkpoints.save(step)
+    if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
         result = evaluate_language_model(model, heldout_loader, ctx)
-        log.write("eval", step=0, epoch=0, **result)
+        log.write("eval", step=step, **result)
     if data.entropy_floor is not None:
         print0(
             f"held-out loss {result['loss']:.4f} vs. floor {data.entropy_floor:.4f}: "

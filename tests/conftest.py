@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,20 +85,18 @@ class Run:
         return record
 
 
-def run_script(script: str, args: list[str], run_dir: Path, nproc: int | None = None, timeout: float = 240) -> Run:
-    """Run ``script`` as a user would: plain python when ``nproc`` is None, else torchrun.
-
-    The child gets its own process group so a hang is killed whole, torchrun
-    and every worker, when ``timeout`` runs out; the test then fails showing
-    everything the child printed.
-    """
+def script_command(script: str, args: list[str], run_dir: Path, nproc: int | None, wrapper: list[str]) -> list[str]:
     if nproc is None:
         launcher = [sys.executable]
     else:
         # --standalone: a rendezvous on a free port, so parallel tests never collide.
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    command = [*launcher, script, "--device", "cpu", "--dist-timeout", "60", "--run-dir", str(run_dir), *args]
-    process = subprocess.Popen(
+    return [*launcher, *wrapper, script, "--device", "cpu", "--dist-timeout", "60", "--run-dir", str(run_dir), *args]
+
+
+def start(command: list[str]) -> subprocess.Popen:
+    # Its own session, so that a hang can be killed whole: torchrun and every worker.
+    return subprocess.Popen(
         command,
         cwd=REPO,
         env=clean_env(),
@@ -105,11 +105,62 @@ def run_script(script: str, args: list[str], run_dir: Path, nproc: int | None = 
         text=True,
         start_new_session=True,
     )
+
+
+def run_script(
+    script: str,
+    args: list[str],
+    run_dir: Path,
+    nproc: int | None = None,
+    timeout: float = 240,
+    wrapper: list[str] = [],  # noqa: B006 - never mutated
+) -> Run:
+    """Run ``script`` as a user would: plain python when ``nproc`` is None, else torchrun.
+
+    When ``timeout`` runs out the whole process group is killed, and the test
+    fails showing everything the child printed. ``wrapper`` goes between the
+    launcher and the script (a test harness that injects a fault).
+    """
+    command = script_command(script, args, run_dir, nproc, wrapper)
+    process = start(command)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
+        pytest.fail(f"timed out after {timeout} s\n$ {' '.join(command)}\n--- output ---\n{output}")
+    return Run(command, process.returncode, output, run_dir)
+
+
+PROGRESS_LINE = re.compile(r"^step +(\d+)/")
+
+
+def run_until_stopped(
+    script: str, args: list[str], run_dir: Path, nproc: int | None, stop_after: int, timeout: float = 240
+) -> Run:
+    """Like ``run_script``, but create RUN_DIR/STOP once the progress line reports step ``stop_after``.
+
+    That is how a user (or the SLURM launcher) asks a run to stop. The run
+    notices at a later step boundary; which one depends on timing, so tests
+    read the step it stopped at from the PREEMPTED marker.
+    """
+    command = script_command(script, args, run_dir, nproc, [])
+    process = start(command)
+    deadline = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))
+    deadline.start()
+    lines: list[str] = []
+    try:
+        for line in process.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            match = PROGRESS_LINE.match(line)
+            if match and int(match.group(1)) == stop_after:
+                (run_dir / "STOP").touch()
+        process.wait()
+    finally:
+        timed_out = not deadline.is_alive()
+        deadline.cancel()
+    output = "".join(lines)
+    if timed_out:
         pytest.fail(f"timed out after {timeout} s\n$ {' '.join(command)}\n--- output ---\n{output}")
     return Run(command, process.returncode, output, run_dir)
 
@@ -121,3 +172,10 @@ def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     1999 is prime, so no world size above one divides the test set evenly.
     """
     return write_fake_mnist(tmp_path_factory.mktemp("mnist"), train_count=3000, test_count=1999)
+
+
+@pytest.fixture(scope="session")
+def tiny_mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """640 training and 200 test images: an epoch of 20 steps at a global batch of 32, for runs that need
+    several epochs but not a good model."""
+    return write_fake_mnist(tmp_path_factory.mktemp("tiny_mnist"), train_count=640, test_count=200)

@@ -1,0 +1,62 @@
+"""Stopping cleanly when asked: a scheduler's warning signal or a STOP file in the run directory.
+
+Clusters end jobs at their time limit or to make room for others, usually
+after a warning: SLURM sends a signal a set time ahead (the launchers in
+slurm/ turn it into a STOP file), and torchrun passes SIGTERM on to its
+workers. The training loop checks between steps; all ranks agree, save a
+checkpoint, leave a PREEMPTED marker and exit, and ``--resume`` continues.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from common.distributed import DistContext, all_ranks_agree, print0
+
+STOP_FILE = "STOP"
+PREEMPTED_FILE = "PREEMPTED"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Notices a stop request and makes every rank act on it at the same step."""
+
+    def __init__(self, run_dir: Path, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.stop_file = run_dir / STOP_FILE
+        self.marker = run_dir / PREEMPTED_FILE
+        self.received: str | None = None
+        for number in STOP_SIGNALS:
+            signal.signal(number, self._on_signal)
+        if ctx.is_main:
+            # A request meant for the run this one continues (or one that came
+            # after it had finished) must not stop this run at its first step.
+            for stale in (self.stop_file, self.marker):
+                stale.unlink(missing_ok=True)
+
+    def _on_signal(self, number: int, frame: object) -> None:
+        # Only a flag. Checkpointing inside the handler would run in the middle of
+        # whatever was interrupted (a collective, a half-done step) and can hang.
+        self.received = signal.Signals(number).name
+
+    def requested(self) -> bool:
+        """True on every rank if any rank got a signal or rank 0 sees the STOP file.
+
+        A collective, so every rank must call it at the same step.
+        """
+        # Only rank 0 looks at the file: one stat per step instead of one per rank.
+        asked = self.received is not None or (self.ctx.is_main and self.stop_file.exists())
+        return not all_ranks_agree(not asked, self.ctx.device)
+
+    def exit(self, step: int, checkpoint: Path) -> NoReturn:
+        """Leave the PREEMPTED marker and end this process (exit code 0: nothing failed)."""
+        reason = self.received or ("a STOP file" if self.stop_file.exists() else "a signal to another rank")
+        if self.ctx.is_main:
+            self.marker.write_text(json.dumps({"step": step, "checkpoint": str(checkpoint), "reason": reason}) + "\n")
+            self.stop_file.unlink(missing_ok=True)
+        print0(f"stopped at step {step} on request ({reason}); checkpoint {checkpoint}. Continue with --resume.")
+        sys.exit(0)

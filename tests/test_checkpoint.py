@@ -1,0 +1,244 @@
+"""Checkpoints, exact resume and preemption, end to end through torchrun.
+
+A run asked to stop (the STOP file a user or the SLURM launcher creates) in
+the middle of an epoch, then resumed with --resume, must train exactly what
+an uninterrupted run trains: the same loss at every step and the same final
+parameters, bit for bit, since both run at the same world size on the same
+CPU. Dropout stays on, so the random state has to be restored too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from common.checkpoint import checkpoint_step, complete_checkpoints
+from common.compare_runs import compare
+from common.models import GPT, GPTConfig
+from common.tokens import markov_data
+from tests.conftest import REPO, Run, clean_env, run_script, run_until_stopped
+from tests.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL, PARAM_ATOL
+
+FSDP2 = "fsdp/train_transformer_fsdp2.py"
+
+# Both kinds of run: 2 epochs of 20 steps at 2 processes. 640 images (tiny_mnist_dir)
+# in global batches of 32; 320 sequences in global batches of 16, with a
+# checkpoint every 10 steps besides the one taken when asked to stop.
+MNIST_ARGS = ["--epochs", "2", "--batch-size", "16", "--test-batch-size", "100", "--log-interval", "1"]
+TRANSFORMER_ARGS = [
+    *("--max-steps", "40", "--global-batch-size", "16", "--block-size", "32", "--dropout", "0.1"),
+    *("--train-sequences", "320", "--heldout-sequences", "40", "--warmup-steps", "3"),
+    *("--log-interval", "1", "--eval-interval", "10", "--checkpoint-interval", "10"),
+]
+TRANSFORMER_CONFIG = GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64)
+
+# (id, script, arguments, steps per epoch, total steps, format of the checkpoints)
+CASES = [
+    ("ddp-mnist", "ddp/train_mnist.py", MNIST_ARGS, 20, 40, "full"),
+    ("fsdp1-mnist", "fsdp/train_mnist.py", MNIST_ARGS, 20, 40, "sharded"),
+    ("ddp-transformer", "ddp/train_transformer.py", TRANSFORMER_ARGS, 20, 40, "full"),
+    ("fsdp1-transformer", "fsdp/train_transformer.py", TRANSFORMER_ARGS, 20, 40, "sharded"),
+    ("fsdp2-transformer", FSDP2, TRANSFORMER_ARGS, 20, 40, "sharded"),
+]
+# Asked to stop a few steps into the second epoch; the run stops at the next
+# step boundary it reaches after seeing the STOP file, well before the epoch ends.
+STOP_AFTER_EPOCH_STEPS = 3
+
+
+def train_history(run: Run) -> list[tuple]:
+    return [(r["step"], r["epoch"], r["loss"], r["grad_norm"], r["lr"]) for r in run.events("train")]
+
+
+def eval_history(run: Run) -> list[tuple]:
+    return [(r["step"], r["loss"]) for r in run.events("eval")]
+
+
+def assert_same_parameters(path_a: Path, path_b: Path) -> None:
+    state_a = torch.load(path_a, weights_only=True)
+    state_b = torch.load(path_b, weights_only=True)
+    assert state_a.keys() == state_b.keys()
+    different = [name for name in state_a if not torch.equal(state_a[name], state_b[name])]
+    assert not different, f"parameters differ: {different}"
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "per_epoch", "total", "kind"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_stopped_and_resumed_run_matches_an_uninterrupted_one(
+    script: str, args: list[str], per_epoch: int, total: int, kind: str, tiny_mnist_dir: Path, tmp_path: Path
+) -> None:
+    if "mnist" in script:
+        args = [*args, "--data-dir", str(tiny_mnist_dir)]
+    reference = run_script(script, args, tmp_path / "reference", nproc=2).check()
+
+    run_dir = tmp_path / "interrupted"
+    stop_after = per_epoch + STOP_AFTER_EPOCH_STEPS
+    stopped = run_until_stopped(script, args, run_dir, nproc=2, stop_after=stop_after).check()
+    marker = json.loads((run_dir / "PREEMPTED").read_text())
+    stopped_at = marker["step"]
+    assert stop_after <= stopped_at < 2 * per_epoch, stopped.describe()  # inside the second epoch
+    assert stopped.output.count(f"stopped at step {stopped_at} on request (a STOP file)") == 1, stopped.describe()
+    assert not (run_dir / "STOP").exists() and not (run_dir / "model.pt").exists()
+    checkpoint = Path(marker["checkpoint"])
+    assert checkpoint_step(checkpoint) == stopped_at
+    assert checkpoint.is_dir() == (kind == "sharded")
+    # --keep-checkpoints 2: the newest periodic one survives beside the stop's.
+    expected = 2 if "--checkpoint-interval" in args else 1
+    assert complete_checkpoints(run_dir)[-expected:] == complete_checkpoints(run_dir)
+    assert complete_checkpoints(run_dir)[-1] == checkpoint
+
+    resumed = run_script(script, [*args, "--resume"], run_dir, nproc=2).check()
+    assert resumed.output.count(f"resumed from {checkpoint} at step {stopped_at}") == 1, resumed.describe()
+    (resume_record,) = resumed.events("resume")
+    assert resume_record["step"] == stopped_at
+    steps_after_resume = [r["step"] for r in resumed.metrics() if r["event"] == "train" and r["step"] > stopped_at]
+    assert steps_after_resume[0] == stopped_at + 1
+    assert not (run_dir / "PREEMPTED").exists()
+
+    assert train_history(resumed) == train_history(reference)
+    assert eval_history(resumed) == eval_history(reference)
+    assert resumed.final()["steps"] == total
+    assert_same_parameters(run_dir / "model.pt", reference.run_dir / "model.pt")
+
+    if kind == "sharded" and "--checkpoint-interval" in args:
+        check_export(run_dir, resumed.final()["eval_loss"])
+
+
+def check_export(run_dir: Path, eval_loss: float) -> None:
+    """The last sharded checkpoint, exported, is the final model and scores the final evaluation."""
+    newest = complete_checkpoints(run_dir)[-1]
+    exported = run_dir / "exported.pt"
+    result = subprocess.run(
+        [sys.executable, "-m", "common.export_checkpoint", str(newest), str(exported)],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_same_parameters(exported, run_dir / "model.pt")
+    model = GPT(TRANSFORMER_CONFIG)
+    model.load_state_dict(torch.load(exported, weights_only=True))
+    model.eval()
+    heldout = markov_data(32, train_sequences=320, heldout_sequences=40).heldout
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in DataLoader(heldout, batch_size=20):
+            loss_sum += F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum").item()
+            tokens += targets.numel()
+    assert loss_sum / tokens == pytest.approx(eval_loss, rel=1e-5)
+
+
+# --- a checkpoint saved at 4 processes, resumed at 2 ---------------------------------------------
+
+# The equivalence tests' settings: the same examples in every step at any world size.
+RESHARD_ARGS = [
+    *("--deterministic", "--global-batch-size", "24", "--max-steps", "30", "--log-interval", "1", "--lr", "1e-3"),
+    *("--block-size", "32", "--train-sequences", "600", "--heldout-sequences", "60", "--warmup-steps", "3"),
+    *("--eval-interval", "30"),
+]
+
+
+def test_sharded_checkpoint_saved_at_4_processes_resumes_at_2(tmp_path: Path) -> None:
+    script = "fsdp/train_transformer.py"
+    reference = run_script(script, RESHARD_ARGS, tmp_path / "reference", nproc=2).check()
+    run_dir = tmp_path / "resharded"
+    run_until_stopped(script, RESHARD_ARGS, run_dir, nproc=4, stop_after=10).check()
+    stopped_at = json.loads((run_dir / "PREEMPTED").read_text())["step"]
+    resumed = run_script(script, [*RESHARD_ARGS, "--resume"], run_dir, nproc=2).check()
+    assert f"at step {stopped_at} (saved by 4 process(es), now 2)" in resumed.output, resumed.describe()
+
+    # Up to the checkpoint the run had 4 ranks, so it matches to rounding, not bit for bit.
+    result = compare(run_dir, reference.run_dir)
+    assert result.steps == 30
+    assert result.max_loss_rel_diff <= LOSS_RTOL, result
+    assert result.max_grad_norm_rel_diff <= GRAD_NORM_RTOL, result
+    assert result.max_param_abs_diff is not None and result.max_param_abs_diff <= PARAM_ATOL, result
+
+
+# --- kills and damage: the last good checkpoint survives ------------------------------------------
+
+SHORT_ARGS = [
+    *("--max-steps", "20", "--checkpoint-interval", "5", "--log-interval", "5", "--eval-interval", "20"),
+    *("--block-size", "32", "--train-sequences", "320", "--heldout-sequences", "40"),
+]
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def names(run_dir: Path) -> list[str]:
+    return [path.name for path in complete_checkpoints(run_dir)]
+
+
+def test_kill_mid_save_and_damaged_checkpoint_lose_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    killed = run_script(FSDP2, SHORT_ARGS, run_dir, nproc=2, wrapper=["tests/kill_during_save.py"])
+    assert killed.returncode != 0, killed.describe()
+    # Rank 1 died after writing its shards of step 10, before the checkpoint was complete.
+    assert names(run_dir) == ["step-5"]
+    assert (run_dir / "checkpoints" / ".tmp-step-10").is_dir()
+
+    resumed = run_script(FSDP2, [*SHORT_ARGS, "--resume"], run_dir, nproc=2).check()
+    assert resumed.events("resume")[0]["step"] == 5
+    assert resumed.final()["steps"] == 20
+    assert names(run_dir) == ["step-15", "step-20"]  # the killed save's leftovers are gone too
+    assert not (run_dir / "checkpoints" / ".tmp-step-10").exists()
+
+    newest = run_dir / "checkpoints" / "step-20"
+    truncate(max(newest.glob("*.distcp"), key=lambda path: path.stat().st_size))
+    before = file_digests(run_dir)
+    refused = run_script(FSDP2, [*SHORT_ARGS, "--resume"], run_dir, nproc=2)
+    assert refused.returncode != 0, refused.describe()
+    previous = run_dir / "checkpoints" / "step-15"
+    message = f"checkpoint {newest} cannot be loaded"
+    assert refused.output.count(message) == 1, refused.describe()
+    assert f"--resume-from {previous}." in refused.output, refused.describe()
+    assert file_digests(run_dir) == before, "a refused resume must change nothing"
+
+    recovered = run_script(FSDP2, [*SHORT_ARGS, "--resume-from", str(previous)], run_dir, nproc=2).check()
+    assert [r["step"] for r in recovered.events("resume")] == [5, 15]
+    assert names(run_dir) == ["step-15", "step-20"]  # step 20 saved again, whole this time
+
+
+def test_full_checkpoint_from_another_run_or_damaged_is_refused(tmp_path: Path) -> None:
+    script, run_dir = "ddp/train_transformer.py", tmp_path / "run"
+    run_script(script, SHORT_ARGS, run_dir).check()  # one process: these checks need no second rank
+    newest, previous = run_dir / "checkpoints" / "step-20.pt", run_dir / "checkpoints" / "step-15.pt"
+    assert names(run_dir) == ["step-15.pt", "step-20.pt"]
+    before = file_digests(run_dir)
+
+    wider = run_script(script, [*SHORT_ARGS, "--resume", "--d-model", "32"], run_dir)
+    assert wider.returncode == 2, wider.describe()
+    assert "was not written by this script and model: model is {" in wider.output, wider.describe()
+
+    other_script = run_script(FSDP2, [*SHORT_ARGS, "--resume-from", str(newest)], tmp_path / "other")
+    assert other_script.returncode == 2, other_script.describe()
+    assert f"script is '{script}' there, '{FSDP2}' here" in other_script.output, other_script.describe()
+
+    truncate(newest)
+    before[str(newest.relative_to(run_dir))] = hashlib.sha256(newest.read_bytes()).hexdigest()
+    damaged = run_script(script, [*SHORT_ARGS, "--resume"], run_dir)
+    assert damaged.returncode == 2, damaged.describe()
+    assert f"checkpoint {newest} cannot be loaded (RuntimeError: " in damaged.output, damaged.describe()
+    assert f"resume from it with --resume-from {previous}." in damaged.output, damaged.describe()
+    assert "Traceback" not in damaged.output, damaged.describe()
+    assert file_digests(run_dir) == before, "a refused resume must change nothing"
