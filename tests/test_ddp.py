@@ -20,7 +20,7 @@ def first_and_last_train_loss(metrics: list[dict]) -> tuple[float, float]:
     return losses[0], losses[-1]
 
 
-@pytest.mark.parametrize("nproc", [None, 2, 3], ids=["python", "torchrun-2", "torchrun-3"])
+@pytest.mark.parametrize("nproc", [None, 3], ids=["python", "torchrun-3"])
 def test_mnist_trains(nproc: int | None, mnist_dir: Path, tmp_path: Path) -> None:
     run = run_script(MNIST, [*MNIST_ARGS, "--data-dir", str(mnist_dir)], tmp_path, nproc=nproc).check()
     final = run.final()
@@ -42,13 +42,13 @@ def check_metrics_contract(run: Run, world_size: int) -> None:
     assert [record["step"] for record in train_records][:3] == [10, 20, 30]
     for record in train_records:
         assert {"step", "epoch", "loss", "grad_norm", "lr", "samples_per_s", "step_ms"} <= record.keys()
-    assert [record["epoch"] for record in run.events("eval")] == [1, 2, 3]
+    assert [record["epoch"] for record in run.events("eval")] == [1, 2]
     assert {"step", "loss", "accuracy", "samples"} <= run.events("eval")[-1].keys()
     final = run.final()
     expected = {"script", "strategy", "world_size", "global_batch_size", "steps", "eval_loss", "accuracy",
                 "eval_samples", "peak_memory_bytes", "wall_s", "local_state_bytes"}  # fmt: skip
     assert expected <= final.keys()
-    assert final["steps"] == train_records[-1]["step"] == 3 * (3000 // (32 * world_size))
+    assert final["steps"] == train_records[-1]["step"] == 2 * (3000 // (32 * world_size))
     assert final["peak_memory_bytes"] > 0
     tensors = list(MnistNet().parameters())
     parameters = sum(p.numel() for p in tensors)
@@ -61,9 +61,9 @@ def check_metrics_contract(run: Run, world_size: int) -> None:
     }
 
 
-@pytest.mark.parametrize("nproc", [None, 2, 3], ids=["python", "torchrun-2", "torchrun-3"])
-def test_transformer_trains_close_to_floor(nproc: int | None, tmp_path: Path) -> None:
-    run = run_script(TRANSFORMER, CONVERGE_ARGS, tmp_path, nproc=nproc).check()
+def test_transformer_trains_close_to_floor(tmp_path: Path) -> None:
+    """One process; the default run below trains at 2, and test_equivalence.py shows 3 and 4 train the same."""
+    run = run_script(TRANSFORMER, CONVERGE_ARGS, tmp_path).check()
     final = run.final()
     first, last = first_and_last_train_loss(run.metrics())
     assert last < first - 0.8, run.describe()

@@ -52,7 +52,6 @@ MNIST_CASES = [
 TRANSFORMER_CASES = [
     ("ddp-2", "ddp/train_transformer.py", 2, [], None),
     ("ddp-3", "ddp/train_transformer.py", 3, [], None),
-    ("ddp-4", "ddp/train_transformer.py", 4, [], None),
     ("ddp-2x2-accum", "ddp/train_transformer.py", 2, ["--grad-accum-steps", "2"], None),
     # 1/N of the state plus the padding that makes each unit's flat shard even.
     ("fsdp1-full_shard-2", "fsdp/train_transformer.py", 2, ["--sharding-strategy", "full_shard"], 0.55),
