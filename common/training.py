@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from common.distributed import DistContext, FatalError, max_over_ranks, print0
+from common.distributed import DistContext, FatalError, all_ranks_agree, max_over_ranks, print0
 from common.metrics import MetricsLog, max_state_bytes, peak_memory_bytes, progress_line
 
 
@@ -37,6 +37,21 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return LambdaLR(optimizer, factor)
+
+
+def stop_if_loss_is_not_finite(loss: torch.Tensor, step: int, ctx: DistContext) -> None:
+    """Stop every rank, before the optimizer step, if the loss is NaN or infinite on any rank.
+
+    Checked before the step so that the weights (and any checkpoint saved
+    later) never hold what a non-finite loss would do to them.
+    """
+    if not all_ranks_agree(bool(torch.isfinite(loss).all()), ctx.device):
+        raise FatalError(
+            f"the training loss is not finite (NaN or inf) at step {step}; stopped before the optimizer "
+            "applied it, and no checkpoint was written after it. Lower --lr, clip gradients (--grad-clip), "
+            "or resume from an earlier checkpoint with --resume-from",
+            exit_code=1,
+        )
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:

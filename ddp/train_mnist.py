@@ -43,7 +43,7 @@ from common.evaluation import evaluate_classifier
 from common.metrics import MetricsLog
 from common.models import MnistNet
 from common.preemption import StopRequest
-from common.training import ProgressReporter, finish_run, plan_total_steps
+from common.training import ProgressReporter, finish_run, plan_total_steps, stop_if_loss_is_not_finite
 
 
 def parse_args(argv: list[str] | None = None):
@@ -127,6 +127,7 @@ def train(args, ctx: DistContext) -> None:
                     loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()
+            stop_if_loss_is_not_finite(step_loss, step + 1, ctx)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
@@ -154,6 +155,7 @@ def train(args, ctx: DistContext) -> None:
         ctx,
         model,
         optimizer,
+        progress=progress,
         script="ddp/train_mnist.py",
         strategy="ddp",
         global_batch_size=global_batch,

@@ -46,7 +46,7 @@ from common.metrics import MetricsLog
 from common.models import GPT, count_parameters
 from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
-from common.training import ProgressReporter, finish_run, plan_total_steps, warmup_cosine
+from common.training import ProgressReporter, finish_run, plan_total_steps, stop_if_loss_is_not_finite, warmup_cosine
 
 
 def parse_args(argv: list[str] | None = None):
@@ -140,6 +140,7 @@ def train(args, ctx: DistContext) -> None:
                     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / args.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()
+            stop_if_loss_is_not_finite(step_loss, step + 1, ctx)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
@@ -173,6 +174,7 @@ def train(args, ctx: DistContext) -> None:
         ctx,
         model,
         optimizer,
+        progress=progress,
         script="ddp/train_transformer.py",
         strategy="ddp",
         global_batch_size=global_batch,

@@ -54,7 +54,7 @@ from common.evaluation import evaluate_classifier
 from common.metrics import MetricsLog
 from common.models import MnistNet
 from common.preemption import StopRequest
-from common.training import ProgressReporter, finish_run, plan_total_steps
+from common.training import ProgressReporter, finish_run, plan_total_steps, stop_if_loss_is_not_finite
 
 
 def parse_args(argv: list[str] | None = None):
@@ -153,6 +153,7 @@ def train(args, ctx: DistContext) -> None:
                     loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()
+            stop_if_loss_is_not_finite(step_loss, step + 1, ctx)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
             # DISTRIBUTED: each rank holds only part of the gradients; FSDP's own
@@ -184,6 +185,7 @@ def train(args, ctx: DistContext) -> None:
         ctx,
         model,
         optimizer,
+        progress=progress,
         script="fsdp/train_mnist.py",
         strategy="fsdp1_full_shard",
         global_batch_size=global_batch,

@@ -68,7 +68,7 @@ from common.metrics import MetricsLog
 from common.models import GPT, Block, count_parameters
 from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
-from common.training import ProgressReporter, finish_run, plan_total_steps, warmup_cosine
+from common.training import ProgressReporter, finish_run, plan_total_steps, stop_if_loss_is_not_finite, warmup_cosine
 
 LOW_PRECISION = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
@@ -237,6 +237,7 @@ def train(args, ctx: DistContext) -> None:
                     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
                     scaler.scale(loss).backward()
                 step_loss += loss.detach()
+            stop_if_loss_is_not_finite(step_loss, step + 1, ctx)  # DISTRIBUTED: every rank stops, or none
             scaler.unscale_(optimizer)
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
@@ -276,6 +277,7 @@ def train(args, ctx: DistContext) -> None:
         ctx,
         model,
         optimizer,
+        progress=progress,
         script="fsdp/train_transformer.py",
         strategy=f"fsdp1_{args.sharding_strategy}",
         mixed_precision=args.mixed_precision,

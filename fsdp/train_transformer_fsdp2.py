@@ -63,7 +63,7 @@ from common.metrics import MetricsLog
 from common.models import GPT, Block, count_parameters
 from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
-from common.training import ProgressReporter, finish_run, plan_total_steps, warmup_cosine
+from common.training import ProgressReporter, finish_run, plan_total_steps, stop_if_loss_is_not_finite, warmup_cosine
 
 
 def parse_args(argv: list[str] | None = None):
@@ -212,6 +212,7 @@ def train(args, ctx: DistContext) -> None:
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
                 loss.backward()
                 step_loss += loss.detach()
+            stop_if_loss_is_not_finite(step_loss, step + 1, ctx)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
             # DISTRIBUTED: the gradients are DTensor slices; clip_grad_norm_
@@ -255,6 +256,7 @@ def train(args, ctx: DistContext) -> None:
         ctx,
         model,
         optimizer,
+        progress=progress,
         script="fsdp/train_transformer_fsdp2.py",
         strategy="fsdp2" if args.replicate_degree == 1 else "fsdp2_hsdp",
         mixed_precision=args.mixed_precision,

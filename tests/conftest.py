@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,12 +96,12 @@ def script_command(script: str, args: list[str], run_dir: Path, nproc: int | Non
     return [*launcher, *wrapper, script, "--device", "cpu", "--dist-timeout", "60", "--run-dir", str(run_dir), *args]
 
 
-def start(command: list[str]) -> subprocess.Popen:
+def start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     # Its own session, so that a hang can be killed whole: torchrun and every worker.
     return subprocess.Popen(
         command,
         cwd=REPO,
-        env=clean_env(),
+        env=env or clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -135,6 +137,32 @@ def run_script(
 PROGRESS_LINE = re.compile(r"^step +(\d+)/")
 
 
+def run_watching(
+    command: list[str], run_dir: Path, at_step: int, action: Callable[[subprocess.Popen], None], **options: Any
+) -> Run:
+    """Run ``command``, reading its output as it comes, and call ``action(process)`` once when the
+    progress line reports step ``at_step``. ``options``: ``env``, ``timeout`` (seconds, 240)."""
+    timeout = options.get("timeout", 240)
+    process = start(command, options.get("env"))
+    deadline = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))
+    deadline.start()
+    lines: list[str] = []
+    try:
+        for line in process.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            match = PROGRESS_LINE.match(line)
+            if match and int(match.group(1)) == at_step:
+                action(process)
+        process.wait()
+    finally:
+        timed_out = not deadline.is_alive()
+        deadline.cancel()
+    output = "".join(lines)
+    if timed_out:
+        pytest.fail(f"timed out after {timeout} s\n$ {' '.join(command)}\n--- output ---\n{output}")
+    return Run(command, process.returncode, output, run_dir)
+
+
 def run_until_stopped(
     script: str, args: list[str], run_dir: Path, nproc: int | None, stop_after: int, timeout: float = 240
 ) -> Run:
@@ -145,24 +173,7 @@ def run_until_stopped(
     read the step it stopped at from the PREEMPTED marker.
     """
     command = script_command(script, args, run_dir, nproc, [])
-    process = start(command)
-    deadline = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))
-    deadline.start()
-    lines: list[str] = []
-    try:
-        for line in process.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            match = PROGRESS_LINE.match(line)
-            if match and int(match.group(1)) == stop_after:
-                (run_dir / "STOP").touch()
-        process.wait()
-    finally:
-        timed_out = not deadline.is_alive()
-        deadline.cancel()
-    output = "".join(lines)
-    if timed_out:
-        pytest.fail(f"timed out after {timeout} s\n$ {' '.join(command)}\n--- output ---\n{output}")
-    return Run(command, process.returncode, output, run_dir)
+    return run_watching(command, run_dir, stop_after, lambda _: (run_dir / "STOP").touch(), timeout=timeout)
 
 
 @pytest.fixture(scope="session")

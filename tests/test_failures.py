@@ -1,0 +1,52 @@
+"""When a rank fails mid-training, the job ends fast, says which rank, and keeps the last checkpoint.
+
+Faults are injected into rank 1 by tests/inject_fault.py: an exception and a
+SIGKILL at step 3 (the other rank would otherwise wait in a collective until
+--dist-timeout), and a NaN loss at step 3.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.checkpoint import complete_checkpoints
+from tests.conftest import run_script
+
+SCRIPT = "ddp/train_transformer.py"
+ARGS = [
+    *("--max-steps", "20", "--log-interval", "1", "--block-size", "32", "--train-sequences", "320"),
+    *("--heldout-sequences", "40", "--checkpoint-interval", "2"),
+]
+# torchrun's summary of a failed job names the global rank that failed first.
+FAILED_RANK_LINE = "rank      : 1 (local_rank: 1)"
+
+
+@pytest.mark.parametrize("fault", ["raise", "sigkill"])
+def test_a_failing_rank_ends_the_job_within_a_minute_and_is_named(fault: str, tmp_path: Path) -> None:
+    began = time.monotonic()
+    run = run_script(SCRIPT, ARGS, tmp_path / "run", nproc=2, wrapper=["tests/inject_fault.py", fault], timeout=120)
+    elapsed = time.monotonic() - began
+    assert run.returncode != 0, run.describe()
+    assert elapsed < 60, f"took {elapsed:.0f} s\n{run.describe()}"
+    assert FAILED_RANK_LINE in run.output, run.describe()
+    if fault == "raise":
+        assert "RuntimeError: injected failure on rank 1 at step 3" in run.output, run.describe()
+    else:
+        assert "Signal 9 (SIGKILL)" in run.output, run.describe()
+
+
+def test_non_finite_loss_stops_before_the_step_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run = run_script(SCRIPT, ARGS, run_dir, nproc=2, wrapper=["tests/inject_fault.py", "nan"])
+    assert run.returncode != 0, run.describe()
+    message = "the training loss is not finite (NaN or inf) at step 3; stopped before the optimizer applied it"
+    assert run.output.count(message) == 1, run.describe()
+    (checkpoint,) = complete_checkpoints(run_dir)
+    assert checkpoint.name == "step-2.pt"
+    saved = torch.load(checkpoint, weights_only=True)
+    assert all(torch.isfinite(tensor).all() for tensor in saved["model"].values())
+    assert [record["step"] for record in run.events("train")] == [1, 2]
