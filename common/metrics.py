@@ -11,9 +11,15 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from common.distributed import DistContext, max_over_ranks
+from common.models import GPT
+
+# Dense bf16 tensor-core peaks from NVIDIA's data sheets, per GPU, for MFU. More specific names
+# first: "H100 PCIe" must not match the SXM part's figure. MFU_PEAK_TFLOPS overrides the table.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0}
 
 
 class MetricsLog:
@@ -101,3 +107,54 @@ def max_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Dis
     local = local_state_bytes(model, optimizer)
     largest = max_over_ranks([float(v) for v in local.values()], ctx.device)
     return {key: int(value) for key, value in zip(local, largest, strict=True)}
+
+
+def shard_group_size(model: nn.Module) -> int:
+    """Ranks that share one copy of the model state: 1 when every rank holds all of it (DDP, no_shard)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    if isinstance(model, FullyShardedDataParallel):
+        if model.sharding_strategy == ShardingStrategy.NO_SHARD:
+            return 1
+        # For hybrid_shard this is the group inside one replica, not the world.
+        return dist.get_world_size(model.process_group)
+    for param in model.parameters():
+        placements = getattr(param, "placements", None)  # FSDP2: a DTensor on a 1-D or 2-D (HSDP) mesh
+        if placements is not None:
+            sizes = param.device_mesh.mesh.shape
+            return math.prod(size for size, placement in zip(sizes, placements, strict=True) if placement.is_shard())
+    return 1
+
+
+def transformer_flops_per_token(model: nn.Module) -> float | None:
+    """Training FLOPs per token of the GPT inside ``model`` (None if there is none).
+
+    6 per weight that multiplies (2 forward, 4 backward), plus attention's
+    scores and weighted sum, 12 x layers x width x sequence length (the PaLM
+    paper's estimate). Embedding lookups multiply nothing, so they are left out.
+    """
+    gpt = next((module for module in model.modules() if isinstance(module, GPT)), None)
+    if gpt is None:
+        return None
+    config = gpt.config
+    # Sharded models hold only part of each weight: count a copy that takes no memory.
+    with torch.device("meta"):
+        whole = GPT(config)
+    lookups = whole.tok_emb.weight.numel() + whole.pos_emb.weight.numel()
+    weights = sum(p.numel() for p in whole.parameters()) - lookups
+    return 6 * weights + 12 * config.n_layer * config.d_model * config.block_size
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of one GPU, or None on CPU and on GPUs the table does not know."""
+    if device.type != "cuda":
+        return None
+    if "MFU_PEAK_TFLOPS" in os.environ:
+        return float(os.environ["MFU_PEAK_TFLOPS"]) * 1e12
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def model_flops_utilization(flops_per_token: float, tokens_per_s: float, peak_per_gpu: float, gpus: int) -> float:
+    """The share of the GPUs' peak that the model's own arithmetic used (recomputation does not count)."""
+    return flops_per_token * tokens_per_s / (peak_per_gpu * gpus)

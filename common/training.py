@@ -12,7 +12,16 @@ import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from common.distributed import DistContext, FatalError, all_ranks_agree, max_over_ranks, print0
-from common.metrics import MetricsLog, max_state_bytes, peak_memory_bytes, progress_line
+from common.metrics import (
+    MetricsLog,
+    max_state_bytes,
+    model_flops_utilization,
+    peak_flops,
+    peak_memory_bytes,
+    progress_line,
+    shard_group_size,
+    transformer_flops_per_token,
+)
 
 
 def plan_total_steps(steps_per_epoch: int, epochs: int | None, max_steps: int | None) -> int:
@@ -75,6 +84,8 @@ class ProgressReporter:
         self.unit = unit  # "samples" or "tokens"
         self._last_time = time.perf_counter()
         self._last_step = first_step  # a resumed run starts counting at its checkpoint
+        self._steps = 0
+        self._seconds = 0.0
 
     def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         """``grad_norm`` is the global norm, already the same on every rank."""
@@ -85,6 +96,8 @@ class ProgressReporter:
         rate = self.items_per_step * steps / elapsed
         step_ms = 1000 * elapsed / steps
         self._last_time, self._last_step = now, step
+        self._steps += steps
+        self._seconds += elapsed
         norm = grad_norm.item()
         self.log.write(
             "train",
@@ -101,23 +114,67 @@ class ProgressReporter:
             progress_line(step, self.total_steps, epoch, mean_loss, norm, lr, f"{rate:9.0f} {short_unit}/s", step_ms)
         )
 
+    def throughput(self) -> dict[str, float]:
+        """Global items per second and mean step time over every step this run trained; empty if none.
+
+        Measured from report to report, so evaluations and checkpoints between
+        two reports count, as they do for whoever waits for the run.
+        """
+        if self._steps == 0:
+            return {}
+        return {
+            f"{self.unit}_per_s": self.items_per_step * self._steps / self._seconds,
+            "step_ms": 1000 * self._seconds / self._steps,
+        }
+
+
+def throughput_fields(progress: ProgressReporter | None, model: nn.Module, ctx: DistContext) -> dict[str, float]:
+    """Throughput and, for the transformer on a GPU whose peak is known, MFU."""
+    fields = progress.throughput() if progress is not None else {}
+    peak = peak_flops(ctx.device)
+    flops_per_token = transformer_flops_per_token(model) if peak is not None else None
+    if "tokens_per_s" in fields and flops_per_token is not None:
+        fields["mfu"] = model_flops_utilization(flops_per_token, fields["tokens_per_s"], peak, ctx.world_size)
+    return fields
+
 
 def finish_run(
     log: MetricsLog,
     ctx: DistContext,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
+    progress: ProgressReporter | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
     """Write the final record (memory figures are the largest over ranks) and print a summary."""
     state_bytes = max_state_bytes(model, optimizer, ctx)
     (peak,) = max_over_ranks([float(peak_memory_bytes(ctx.device))], ctx.device)
-    record = {**fields, "world_size": ctx.world_size, "local_state_bytes": state_bytes, "peak_memory_bytes": int(peak)}
+    record = {
+        **fields,
+        "world_size": ctx.world_size,
+        "shard_group_size": shard_group_size(model),
+        "local_state_bytes": state_bytes,
+        "peak_memory_bytes": int(peak),
+        **throughput_fields(progress, model, ctx),
+    }
     log.write("final", **record)
-    mib = 2**20
-    print0(
-        f"done: {record['steps']} steps in {record['wall_s']:.1f} s | eval loss {record['eval_loss']:.4f} | "
-        f"per-rank params/grads/optimizer {state_bytes['params'] / mib:.1f}/{state_bytes['grads'] / mib:.1f}/"
-        f"{state_bytes['optimizer'] / mib:.1f} MiB | peak memory {peak / mib:.0f} MiB"
-    )
+    print0(summary_line(record))
     return record
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    mib = 2**20
+    state = record["local_state_bytes"]
+    parts = [
+        f"done: {record['steps']} steps in {record['wall_s']:.1f} s",
+        f"eval loss {record['eval_loss']:.4f}",
+        f"per-rank params/grads/optimizer {state['params'] / mib:.1f}/{state['grads'] / mib:.1f}/"
+        f"{state['optimizer'] / mib:.1f} MiB",
+        f"peak memory {record['peak_memory_bytes'] / mib:.0f} MiB",
+    ]
+    for unit, short in (("tokens", "tok"), ("samples", "img")):
+        if f"{unit}_per_s" in record:
+            parts.append(f"{record[f'{unit}_per_s']:.0f} {short}/s")
+    if "mfu" in record:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    return " | ".join(parts)
