@@ -1,0 +1,203 @@
+"""Train the transformer under DDP and every FSDP mode, and show what each rank holds.
+
+    python -m common.compare_strategies --model tiny --world-sizes 1 2 4
+    python -m common.compare_strategies --model small --world-sizes 2 4 --steps 50 --png memory.png
+    python -m common.compare_strategies --world-sizes 4 --strategies ddp fsdp2 -- --batch-size 8
+
+Each configuration runs through torchrun for a few steps; its final metrics.jsonl record gives the
+per-rank bytes of parameters, gradients and optimizer state (the rank holding the most), the peak
+memory and the throughput. Beside each model-state figure, in parentheses, is what
+``common.estimate_memory`` predicts from the shapes in the run's model.pt. Hybrid modes need an
+even world size of at least 4 (2 replicas of at least 2 shards) and are skipped elsewhere.
+Arguments after ``--`` go to every training script unchanged, after (so overriding) the ones this
+command passes: --device, --model, --max-steps, --log-interval, --eval-interval, and a smaller
+synthetic data set (--train-sequences 2000 --heldout-sequences 200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.estimate_memory import LAYOUTS, between_steps
+
+REPO = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str  # as the script writes it in the final record's "strategy"
+    script: str
+    flags: tuple[str, ...] = ()
+    hybrid: bool = False
+
+    def runs_at(self, world_size: int) -> bool:
+        return not self.hybrid or (world_size >= 4 and world_size % 2 == 0)
+
+
+STRATEGIES = [
+    Strategy("ddp", "ddp/train_transformer.py"),
+    Strategy("fsdp1_full_shard", "fsdp/train_transformer.py", ("--sharding-strategy", "full_shard")),
+    Strategy("fsdp1_shard_grad_op", "fsdp/train_transformer.py", ("--sharding-strategy", "shard_grad_op")),
+    Strategy(
+        "fsdp1_hybrid_shard",
+        "fsdp/train_transformer.py",
+        ("--sharding-strategy", "hybrid_shard", "--replicate-degree", "2"),
+        hybrid=True,
+    ),
+    Strategy("fsdp2", "fsdp/train_transformer_fsdp2.py"),
+    Strategy("fsdp2_hsdp", "fsdp/train_transformer_fsdp2.py", ("--replicate-degree", "2"), hybrid=True),
+]
+
+
+def launch(strategy: Strategy, world_size: int, run_dir: Path, common_flags: list[str]) -> dict:
+    """One torchrun; the final record of its metrics.jsonl. Exits with the run's output if it fails."""
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"),
+        strategy.script,
+        *strategy.flags,
+        *("--run-dir", str(run_dir)),
+        *common_flags,
+    ]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share this machine's cores
+    print(f"$ {' '.join(command)}", flush=True)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{strategy.name} at {world_size} failed (exit code {done.returncode}):\n{done.stdout}{done.stderr}")
+    return final_record(run_dir)
+
+
+def final_record(run_dir: Path) -> dict:
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    (record,) = [r for r in map(json.loads, lines) if r["event"] == "final"]
+    return record
+
+
+def parameter_shapes(run_dir: Path) -> list[tuple[int, ...]]:
+    """The shapes of the whole model's parameters, from the plain state dict every run saves."""
+    state = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True, mmap=True)
+    return [tuple(tensor.shape) for tensor in state.values()]
+
+
+def _mib(measured: int, estimated: int) -> str:
+    return f"{measured / MIB:.3f} ({estimated / MIB:.3f})"
+
+
+def markdown_table(runs: Sequence[tuple[dict, Sequence[Sequence[int]]]]) -> str:
+    """One row per (final record, parameter shapes); measured values with the estimate in parentheses."""
+    ddp_totals = {
+        record["world_size"]: sum(record["local_state_bytes"].values())
+        for record, _ in runs
+        if record["strategy"] == "ddp"
+    }
+    lines = [
+        "| strategy | ranks | ranks per copy | params MiB | grads MiB | optimizer MiB | model state MiB "
+        "| vs DDP | peak memory MiB | step ms | tokens/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for record, shapes in runs:
+        held = record["local_state_bytes"]
+        predicted = between_steps(shapes, record["shard_group_size"], LAYOUTS[record["strategy"]])
+        total = sum(held.values())
+        ddp_total = ddp_totals.get(record["world_size"])
+        ratio = f"{total / ddp_total:.2f}" if ddp_total else "n/a"
+        step_ms = f"{record['step_ms']:.1f}" if "step_ms" in record else "n/a"
+        rate = f"{record['tokens_per_s']:.0f}" if "tokens_per_s" in record else "n/a"
+        lines.append(
+            f"| {record['strategy']} | {record['world_size']} | {record['shard_group_size']} "
+            f"| {_mib(held['params'], predicted.params)} | {_mib(held['grads'], predicted.grads)} "
+            f"| {_mib(held['optimizer'], predicted.optimizer)} | {_mib(total, predicted.total)} | {ratio} "
+            f"| {record['peak_memory_bytes'] / MIB:.0f} | {step_ms} | {rate} |"
+        )
+    return "\n".join(lines)
+
+
+def bar_chart(runs: Sequence[tuple[dict, Sequence[Sequence[int]]]], path: Path) -> bool:
+    """Measured and estimated model state per rank as bars; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [f"{record['strategy']}\n{record['world_size']} ranks" for record, _ in runs]
+    measured = [sum(record["local_state_bytes"].values()) / MIB for record, _ in runs]
+    estimated = [
+        between_steps(shapes, record["shard_group_size"], LAYOUTS[record["strategy"]]).total / MIB
+        for record, shapes in runs
+    ]
+    positions = range(len(runs))
+    figure, axes = plt.subplots(figsize=(max(6, 0.9 * len(runs)), 4))
+    axes.bar([x - 0.2 for x in positions], measured, width=0.4, label="measured")
+    axes.bar([x + 0.2 for x in positions], estimated, width=0.4, label="estimated")
+    axes.set_xticks(list(positions), labels, rotation=60, ha="right", fontsize=7)
+    axes.set_ylabel("model state per rank (MiB)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return True
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    argv = sys.argv[1:] if argv is None else argv
+    passed_on = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="tiny", help="the scripts' --model preset (default: %(default)s)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4], metavar="N")
+    parser.add_argument(
+        "--strategies", nargs="+", choices=[s.name for s in STRATEGIES], default=[s.name for s in STRATEGIES]
+    )
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default: %(default)s)")
+    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/compare_strategies"))
+    parser.add_argument("--png", type=Path, help="also draw a bar chart here (needs matplotlib)")
+    args = parser.parse_args(own)
+    if args.steps < 1 or min(args.world_sizes) < 1:
+        parser.error("--steps and --world-sizes must be positive")
+    return args, passed_on
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, passed_on = parse_args(argv)
+    common_flags = [
+        *("--device", args.device, "--model", args.model, "--max-steps", str(args.steps)),
+        *("--log-interval", str(max(1, args.steps // 4)), "--eval-interval", str(args.steps)),
+        # Memory and speed do not depend on how much data there is; generating less starts faster.
+        *("--train-sequences", "2000", "--heldout-sequences", "200"),
+        *passed_on,  # last, so that they win over the flags above
+    ]
+    runs = []
+    for world_size in args.world_sizes:
+        for strategy in STRATEGIES:
+            if strategy.name in args.strategies and strategy.runs_at(world_size):
+                run_dir = args.out_dir / f"{strategy.name}-{world_size}"
+                runs.append((launch(strategy, world_size, run_dir, common_flags), parameter_shapes(run_dir)))
+    print()
+    print(markdown_table(runs))
+    print(
+        "\nmeasured (estimated): bytes held between steps by the rank that holds the most; the estimate is "
+        "common.estimate_memory's.\npeak memory: CUDA's peak allocation on a GPU; on CPU the process's peak "
+        "resident set, Python and torch included."
+    )
+    if args.png is not None:
+        drawn = bar_chart(runs, args.png)
+        print(f"chart: {args.png}" if drawn else "no chart: matplotlib is not installed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""How much memory each rank needs for the model state, under DDP and each FSDP strategy.
+
+    python -m common.estimate_memory --params 7e9 --world-size 8 --gpu-memory 80
+    python -m common.estimate_memory --params 1e9 7e9 70e9 --world-size 16 --shard-group-size 8 --precision bf16
+
+The optimizer is AdamW, as in every transformer script here. Per parameter, in bytes:
+
+    held between steps (what the runs' "local_state_bytes" measures), on each rank
+        DDP, no_shard          4 params + 4 grads + 8 Adam moments = 16 P
+        full_shard, FSDP2      16 P / N                      N = ranks sharing one copy (the world size)
+        shard_grad_op          16 P / N                      PyTorch reshards it after backward too
+        hybrid_shard, HSDP     16 P / M                      M = --shard-group-size (ranks per replica)
+      plus 4 bytes per parameter tensor for AdamW's "step" count.
+
+bf16 mixed precision changes none of these: the scripts keep fp32 master weights, reduce gradients
+in fp32 (``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``) and keep Adam's moments in fp32;
+only the copies gathered for computing are bf16. Those gathered copies are the second term:
+
+    in flight during a step (c = 2 bytes for bf16 compute, 4 for fp32)
+        DDP                    0: with gradient_as_bucket_view=True, as the scripts use it, gradients are
+                               views into the all-reduce buckets (without it the buckets add 4P);
+                               with bf16 autocast, 2P of cached bf16 weight copies
+        full_shard, hybrid     2 units x (c + 4) x P / layers: the unit computing and the one prefetched,
+                               each with its weights and its unsharded gradient before reduce-scatter
+        shard_grad_op          c x P (every unit stays gathered from forward to backward)
+                               + 1 unit x 4 x P / layers of unsharded gradient
+
+Activations are not included: they depend on batch, sequence length, width and activation
+checkpointing, and often dominate. What is left of the GPU after the model state is printed as the
+room for them. The paper's ZeRO-2 (4P + 12P/N in fp32 terms) keeps whole parameters between steps;
+PyTorch's SHARD_GRAD_OP does not, so its between-steps figure equals full_shard's and its cost
+shows up in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+FP32 = 4
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, both fp32
+ADAM_STEP_BYTES = 4  # one float32 scalar per parameter tensor
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
+PREFETCHED_UNITS = 2  # the unit computing and the next one, gathered ahead of time
+GIB = 2**30
+
+STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
+# How each training script's "strategy" field shards its state: "replicated" (every rank holds it
+# all), "flat" (FSDP1: each unit's parameters flattened and cut into equal pieces), or "dim0"
+# (FSDP2: every parameter cut along its first dimension, the first ranks taking the larger pieces).
+LAYOUTS = {
+    "ddp": "replicated",
+    "fsdp1_no_shard": "replicated",
+    "fsdp1_full_shard": "flat",
+    "fsdp1_shard_grad_op": "flat",
+    "fsdp1_hybrid_shard": "flat",
+    "fsdp2": "dim0",
+    "fsdp2_hsdp": "dim0",
+}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model state one rank holds, by kind."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def as_dict(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+
+
+def largest_shard_numel(shapes: Iterable[Sequence[int]], shard_group: int, layout: str) -> int:
+    """Parameter elements held by the rank that holds the most.
+
+    FSDP1 pads each unit's flat parameter to a multiple of the group size; the
+    padding (fewer than ``shard_group`` elements per unit) is not counted here,
+    and it is not a parameter either, so the runs do not count it.
+    """
+    shapes = [tuple(shape) for shape in shapes]
+    if layout == "replicated" or shard_group == 1:
+        return sum(math.prod(shape) for shape in shapes)
+    if layout == "flat":
+        return math.ceil(sum(math.prod(shape) for shape in shapes) / shard_group)
+    if layout == "dim0":
+        # torch.chunk's rule: pieces of ceil(rows / group) rows, so rank 0's is never smaller.
+        return sum(math.ceil(shape[0] / shard_group) * math.prod(shape[1:]) for shape in shapes if shape)
+    raise ValueError(f"unknown layout {layout!r}; expected replicated, flat or dim0")
+
+
+def between_steps(shapes: Iterable[Sequence[int]], shard_group: int, layout: str) -> StateBytes:
+    """AdamW model state a rank holds between two steps: fp32 weights, grads and moments of its shard."""
+    shapes = list(shapes)
+    numel = largest_shard_numel(shapes, shard_group, layout)
+    return StateBytes(
+        params=FP32 * numel,
+        grads=FP32 * numel,
+        optimizer=ADAM_MOMENTS * FP32 * numel + ADAM_STEP_BYTES * len(shapes),
+    )
+
+
+def in_flight_bytes(strategy: str, params: float, layers: int, precision: str) -> float:
+    """Rough extra bytes gathered during a step, on top of ``between_steps`` (see the module docstring)."""
+    compute = COMPUTE_BYTES[precision]
+    unit = params / layers
+    if strategy == "ddp":
+        return compute * params if precision == "bf16" else 0.0
+    if strategy in ("full_shard", "hybrid_shard"):
+        return PREFETCHED_UNITS * (compute + FP32) * unit
+    if strategy == "shard_grad_op":
+        return compute * params + FP32 * unit
+    raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    params: float
+    strategy: str
+    shard_group: int
+    state: StateBytes
+    in_flight: float
+
+    @property
+    def peak(self) -> float:
+        return self.state.total + self.in_flight
+
+
+def shard_group_for(strategy: str, world_size: int, hybrid_group: int) -> int:
+    return {"ddp": 1, "full_shard": world_size, "shard_grad_op": world_size, "hybrid_shard": hybrid_group}[strategy]
+
+
+def estimate_all(params: float, world_size: int, hybrid_group: int, layers: int, precision: str) -> list[Estimate]:
+    """One estimate per strategy for a model of ``params`` parameters, counted as one flat tensor."""
+    count = round(params)
+    estimates = []
+    for strategy in STRATEGIES:
+        group = shard_group_for(strategy, world_size, hybrid_group)
+        layout = "replicated" if group == 1 else "flat"
+        state = between_steps([(count,)], group, layout)
+        estimates.append(Estimate(count, strategy, group, state, in_flight_bytes(strategy, count, layers, precision)))
+    return estimates
+
+
+def count_label(params: float) -> str:
+    """7e9 -> '7B', 1.3e8 -> '130M': how model sizes are usually named."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if params >= scale:
+            return f"{params / scale:.3g}{suffix}"
+    return f"{params:.0f}"
+
+
+def estimate_table(estimates: Sequence[Estimate], gpu_bytes: float) -> str:
+    """A markdown table: per-rank state between steps, in flight, and what is left for activations."""
+    lines = [
+        "| parameters | strategy | ranks per copy | params GiB | grads GiB | optimizer GiB | between steps GiB "
+        "| in flight GiB (rough) | peak model state GiB | left for activations GiB | model state fits |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for e in estimates:
+        left = gpu_bytes - e.peak
+        lines.append(
+            f"| {count_label(e.params)} | {e.strategy} | {e.shard_group} | {e.state.params / GIB:.1f} "
+            f"| {e.state.grads / GIB:.1f} | {e.state.optimizer / GIB:.1f} | {e.state.total / GIB:.1f} "
+            f"| {e.in_flight / GIB:.1f} | {e.peak / GIB:.1f} | {left / GIB:.1f} | {'yes' if left > 0 else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--params",
+        type=float,
+        nargs="+",
+        required=True,
+        help="parameters in the model, e.g. 7e9 (several: one row each)",
+    )
+    parser.add_argument("--world-size", type=int, required=True, help="GPUs in the job")
+    parser.add_argument("--gpu-memory", type=float, required=True, help="memory of one GPU in GiB, e.g. 80")
+    parser.add_argument(
+        "--shard-group-size",
+        type=int,
+        help="hybrid_shard: GPUs that share one sharded copy, usually one machine's (default: gcd(world size, 8))",
+    )
+    parser.add_argument("--precision", choices=sorted(COMPUTE_BYTES), default="fp32", help="compute precision")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=32,
+        help="FSDP units (transformer blocks); one unit is params / layers (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    if min(args.params) <= 0 or args.world_size < 1 or args.gpu_memory <= 0 or args.layers < 1:
+        parser.error("--params, --world-size, --gpu-memory and --layers must be positive")
+    if args.shard_group_size is None:
+        args.shard_group_size = math.gcd(args.world_size, 8)
+    if args.shard_group_size < 1 or args.world_size % args.shard_group_size:
+        parser.error(f"--shard-group-size {args.shard_group_size} must divide --world-size {args.world_size}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    estimates = [
+        estimate
+        for params in args.params
+        for estimate in estimate_all(params, args.world_size, args.shard_group_size, args.layers, args.precision)
+    ]
+    print(
+        f"{args.world_size} GPUs of {args.gpu_memory:g} GiB, AdamW, {args.precision} compute, "
+        f"{args.layers} FSDP units, hybrid groups of {args.shard_group_size}\n"
+    )
+    print(estimate_table(estimates, args.gpu_memory * GIB))
+    print(
+        "\nbetween steps: fp32 weights, gradients and Adam moments of the rank's shard, as the runs' "
+        "local_state_bytes count them."
+        "\nin flight: units gathered and gradients not yet reduce-scattered during a step (rough)."
+        "\nActivations are NOT included: they must fit in what is left."
+    )
+
+
+if __name__ == "__main__":
+    main()

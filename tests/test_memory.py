@@ -1,0 +1,186 @@
+"""The memory estimator's formulas, the comparison table, and the FLOP count behind MFU, in process.
+
+The estimator is checked against real runs in test_equivalence.py, which
+already launches DDP and every FSDP mode; here only what needs no launch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.compare_strategies import STRATEGIES, markdown_table
+from common.estimate_memory import (
+    GIB,
+    between_steps,
+    count_label,
+    estimate_all,
+    estimate_table,
+    in_flight_bytes,
+    largest_shard_numel,
+    main,
+)
+from common.metrics import local_state_bytes, model_flops_utilization, peak_flops, transformer_flops_per_token
+from common.models import GPT, GPTConfig
+
+TINY = GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64)
+
+
+def tiny_shapes() -> list[tuple[int, ...]]:
+    return [tuple(p.shape) for p in GPT(TINY).parameters()]
+
+
+def test_one_process_adamw_state_is_predicted_exactly() -> None:
+    """A real AdamW step on the GPT: weights, gradients, two moments and a step count per tensor."""
+    model = GPT(TINY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # Any gradient makes AdamW create its state; a forward pass would only cost time.
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+
+    predicted = between_steps([tuple(p.shape) for p in model.parameters()], 1, "replicated")
+    assert local_state_bytes(model, optimizer) == predicted.as_dict()
+
+
+@pytest.mark.parametrize("group", [2, 3, 4, 5])
+def test_dim0_shards_follow_torch_chunk(group: int) -> None:
+    """FSDP2 cuts each parameter with torch.chunk along dim 0; rank 0 gets the largest piece."""
+    shapes = tiny_shapes()
+    by_chunk = sum(torch.empty(shape, device="meta").chunk(group)[0].numel() for shape in shapes)
+    assert largest_shard_numel(shapes, group, "dim0") == by_chunk
+    # Uneven rows make it more than an even split, never less.
+    assert by_chunk >= sum(math.prod(s) for s in shapes) / group
+
+
+def test_flat_shards_split_the_total_evenly() -> None:
+    shapes = [(10, 3), (7,)]  # 37 elements
+    assert largest_shard_numel(shapes, 1, "flat") == 37
+    assert largest_shard_numel(shapes, 4, "flat") == 10
+    assert largest_shard_numel(shapes, 4, "replicated") == 37
+    with pytest.raises(ValueError, match="layout"):
+        largest_shard_numel(shapes, 2, "rows")
+
+
+def test_formulas_for_seven_billion_parameters() -> None:
+    """The design's arithmetic: 16P on a DDP rank, 16P/N under full shard, 16P/M under hybrid."""
+    params = 7e9
+    by_strategy = {
+        e.strategy: e for e in estimate_all(params, world_size=8, hybrid_group=4, layers=32, precision="fp32")
+    }
+    one_step_count = 4  # AdamW's step, for the single tensor the count is modelled as
+    assert by_strategy["ddp"].state.total == 16 * params + one_step_count
+    assert by_strategy["full_shard"].state.total == 16 * params / 8 + one_step_count
+    assert by_strategy["shard_grad_op"].state == by_strategy["full_shard"].state
+    assert by_strategy["hybrid_shard"].state.total == 16 * params / 4 + one_step_count
+    assert by_strategy["ddp"].state.optimizer == 2 * by_strategy["ddp"].state.params + one_step_count
+    assert [e.shard_group for e in by_strategy.values()] == [1, 8, 8, 4]
+
+
+def test_in_flight_terms() -> None:
+    params, layers = 7e9, 32
+    unit = params / layers
+    assert in_flight_bytes("ddp", params, layers, "fp32") == 0
+    assert in_flight_bytes("ddp", params, layers, "bf16") == 2 * params  # autocast's cached bf16 weights
+    # Two units gathered (computing + prefetched), weights in the compute dtype plus an fp32 gradient.
+    assert in_flight_bytes("full_shard", params, layers, "bf16") == pytest.approx(2 * (2 + 4) * unit)
+    assert in_flight_bytes("hybrid_shard", params, layers, "fp32") == pytest.approx(2 * (4 + 4) * unit)
+    # Every unit stays gathered from forward to backward: the whole model in the compute dtype.
+    assert in_flight_bytes("shard_grad_op", params, layers, "bf16") == pytest.approx(2 * params + 4 * unit)
+    with pytest.raises(ValueError, match="strategy"):
+        in_flight_bytes("zero-4", params, layers, "fp32")
+
+
+def test_count_labels() -> None:
+    assert [count_label(n) for n in (7e9, 1.3e8, 70e9, 2.5e12, 103808, 12)] == [
+        "7B",
+        "130M",
+        "70B",
+        "2.5T",
+        "104K",
+        "12",
+    ]
+
+
+def test_estimate_table_says_what_fits() -> None:
+    estimates = estimate_all(7e9, world_size=8, hybrid_group=8, layers=32, precision="bf16")
+    lines = estimate_table(estimates, 80 * GIB).splitlines()
+    rows = {line.split("|")[2].strip(): line for line in lines[2:]}
+    assert set(rows) == {"ddp", "full_shard", "shard_grad_op", "hybrid_shard"}
+    # DDP: 16 x 7e9 bytes = 104.3 GiB before anything is gathered: it cannot fit in 80.
+    assert "| 104.3 |" in rows["ddp"] and rows["ddp"].endswith("| no |")
+    assert rows["full_shard"].endswith("| yes |")
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+
+def test_estimator_command(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--params", "1e9", "--world-size", "8", "--gpu-memory", "80"])
+    out = capsys.readouterr().out
+    assert "hybrid groups of 8" in out and "Activations are NOT included" in out
+    main(["--params", "1e9", "7e9", "--world-size", "16", "--gpu-memory", "80", "--shard-group-size", "4"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + 2 * 4  # a header, then four strategies per size
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["1B"] * 4 + ["7B"] * 4
+    assert [row.split("|")[3].strip() for row in rows[1:5]] == ["1", "16", "16", "4"]
+    with pytest.raises(SystemExit):
+        main(["--params", "1e9", "--world-size", "8", "--gpu-memory", "80", "--shard-group-size", "3"])
+
+
+def record(strategy: str, world_size: int, group: int, held: dict[str, int]) -> dict:
+    return {
+        "strategy": strategy,
+        "world_size": world_size,
+        "shard_group_size": group,
+        "local_state_bytes": held,
+        "peak_memory_bytes": 300 * 2**20,
+        "step_ms": 12.5,
+        "tokens_per_s": 61440.0,
+    }
+
+
+def test_comparison_table_from_records() -> None:
+    shapes = [(1024, 256), (256,)]  # 262400 elements
+    numel = 262400
+    ddp = between_steps(shapes, 1, "replicated").as_dict()
+    # A full shard that holds 1% more than the estimate, as padding would make it.
+    sharded = {kind: int(1.01 * value) for kind, value in between_steps(shapes, 2, "flat").as_dict().items()}
+    no_step = record("fsdp2", 2, 2, sharded)
+    del no_step["step_ms"], no_step["tokens_per_s"]  # a run that trained no steps has no throughput
+    lines = markdown_table([(record("ddp", 2, 1, ddp), shapes), (no_step, shapes)]).splitlines()
+
+    assert len(lines) == 4
+    cells = [cell.strip() for cell in lines[2].split("|")[1:-1]]
+    assert cells[:3] == ["ddp", "2", "1"]
+    params_mib = 4 * numel / 2**20
+    assert cells[3] == f"{params_mib:.3f} ({params_mib:.3f})"
+    assert cells[7:] == ["1.00", "300", "12.5", "61440"]
+    sharded_cells = [cell.strip() for cell in lines[3].split("|")[1:-1]]
+    assert sharded_cells[3] == f"{1.01 * params_mib / 2:.3f} ({params_mib / 2:.3f})"
+    assert sharded_cells[7] == "0.51"
+    assert sharded_cells[9:] == ["n/a", "n/a"]
+
+
+def test_comparison_runs_hybrid_only_where_it_can_shard_and_replicate() -> None:
+    hybrid = [s for s in STRATEGIES if s.hybrid]
+    assert {s.name for s in hybrid} == {"fsdp1_hybrid_shard", "fsdp2_hsdp"}
+    assert [n for n in range(1, 9) if hybrid[0].runs_at(n)] == [4, 6, 8]
+    assert all(s.runs_at(1) for s in STRATEGIES if not s.hybrid)
+
+
+def test_transformer_flops_per_token() -> None:
+    d, layers, seq, vocab = TINY.d_model, TINY.n_layer, TINY.block_size, TINY.vocab_size
+    # Weights that multiply, counted by hand: per block qkv 3d^2, attention out d^2 + d, MLP 8d^2 + 5d,
+    # two LayerNorms 4d; then the final LayerNorm and the head. Embedding lookups are not matmuls.
+    per_block = 12 * d * d + 10 * d
+    weights = layers * per_block + 2 * d + d * vocab
+    expected = 6 * weights + 12 * layers * d * seq
+    assert transformer_flops_per_token(GPT(TINY)) == expected
+    assert transformer_flops_per_token(torch.nn.Linear(3, 3)) is None
+
+
+def test_mfu_is_omitted_on_cpu_and_divides_by_every_gpu() -> None:
+    assert peak_flops(torch.device("cpu")) is None
+    # 1e6 FLOPs per token at 1e8 tokens/s on 2 GPUs of 1e14 FLOP/s each: half of the peak.
+    assert model_flops_utilization(1e6, 1e8, 1e14, 2) == pytest.approx(0.5)
