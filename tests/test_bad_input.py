@@ -32,6 +32,8 @@ CASES = [
     ("ddp/train_mnist.py", ["--resume", "--resume-from", "x"], "give --resume (the newest checkpoint) or"),
     (FSDP2, ["--resume-from", "runs/none/checkpoints/step-9"], "--resume-from runs/none/checkpoints/step-9: no such"),
     ("ddp/train_mnist.py", ["--resume-from", "common"], "--resume-from common: not a checkpoint"),
+    # Found once the data is loaded, inside the process group: still one message and exit code 2.
+    ("ddp/train_transformer.py", ["--train-sequences", "10"], "the training set is too small for one optimizer step"),
 ]
 
 
