@@ -257,7 +257,7 @@ class Checkpointer:
         if path.is_dir():
             trainer = self._agree(path, lambda: torch.load(path / TRAINER_FILE, weights_only=True), every_rank=True)
         else:
-            # DISTRIBUTED: only rank 0 reads the file; set_state_dict below
+            # DISTRIBUTED: only rank 0 reads the file; the set_*_state_dict calls below
             # broadcasts the tensors and every rank keeps what it needs.
             checkpoint = self._agree(
                 path, lambda: torch.load(path, map_location="cpu", weights_only=True), every_rank=False

@@ -123,8 +123,12 @@ def run_script(
     fails showing everything the child printed. ``wrapper`` goes between the
     launcher and the script (a test harness that injects a fault).
     """
-    command = script_command(script, args, run_dir, nproc, wrapper)
-    process = start(command)
+    return run_command(script_command(script, args, run_dir, nproc, wrapper), run_dir, timeout)
+
+
+def run_command(command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None) -> Run:
+    """Run ``command`` to the end; on timeout kill its whole process group and fail with its output."""
+    process = start(command, env)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROGRESS_LINE, REPO, Run, clean_env, run_watching, start
+from tests.conftest import PROGRESS_LINE, REPO, Run, clean_env, run_command, run_watching
 
 LAUNCHERS = sorted(str(path.relative_to(REPO)) for path in (REPO / "slurm").glob("*.sbatch"))
 
@@ -95,14 +95,7 @@ class Cluster:
         return ["bash", launcher, *args]
 
     def submit(self, launcher: str, args: list[str], timeout: float = 240) -> Run:
-        process = start(self.command(launcher, args), self.env)
-        try:
-            output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            pytest.fail(f"timed out after {timeout} s\n--- output ---\n{output}")
-        return Run(self.command(launcher, args), process.returncode, output, self.run_dir)
+        return run_command(self.command(launcher, args), self.run_dir, timeout, self.env)
 
     def recorded(self) -> list[str]:
         return self.log.read_text().splitlines() if self.log.exists() else []
