@@ -8,9 +8,11 @@ a SLURM job (one torchrun per node) all go through it. A plain
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import sys
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -118,6 +120,11 @@ def setup_distributed(requested_device: str, timeout_s: float) -> DistContext:
 def teardown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    # A finished model can still hold its process groups through reference cycles (FSDP's state
+    # and its modules point at each other). Collect them now: a gloo group freed later, during the
+    # interpreter's shutdown, joins worker threads that can no longer take the GIL, and the process
+    # aborts instead of exiting with its code.
+    gc.collect()
 
 
 @contextmanager
@@ -131,6 +138,9 @@ def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext
         yield setup_distributed(requested_device, timeout_s)
     except FatalError as err:
         print0(f"error: {err}", file=sys.stderr)
+        # The traceback holds the failed frames' locals, the model among them: let it go, so that
+        # teardown frees the process groups it holds (see teardown_distributed).
+        traceback.clear_frames(err.__traceback__)
         sys.exit(err.exit_code)
     finally:
         teardown_distributed()

@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import complete_checkpoints
+from common.distributed import FatalError, distributed
+from common.models import GPT, GPTConfig
 from tests.conftest import run_script
 
 SCRIPT = "ddp/train_transformer.py"
@@ -53,3 +56,28 @@ def test_non_finite_loss_stops_before_the_step_and_keeps_the_checkpoint(tmp_path
     saved = torch.load(checkpoint, weights_only=True)
     assert all(torch.isfinite(tensor).all() for tensor in saved["model"].values())
     assert [record["step"] for record in run.events("train")] == [1, 2]
+
+
+def gloo_worker_threads() -> int:
+    """Threads of this process that belong to a gloo process group (they are named by torch)."""
+    return sum((task / "comm").read_text().startswith("pt_gloo_runloop") for task in Path("/proc/self/task").iterdir())
+
+
+def refuse_after_wrapping(before: int) -> None:
+    """What a script's train() does before a refused resume: wrap a model, then raise."""
+    model = DDP(GPT(GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64)))
+    assert gloo_worker_threads() > before  # so that the check after teardown could fail
+    raise FatalError(f"refused ({type(model).__name__})")
+
+
+def test_a_refusal_frees_the_process_groups_before_the_interpreter_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FatalError must end in its exit code. It used to abort now and then (SIGABRT, exit 134):
+    the failed frame kept the model, and through it the gloo group, alive into interpreter
+    shutdown, whose gloo worker threads then cannot take the GIL. Teardown must free what the
+    failed run held, so the group's threads end while the interpreter still runs."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # set_cpu_threads must not resize this test process
+    before = gloo_worker_threads()
+    with pytest.raises(SystemExit) as exit_info, distributed("cpu", timeout_s=60):
+        refuse_after_wrapping(before)
+    assert exit_info.value.code == 2
+    assert gloo_worker_threads() == before
