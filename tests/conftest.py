@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests import launcher
 from tests.mnist_fixture import write_fake_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,9 +68,11 @@ class Run:
     returncode: int
     output: str
     run_dir: Path
+    warm: bool = False  # the ranks were forks of tests/launcher.py's server, not new interpreters
 
     def describe(self) -> str:
-        return f"$ {' '.join(self.command)}\nexit code {self.returncode}\n--- output ---\n{self.output}"
+        how = " (ranks started by tests/launcher.py, as torchrun would)" if self.warm else ""
+        return f"$ {' '.join(self.command)}{how}\nexit code {self.returncode}\n--- output ---\n{self.output}"
 
     def check(self) -> Run:
         assert self.returncode == 0, self.describe()
@@ -87,13 +90,20 @@ class Run:
         return record
 
 
-def script_command(script: str, args: list[str], run_dir: Path, nproc: int | None, wrapper: list[str]) -> list[str]:
+def script_invocation(script: str, args: list[str], run_dir: Path, wrapper: list[str]) -> list[str]:
+    """What follows ``python`` or ``torchrun ...`` on the command line: the script and its flags."""
+    return [*wrapper, script, "--device", "cpu", "--dist-timeout", "60", "--run-dir", str(run_dir), *args]
+
+
+def launcher_prefix(nproc: int | None) -> list[str]:
     if nproc is None:
-        launcher = [sys.executable]
-    else:
-        # --standalone: a rendezvous on a free port, so parallel tests never collide.
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*launcher, *wrapper, script, "--device", "cpu", "--dist-timeout", "60", "--run-dir", str(run_dir), *args]
+        return [sys.executable]
+    # --standalone: a rendezvous on a free port, so parallel tests never collide.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def script_command(script: str, args: list[str], run_dir: Path, nproc: int | None, wrapper: list[str]) -> list[str]:
+    return [*launcher_prefix(nproc), *script_invocation(script, args, run_dir, wrapper)]
 
 
 def start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -116,14 +126,37 @@ def run_script(
     nproc: int | None = None,
     timeout: float = 240,
     wrapper: list[str] = [],  # noqa: B006 - never mutated
+    real_launcher: bool = False,
 ) -> Run:
-    """Run ``script`` as a user would: plain python when ``nproc`` is None, else torchrun.
+    """Run ``script`` as a user would: ``python script.py`` when ``nproc`` is None, else
+    ``torchrun --standalone --nproc_per_node=nproc``.
 
-    When ``timeout`` runs out the whole process group is killed, and the test
-    fails showing everything the child printed. ``wrapper`` goes between the
+    The ranks start from tests/launcher.py's warm fork server, unless ``real_launcher`` asks for
+    python or torchrun itself in a subprocess: for tests of the launcher's own contract (its
+    error summary, signals, interpreter shutdown). When ``timeout`` runs out every process is
+    killed, and the test fails showing everything the ranks printed. ``wrapper`` goes between the
     launcher and the script (a test harness that injects a fault).
     """
-    return run_command(script_command(script, args, run_dir, nproc, wrapper), run_dir, timeout)
+    invocation = script_invocation(script, args, run_dir, wrapper)
+    if real_launcher:
+        return run_command([*launcher_prefix(nproc), *invocation], run_dir, timeout)
+    return run_warm(invocation, run_dir, nproc, timeout)
+
+
+def run_warm(
+    invocation: list[str],
+    run_dir: Path,
+    nproc: int | None,
+    timeout: float,
+    on_line: Callable[[str], None] | None = None,
+) -> Run:
+    """``invocation`` (a ``script_invocation``) with its ranks forked from the warm server."""
+    program, *argv = invocation
+    finished = launcher.launch(program, argv, clean_env(), nproc, timeout, on_line)
+    run = Run([*launcher_prefix(nproc), *invocation], finished.returncode, finished.output, run_dir, warm=True)
+    if finished.timed_out:
+        pytest.fail(f"timed out after {timeout} s\n{run.describe()}")
+    return run
 
 
 def run_command(command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None) -> Run:
@@ -176,8 +209,13 @@ def run_until_stopped(
     notices at a later step boundary; which one depends on timing, so tests
     read the step it stopped at from the PREEMPTED marker.
     """
-    command = script_command(script, args, run_dir, nproc, [])
-    return run_watching(command, run_dir, stop_after, lambda _: (run_dir / "STOP").touch(), timeout=timeout)
+
+    def stop_at_step(line: str) -> None:
+        match = PROGRESS_LINE.match(line)
+        if match and int(match.group(1)) == stop_after:
+            (run_dir / "STOP").touch()
+
+    return run_warm(script_invocation(script, args, run_dir, []), run_dir, nproc, timeout, stop_at_step)
 
 
 @pytest.fixture(scope="session")

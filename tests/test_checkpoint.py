@@ -152,7 +152,7 @@ RESHARD_ARGS = [
 
 def test_sharded_checkpoint_saved_at_4_processes_resumes_at_2(tmp_path: Path) -> None:
     script = "fsdp/train_transformer.py"
-    reference = run_script(script, RESHARD_ARGS, tmp_path / "reference", nproc=2).check()
+    reference = run_script(script, RESHARD_ARGS, tmp_path / "reference", nproc=2, real_launcher=True).check()
     run_dir = tmp_path / "resharded"
     run_until_stopped(script, RESHARD_ARGS, run_dir, nproc=4, stop_after=8).check()
     stopped_at = json.loads((run_dir / "PREEMPTED").read_text())["step"]
@@ -193,7 +193,9 @@ def names(run_dir: Path) -> list[str]:
 
 def test_kill_mid_save_and_damaged_checkpoint_lose_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    killed = run_script(FSDP2, SHORT_ARGS, run_dir, nproc=2, wrapper=["tests/inject_fault.py", "kill-mid-save"])
+    killed = run_script(
+        FSDP2, SHORT_ARGS, run_dir, nproc=2, wrapper=["tests/inject_fault.py", "kill-mid-save"], real_launcher=True
+    )
     assert killed.returncode != 0, killed.describe()
     # Rank 1 died after writing its shards of step 10, before the checkpoint was complete.
     assert names(run_dir) == ["step-5"]
@@ -228,13 +230,15 @@ def test_full_checkpoint_from_another_run_or_damaged_is_refused_and_an_older_one
     assert wider.returncode == 2, wider.describe()
     assert "was not written by this script and model: model is {" in wider.output, wider.describe()
 
-    other_script = run_script(FSDP2, [*SHORT_ARGS, "--resume-from", str(newest)], tmp_path / "other")
+    other_script = run_script(
+        FSDP2, [*SHORT_ARGS, "--resume-from", str(newest)], tmp_path / "other", real_launcher=True
+    )
     assert other_script.returncode == 2, other_script.describe()
     assert f"script is '{script}' there, '{FSDP2}' here" in other_script.output, other_script.describe()
 
     truncate(newest)
     before[str(newest.relative_to(run_dir))] = hashlib.sha256(newest.read_bytes()).hexdigest()
-    damaged = run_script(script, [*SHORT_ARGS, "--resume"], run_dir)
+    damaged = run_script(script, [*SHORT_ARGS, "--resume"], run_dir, real_launcher=True)
     assert damaged.returncode == 2, damaged.describe()
     assert f"checkpoint {newest} cannot be loaded (RuntimeError: " in damaged.output, damaged.describe()
     assert f"resume from it with --resume-from {previous}." in damaged.output, damaged.describe()

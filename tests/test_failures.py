@@ -31,7 +31,15 @@ FAILED_RANK_LINE = "rank      : 1 (local_rank: 1)"
 @pytest.mark.parametrize("fault", ["raise", "sigkill"])
 def test_a_failing_rank_ends_the_job_within_a_minute_and_is_named(fault: str, tmp_path: Path) -> None:
     began = time.monotonic()
-    run = run_script(SCRIPT, ARGS, tmp_path / "run", nproc=2, wrapper=["tests/inject_fault.py", fault], timeout=120)
+    run = run_script(
+        SCRIPT,
+        ARGS,
+        tmp_path / "run",
+        nproc=2,
+        wrapper=["tests/inject_fault.py", fault],
+        timeout=120,
+        real_launcher=True,
+    )
     elapsed = time.monotonic() - began
     assert run.returncode != 0, run.describe()
     assert elapsed < 60, f"took {elapsed:.0f} s\n{run.describe()}"

@@ -1,0 +1,32 @@
+"""What every training process imports, loaded once in the test harness's fork server (tests/launcher.py).
+
+Imported there and nowhere else: a rank forked from that server finds these modules in
+``sys.modules`` and starts at once. Nothing here may compute with torch or start a thread: a
+fork of a process with a running OpenMP pool or CUDA context can hang or fail.
+"""
+
+import torch  # noqa: F401
+import torch.distributed.algorithms._checkpoint.checkpoint_wrapper  # noqa: F401
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.checkpoint.format_utils  # noqa: F401
+import torch.distributed.checkpoint.state_dict  # noqa: F401
+import torch.distributed.device_mesh  # noqa: F401
+import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.fsdp.sharded_grad_scaler  # noqa: F401
+import torch.distributed.fsdp.wrap  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
+import torch.nn.parallel  # noqa: F401
+import torchvision.datasets  # noqa: F401
+import torchvision.transforms  # noqa: F401
+
+import common.checkpoint  # noqa: F401
+import common.cli  # noqa: F401
+import common.data  # noqa: F401
+import common.evaluation  # noqa: F401
+import common.export_checkpoint  # noqa: F401
+import common.metrics  # noqa: F401
+import common.models  # noqa: F401
+import common.preemption  # noqa: F401
+import common.tokens  # noqa: F401
+import common.training  # noqa: F401
