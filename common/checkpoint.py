@@ -360,7 +360,7 @@ def describe_failure(err: BaseException) -> str:
 # -- sharded checkpoints that someone else wrote -------------------------------------------------
 
 # DCP writes `.metadata` with pickle, and its FileSystemReader reads it back with
-# a plain pickle.load (torch 2.6 to 2.14 at least), so a crafted file runs any
+# a plain pickle.load (checked in torch 2.6.0 and 2.14.1), so a crafted file runs any
 # code it names. torch's own restricted unpickler (weights_only) cannot parse it
 # either: it rejects pickle protocol 4's FRAME opcode, which pickle.dump writes.
 # These are all the globals DCP's metadata refers to; each only stores or looks
