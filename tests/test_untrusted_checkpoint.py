@@ -163,6 +163,7 @@ def load_learning_rate(checkpoint: Path) -> Any:
     return state["optimizer"]["param_groups"][0]["lr"]
 
 
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to load in a single process")
 def test_non_tensor_entry_that_would_run_code_is_refused(source_run: Path, tmp_path: Path) -> None:
     """DCP reads entries such as the learning rate with torch.load(weights_only=False): a second way in."""
     checkpoint, marker = foreign_copy(source_run, tmp_path), tmp_path / "PWNED"
