@@ -13,11 +13,18 @@ Two formats, both under ``RUN_DIR/checkpoints/``:
 Either kind is written under a temporary name and renamed once complete, so
 anything named ``step-N`` is whole: a kill mid-save leaves only a temporary
 that the next save deletes.
+
+Loading never runs code from the checkpoint: full checkpoints and ``trainer.pt``
+go through ``torch.load(weights_only=True)``, and a sharded checkpoint's
+``.metadata``, which DCP itself would read with a plain ``pickle.load``, goes
+through an unpickler that builds DCP's own metadata records and nothing else
+(``--trust-checkpoint`` lifts that for checkpoints from someone the user trusts).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
@@ -31,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -108,7 +117,8 @@ class Checkpointer:
     ``identity`` says what the checkpoint belongs to (the script and the model's
     shape); a checkpoint written for anything else is refused, not half-loaded.
     ``extra`` holds the objects with a ``state_dict`` beside model and optimizer
-    (LR scheduler, gradient scaler).
+    (LR scheduler, gradient scaler). ``trust`` loads a sharded checkpoint whose
+    metadata holds more than DCP's own records (--trust-checkpoint).
     """
 
     def __init__(
@@ -124,6 +134,7 @@ class Checkpointer:
         sharded: bool,
         interval: int,
         keep: int,
+        trust: bool = False,
     ) -> None:
         self.ctx = ctx
         self.folder = run_dir / "checkpoints"
@@ -135,6 +146,7 @@ class Checkpointer:
         self.sharded = sharded
         self.interval = interval
         self.keep = keep
+        self.trust = trust
         self.last_saved: Path | None = None
 
     def due(self, step: int) -> bool:
@@ -273,7 +285,7 @@ class Checkpointer:
             # slices of the saved shards overlap them (so the world size may change).
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             state = {"model": model_state, "optimizer": optimizer_state}
-            self._agree(path, lambda: dcp.load(state, checkpoint_id=path), every_rank=True)
+            self._agree(path, lambda: self._load_sharded(path, state), every_rank=True)
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
         else:
             # Two calls, not set_state_dict: given an empty model dict (as the
@@ -286,20 +298,30 @@ class Checkpointer:
             )
         return trainer
 
+    def _load_sharded(self, path: Path, state: dict[str, Any]) -> None:
+        reader, planner = sharded_reader(path, self.trust)
+        dcp.load(state, storage_reader=reader, planner=planner)
+
     def _agree(self, path: Path, read: Callable[[], Any], every_rank: bool) -> Any:
         """Run ``read`` on every rank or on rank 0 only; if it fails anywhere, stop every rank.
 
         Any exception counts: whatever is wrong with the bytes, the checkpoint
         cannot be used, and the message says so instead of a traceback per rank.
         """
-        result, error = None, None
+        result, error, refusal = None, None, None
         if every_rank or self.ctx.is_main:
             try:
                 result = read()
             # DCP's CheckpointException is a BaseException, so it is named here.
             except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - reported below, with its file
-                error = describe_failure(err)
-        if not all_ranks_agree(error is None, self.ctx.device):
+                cause = root_failure(err)
+                if isinstance(cause, UntrustedCheckpoint):
+                    refusal = cause.refusal(path)
+                else:
+                    error = describe_failure(err)
+        if not all_ranks_agree(error is None and refusal is None, self.ctx.device):
+            if refusal is not None:  # the bytes are fine, so an earlier checkpoint is no answer
+                raise FatalError(refusal)
             raise FatalError(self._unloadable_message(path, error or "it failed to load on another rank"))
         return result
 
@@ -325,12 +347,137 @@ class Checkpointer:
 
 def describe_failure(err: BaseException) -> str:
     """One line about what went wrong; for DCP, the first rank's own exception, not the wrapper."""
-    if isinstance(err, dcp.CheckpointException) and err.failures:
-        err = next(iter(err.failures.values()))[0]
+    err = root_failure(err)
     if isinstance(err, EOFError):
         return "EOFError: a file in it ends too early, as a truncated file does"
+    if isinstance(err, pickle.UnpicklingError) and str(err).startswith("Weights only load failed"):
+        # torch's own text goes on to explain how to load it unsafely; that is not advice to pass on.
+        return "UnpicklingError: it holds more than tensors and plain data, which torch.load(weights_only=True) refuses"
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+# -- sharded checkpoints that someone else wrote -------------------------------------------------
+
+# DCP writes `.metadata` with pickle, and its FileSystemReader reads it back with
+# a plain pickle.load (checked in torch 2.6.0 and 2.14.1), so a crafted file runs any
+# code it names. torch's own restricted unpickler (weights_only) cannot parse it
+# either: it rejects pickle protocol 4's FRAME opcode, which pickle.dump writes.
+# These are all the globals DCP's metadata refers to; each only stores or looks
+# up data when called, so an unpickler that allows nothing else runs no code.
+_DCP_METADATA_GLOBALS = frozenset(
+    {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # how torch pickles a torch.layout
+        # StorageMeta.checkpoint_id: the path the saver was given. Python 3.13 pickles it from pathlib._local.
+        ("pathlib", "PosixPath"),
+        ("pathlib._local", "PosixPath"),
+        *(
+            ("torch", name)
+            for name, value in vars(torch).items()
+            if isinstance(value, torch.dtype | torch.layout | torch.memory_format)
+        ),
+    }
+)
+
+
+class UntrustedCheckpoint(Exception):
+    """A sharded checkpoint that holds more than DCP writes, refused before any of it was unpickled."""
+
+    def refusal(self, path: Path) -> str:
+        """The whole message for the user: what was refused, why it matters, what to do."""
+        return (
+            f"checkpoint {path} was refused: {self}. The metadata of a sharded checkpoint is a pickle, and "
+            "unpickling it could run any code, so nothing in it was loaded. If you trust whoever wrote it, "
+            "pass --trust-checkpoint to load it anyway."
+        )
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        # Checked before the module is even imported: importing can run code too.
+        if (module, name) not in _DCP_METADATA_GLOBALS:
+            raise UntrustedCheckpoint(f"its .metadata refers to {module}.{name}, which DCP metadata never does")
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(folder: Path) -> Metadata:
+    """The ``.metadata`` of a DCP checkpoint, read without running code; anything else raises UntrustedCheckpoint."""
+    with (folder / ".metadata").open("rb") as file:
+        metadata = _MetadataUnpickler(file).load()
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise UntrustedCheckpoint(f"its .metadata holds a {type(metadata).__name__}, not DCP metadata")
+    for entry in metadata.storage_data.values():
+        # DCP names the shard files it writes; a path elsewhere would read files outside the folder.
+        name = getattr(entry, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            raise UntrustedCheckpoint(f"its .metadata points at {name!r}, not at a file in the checkpoint")
+    return metadata
+
+
+class _MetadataReader(FileSystemReader):
+    """DCP's file reader, but it hands DCP the metadata that the allow-list has already read."""
+
+    def __init__(self, folder: Path, metadata: Metadata) -> None:
+        super().__init__(folder)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, but a non-tensor entry must pass ``torch.load(weights_only=True)`` first.
+
+    DCP reads such entries (the optimizer's learning rate, betas, ...) with
+    ``weights_only=False``; what the restricted unpickler accepts is plain data,
+    so reading the same bytes again without it builds only that data.
+    """
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError:
+            raise UntrustedCheckpoint(f"its entry {read_item.dest_index.fqn} refers to more than plain data") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def sharded_reader(folder: Path, trust: bool) -> tuple[FileSystemReader, DefaultLoadPlanner]:
+    """The storage reader and load planner for ``dcp.load`` of ``folder``.
+
+    Untrusted (the default), its metadata has been read through the allow-list
+    (UntrustedCheckpoint if it holds anything else) and the planner reads
+    non-tensor entries with weights_only. Trusted, both are DCP's own, which
+    unpickle whatever the checkpoint holds.
+    """
+    if trust:
+        return FileSystemReader(folder), DefaultLoadPlanner()
+    return _MetadataReader(folder, read_dcp_metadata(folder)), _WeightsOnlyLoadPlanner()
+
+
+def root_failure(err: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException wrapper, else ``err`` itself."""
+    if isinstance(err, dcp.CheckpointException) and err.failures:
+        return next(iter(err.failures.values()))[0]
+    return err
 
 
 @contextmanager

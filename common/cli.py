@@ -328,6 +328,17 @@ def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
             help="sharded: each rank writes its own shard (torch.distributed.checkpoint), resumable at another "
             "world size; full: rank 0 gathers everything into one file (default: %(default)s)",
         )
+        add_trust_flag(group)
+
+
+def add_trust_flag(group: argparse._ActionsContainer) -> None:
+    """--trust-checkpoint, for the training scripts and common.export_checkpoint alike."""
+    group.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="load a sharded checkpoint even if its .metadata holds more than DCP's own records; that file "
+        "is a pickle, so this runs whatever code it names: only for checkpoints from someone you trust",
+    )
 
 
 def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:

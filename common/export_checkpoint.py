@@ -6,50 +6,96 @@
 The output is the model's state dict alone, under the original parameter
 names, as the training scripts' own ``model.pt``: it loads into the plain
 model with ``load_state_dict`` and needs no process group. A sharded
-checkpoint is merged in one process with torch.distributed.checkpoint's
-format_utils, which reads every shard (optimizer state included), so the
-machine needs memory for the whole checkpoint.
+checkpoint is read in one process with torch.distributed.checkpoint, model
+tensors only (not the optimizer's), so the machine needs memory for the whole
+model. Nothing in the checkpoint runs as code: a sharded checkpoint whose
+metadata holds more than DCP's own records is refused unless
+--trust-checkpoint is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
+import warnings
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from common.checkpoint import checkpoint_step, save_atomic
+from common.checkpoint import (
+    UntrustedCheckpoint,
+    checkpoint_step,
+    describe_failure,
+    root_failure,
+    save_atomic,
+    sharded_reader,
+)
+from common.cli import add_trust_flag
+
+MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
 
 
-def read_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+def read_model_state(checkpoint: Path, trust: bool = False) -> dict[str, torch.Tensor]:
     """The model's full state dict from a sharded or full checkpoint."""
     if checkpoint.is_dir():
-        with tempfile.TemporaryDirectory(dir=checkpoint.parent) as scratch:
-            merged = Path(scratch) / "merged.pt"
-            dcp_to_torch_save(checkpoint, merged)
-            return torch.load(merged, weights_only=True)["model"]
-    return torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+        return read_sharded_model_state(checkpoint, trust)
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    model = saved.get("model") if isinstance(saved, dict) else None
+    if not isinstance(model, dict) or not all(isinstance(value, torch.Tensor) for value in model.values()):
+        raise ValueError("it holds no model state dict (a training checkpoint has one under 'model')")
+    return model
+
+
+def read_sharded_model_state(folder: Path, trust: bool) -> dict[str, torch.Tensor]:
+    """The model's tensors from a DCP checkpoint, gathered whole from every rank's shards."""
+    reader, planner = sharded_reader(folder, trust)
+    entries = reader.read_metadata().state_dict_metadata
+    model = {
+        name.removeprefix(MODEL_PREFIX): torch.empty(entry.size, dtype=entry.properties.dtype)
+        for name, entry in entries.items()
+        if name.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+    }
+    if not model:
+        raise ValueError(f"it holds no model tensors (no entry starts with {MODEL_PREFIX!r})")
+    with warnings.catch_warnings():
+        # torch warns that there is no process group, so it loads in one process: that is the point here.
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": model}, storage_reader=reader, planner=planner)
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step-N (a folder) or step-N.pt")
     parser.add_argument("output", type=Path, help="where to write the model's state dict")
+    add_trust_flag(parser)
     args = parser.parse_args(argv)
     if checkpoint_step(args.checkpoint) is None or not args.checkpoint.exists():
         parser.error(f"{args.checkpoint}: not a checkpoint (those are RUN_DIR/checkpoints/step-N or step-N.pt)")
+    if args.output.is_dir():
+        parser.error(f"{args.output} is a folder; give the path of the file to write")
     try:
-        state = read_model_state(args.checkpoint)
-    except Exception as err:  # noqa: BLE001 - any failure to read means the same thing to the user
-        print(f"error: cannot read {args.checkpoint}: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
-    save_atomic(state, args.output)
+        state = read_model_state(args.checkpoint, trust=args.trust_checkpoint)
+    # DCP's CheckpointException is a BaseException, so it is named here.
+    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - any failure to read means one thing here
+        cause = root_failure(err)
+        if isinstance(cause, UntrustedCheckpoint):
+            return fail(cause.refusal(args.checkpoint))
+        return fail(f"cannot read {args.checkpoint}: {describe_failure(err)}")
+    try:
+        save_atomic(state, args.output)
+    except OSError as err:
+        return fail(f"cannot write {args.output}: {err.strerror or err}")
     parameters = sum(tensor.numel() for tensor in state.values())
     print(f"wrote {args.output}: {len(state)} tensors, {parameters:,} values")
     return 0
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

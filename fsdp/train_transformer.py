@@ -197,6 +197,7 @@ def train(args, ctx: DistContext) -> None:
         identity={"script": "fsdp/train_transformer.py", "model": config.shape()},
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",
+        trust=args.trust_checkpoint,
         interval=args.checkpoint_interval,
         keep=args.keep_checkpoints,
     )
