@@ -232,3 +232,25 @@ def tiny_mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """640 training and 200 test images: an epoch of 20 steps at a global batch of 32, for runs that need
     several epochs but not a good model."""
     return write_fake_mnist(tmp_path_factory.mktemp("tiny_mnist"), train_count=640, test_count=200)
+
+
+# The order in which pytest-xdist hands tests to its workers is the collection order. The
+# longest tests go first, so that both workers stay busy to the end instead of one of them
+# finishing a long test alone. Measured with `pytest -n auto --durations=0`; earlier wins.
+LONGEST_FIRST = (
+    "tests/test_slurm.py",
+    "tests/test_fsdp.py::test_mnist",
+    "tests/test_checkpoint.py",
+    "tests/test_failures.py",
+    "tests/test_ddp.py",
+    "tests/test_bad_input.py::test_bad_flag_is_reported_once_under_torchrun",
+    "tests/test_untrusted_checkpoint.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def position(item: pytest.Item) -> int:
+        prefixes = [index for index, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)]
+        return prefixes[0] if prefixes else len(LONGEST_FIRST)
+
+    items.sort(key=position)  # stable: the rest keep their order

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from common import export_checkpoint
 from common.checkpoint import checkpoint_step, complete_checkpoints
 from common.compare_runs import compare
 from common.models import GPT, GPTConfig
 from common.tokens import markov_data
-from tests.conftest import REPO, Run, clean_env, run_script, run_until_stopped
+from tests.conftest import Run, run_script, run_until_stopped
 from tests.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL, PARAM_ATOL
 
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
@@ -118,15 +117,8 @@ def check_export(run_dir: Path, eval_loss: float) -> None:
     """The last sharded checkpoint, exported, is the final model and scores the final evaluation."""
     newest = complete_checkpoints(run_dir)[-1]
     exported = run_dir / "exported.pt"
-    result = subprocess.run(
-        [sys.executable, "-m", "common.export_checkpoint", str(newest), str(exported)],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    # In this process: the command needs no process group, and a new interpreter would only add start-up.
+    assert export_checkpoint.main([str(newest), str(exported)]) == 0
     assert_same_parameters(exported, run_dir / "model.pt")
     model = GPT(TRANSFORMER_CONFIG)
     model.load_state_dict(torch.load(exported, weights_only=True))

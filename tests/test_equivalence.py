@@ -14,6 +14,7 @@ about 1e-7, far below the tolerances below and far above zero.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,10 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     Made once for the whole session, even under ``pytest -n``: the first worker
     to take the lock runs them into the directory all workers share.
     """
-    # getbasetemp() is per worker under xdist; its parent is shared by them all.
-    root = tmp_path_factory.getbasetemp().parent / "equivalence-references"
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's base is a child of the session's, shared by all workers; without
+    # xdist the parent outlives the session, and its references could come from older code.
+    root = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "equivalence-references"
     runs = {"mnist": ("ddp/train_mnist.py", MNIST_ARGS), "transformer": ("ddp/train_transformer.py", TRANSFORMER_ARGS)}
     with FileLock(f"{root}.lock"):
         if not (root / "done").exists():
