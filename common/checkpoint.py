@@ -119,6 +119,8 @@ class Checkpointer:
     ``extra`` holds the objects with a ``state_dict`` beside model and optimizer
     (LR scheduler, gradient scaler). ``trust`` loads a sharded checkpoint whose
     metadata holds more than DCP's own records (--trust-checkpoint).
+    ``check_before_save(step)`` runs before every save and raises if the state
+    must not be saved (a non-finite loss: FiniteLossCheck.check).
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class Checkpointer:
         interval: int,
         keep: int,
         trust: bool = False,
+        check_before_save: Callable[[int], None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.folder = run_dir / "checkpoints"
@@ -147,6 +150,7 @@ class Checkpointer:
         self.interval = interval
         self.keep = keep
         self.trust = trust
+        self.check_before_save = check_before_save
         self.last_saved: Path | None = None
 
     def due(self, step: int) -> bool:
@@ -160,6 +164,8 @@ class Checkpointer:
 
     def save(self, step: int) -> Path:
         """Write a checkpoint of the state after ``step`` optimizer steps, then prune old ones."""
+        if self.check_before_save is not None:
+            self.check_before_save(step)
         if self._saved(step):  # e.g. asked to stop right after resuming: that checkpoint is this state
             return self.last_saved  # type: ignore[return-value]
         with quiet_internal_warnings():
@@ -319,7 +325,7 @@ class Checkpointer:
                     refusal = cause.refusal(path)
                 else:
                     error = describe_failure(err)
-        if not all_ranks_agree(error is None and refusal is None, self.ctx.device):
+        if not all_ranks_agree(error is None and refusal is None, self.ctx):
             if refusal is not None:  # the bytes are fine, so an earlier checkpoint is no answer
                 raise FatalError(refusal)
             raise FatalError(self._unloadable_message(path, error or "it failed to load on another rank"))

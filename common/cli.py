@@ -257,21 +257,30 @@ def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
     )
 
 
-def add_fsdp_flags(parser: Parser, *, precisions: list[str]) -> None:
-    """Flags both FSDP transformer scripts have; each script adds its own on top."""
-    group = parser.add_argument_group("FSDP")
+def add_compute_flags(parser: Parser, *, precisions: list[str]) -> None:
+    """How the transformer scripts compute: the same flags under DDP and FSDP, so they compare fairly."""
+    group = parser.add_argument_group("compute")
     group.add_argument(
         "--mixed-precision",
         choices=precisions,
         default="fp32",
-        help="dtype of the gathered parameters in forward and backward; the sharded master weights, "
-        "the optimizer and the gradient reduction stay fp32 (default: %(default)s)",
+        help="dtype of the matrix multiplications in forward and backward (DDP: torch.autocast; FSDP: the "
+        "dtype its gathered parameters take); weights, optimizer state and gradient reduction stay fp32 "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--activation-checkpointing",
         action="store_true",
         help="keep only each Block's input in forward and recompute the rest in backward: less memory, more compute",
     )
+    group.add_argument(
+        "--compile", action="store_true", help="torch.compile each Block (the first steps are slow while it compiles)"
+    )
+
+
+def add_fsdp_flags(parser: Parser) -> None:
+    """Flags both FSDP transformer scripts have; each script adds its own on top."""
+    group = parser.add_argument_group("FSDP")
     group.add_argument(
         "--cpu-offload",
         action="store_true",

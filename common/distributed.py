@@ -42,6 +42,10 @@ class DistContext:
     local_world_size: int
     device: torch.device
     backend: str
+    # Where ranks agree on host-side facts (a stop request, a file that failed to load) with CPU
+    # tensors: gloo. On a GPU run a group of its own beside NCCL, so agreeing never waits for the
+    # GPU's queue; on a CPU run the default group, which is gloo already (None means that one).
+    host_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -98,6 +102,9 @@ def setup_distributed(requested_device: str, timeout_s: float) -> DistContext:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # TF32 tensor cores for fp32 matmuls (torch's default is full fp32, a fraction of the speed);
+        # --deterministic sets "highest" again (seed_everything).
+        torch.set_float32_matmul_precision("high")
     set_cpu_threads(local_world_size)
 
     timeout = timedelta(seconds=timeout_s)
@@ -114,7 +121,9 @@ def setup_distributed(requested_device: str, timeout_s: float) -> DistContext:
         # A plain `python script.py`: a world of one over an in-memory store,
         # so DDP and FSDP wrap exactly as they do under torchrun, with no port.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistContext(rank, local_rank, world_size, local_world_size, device, backend)
+    # Every rank creates it, in the same order as every other group.
+    host_group = dist.new_group(backend="gloo") if backend != "gloo" else None
+    return DistContext(rank, local_rank, world_size, local_world_size, device, backend, host_group)
 
 
 def teardown_distributed() -> None:
@@ -158,25 +167,30 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+        torch.set_float32_matmul_precision("highest")  # no TF32 rounding on GPUs either
 
 
-def all_ranks_agree(ok: bool, device: torch.device) -> bool:
-    """True only if ``ok`` holds on every rank: one rank's failure stops them all."""
-    flag = torch.tensor([1 if ok else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+def all_ranks_agree(ok: bool, ctx: DistContext) -> bool:
+    """True only if ``ok`` holds on every rank: one rank's failure stops them all.
+
+    A collective on the host group: every rank calls it at the same point, and it reads no GPU value.
+    """
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.host_group)
     return bool(flag.item())
 
 
-def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    """Sum numbers across ranks in float64, so counts and loss sums stay exact."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+def sum_over_ranks(values: list[float], ctx: DistContext) -> list[float]:
+    """Sum numbers held on the host across ranks, in float64 so that counts stay exact."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ctx.host_group)
     return tensor.tolist()
 
 
-def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+def max_over_ranks(values: list[float], ctx: DistContext) -> list[float]:
+    """The largest of each number held on the host, over the ranks."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ctx.host_group)
     return tensor.tolist()
 
 

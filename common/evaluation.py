@@ -2,20 +2,22 @@
 
 Each rank scores its own unpadded shard and the ranks add up sums and counts,
 never averages of averages, so 3 ranks on 1999 images report exactly what one
-process reports.
+process reports. The sums stay on the device until the end: an evaluation reads
+the GPU once, not once per batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from common.distributed import DistContext, FatalError, max_over_ranks, sum_over_ranks
+from common.distributed import DistContext, FatalError, max_over_ranks
 
 
 def _lockstep_batches(loader: DataLoader, ctx: DistContext) -> Iterator[tuple[Any, bool]]:
@@ -27,7 +29,7 @@ def _lockstep_batches(loader: DataLoader, ctx: DistContext) -> Iterator[tuple[An
     as not counted.
     """
     local_batches = len(loader)
-    (most_batches,) = max_over_ranks([float(local_batches)], ctx.device)
+    (most_batches,) = max_over_ranks([float(local_batches)], ctx)
     first = None
     batches = iter(loader)
     for index in range(int(most_batches)):
@@ -45,37 +47,55 @@ def _check_every_rank_has_data(loader: DataLoader, ctx: DistContext) -> None:
         raise FatalError(f"the evaluation set is smaller than the world size ({ctx.world_size} processes)")
 
 
+def _sum_over_ranks(totals: torch.Tensor) -> list[float]:
+    """Add each rank's device totals and read them: the evaluation's one read of the GPU."""
+    dist.all_reduce(totals)
+    return totals.tolist()
+
+
 @torch.no_grad()
-def evaluate_classifier(model: nn.Module, loader: DataLoader, ctx: DistContext) -> dict[str, float]:
-    """Mean cross-entropy and accuracy over every example of the evaluation set."""
+def evaluate_classifier(
+    model: nn.Module, loader: DataLoader, ctx: DistContext, prepare: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, float]:
+    """Mean cross-entropy and accuracy over every example of the evaluation set.
+
+    ``prepare`` turns a batch of images, already on the device, into the model's input.
+    """
     _check_every_rank_has_data(loader, ctx)
     model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
+    # float64: exact counts, and loss sums that lose nothing to the order in which ranks add them.
+    loss_sum, correct, count = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     for (images, labels), counts in _lockstep_batches(loader, ctx):
-        images, labels = images.to(ctx.device), labels.to(ctx.device)
-        logits = model(images)
+        images, labels = images.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
+        logits = model(prepare(images))
         if counts:
-            loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").item()
-            correct += (logits.argmax(dim=1) == labels).sum().item()
+            loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
+            correct += (logits.argmax(dim=1) == labels).sum()
             count += labels.numel()
     model.train()
-    loss_sum, correct, count = sum_over_ranks([loss_sum, correct, count], ctx.device)
+    loss_sum, correct, count = _sum_over_ranks(torch.stack([loss_sum, correct, count]))
     return {"loss": loss_sum / count, "accuracy": correct / count, "samples": int(count)}
 
 
 @torch.no_grad()
-def evaluate_language_model(model: nn.Module, loader: DataLoader, ctx: DistContext) -> dict[str, float]:
-    """Mean next-token cross-entropy (nats per token) over every held-out sequence."""
+def evaluate_language_model(
+    model: nn.Module, loader: DataLoader, ctx: DistContext, autocast: torch.dtype | None = None
+) -> dict[str, float]:
+    """Mean next-token cross-entropy (nats per token) over every held-out sequence.
+
+    ``autocast``: the dtype a DDP run trains in under torch.autocast, so that it evaluates the same way.
+    """
     _check_every_rank_has_data(loader, ctx)
     model.eval()
-    loss_sum, tokens, sequences = 0.0, 0, 0
+    loss_sum, tokens, sequences = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     for (inputs, targets), counts in _lockstep_batches(loader, ctx):
-        inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
-        logits = model(inputs)
+        inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
+        with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
+            logits = model(inputs)
         if counts:
-            loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").item()
+            loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
             tokens += targets.numel()
             sequences += targets.shape[0]
     model.train()
-    loss_sum, tokens, sequences = sum_over_ranks([loss_sum, tokens, sequences], ctx.device)
+    loss_sum, tokens, sequences = _sum_over_ranks(torch.stack([loss_sum, tokens, sequences]))
     return {"loss": loss_sum / tokens, "samples": int(sequences), "tokens": int(tokens)}

@@ -17,9 +17,17 @@ import torch.nn as nn
 from common.distributed import DistContext, max_over_ranks
 from common.models import GPT
 
-# Dense bf16 tensor-core peaks from NVIDIA's data sheets, per GPU, for MFU. More specific names
-# first: "H100 PCIe" must not match the SXM part's figure. MFU_PEAK_TFLOPS overrides the table.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0}
+# Dense bf16 tensor-core peaks from NVIDIA's data sheets (half the "with sparsity" figure), per GPU,
+# for MFU. More specific names first: the NVL and PCIe boards must not match the SXM figure of
+# their plain names. MFU_PEAK_TFLOPS overrides the table.
+PEAK_BF16_TFLOPS = {
+    "H200 NVL": 835.0,
+    "H200": 989.0,  # SXM
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,  # SXM
+    "A100": 312.0,
+}
 
 
 class MetricsLog:
@@ -75,6 +83,12 @@ def progress_line(
     )
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start CUDA's peak-allocation count from now (the process's peak resident set cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this process: allocated tensors on a GPU, resident set size on CPU."""
     if device.type == "cuda":
@@ -105,7 +119,7 @@ def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 def max_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, int]:
     """``local_state_bytes`` of the rank that holds the most, per kind."""
     local = local_state_bytes(model, optimizer)
-    largest = max_over_ranks([float(v) for v in local.values()], ctx.device)
+    largest = max_over_ranks([float(v) for v in local.values()], ctx)
     return {key: int(value) for key, value in zip(local, largest, strict=True)}
 
 

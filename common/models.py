@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 
 
 class MnistNet(nn.Module):
@@ -140,3 +146,22 @@ class GPT(nn.Module):
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# Precision names the scripts accept, and the dtype the matrix multiplications then use.
+COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Keep only each Block's input in forward; recompute the rest in backward (non-reentrant, the supported kind)."""
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda module: isinstance(module, Block),
+    )
+
+
+def compile_blocks(model: GPT) -> None:
+    """torch.compile each Block in place, so the parameter names (and state dicts) do not change."""
+    for block in model.blocks:
+        block.compile()

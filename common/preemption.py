@@ -46,11 +46,12 @@ class StopRequest:
     def requested(self) -> bool:
         """True on every rank if any rank got a signal or rank 0 sees the STOP file.
 
-        A collective, so every rank must call it at the same step.
+        A collective, so every rank must call it at the same step. It reads no GPU value.
         """
         # Only rank 0 looks at the file: one stat per step instead of one per rank.
         asked = self.received is not None or (self.ctx.is_main and self.stop_file.exists())
-        return not all_ranks_agree(not asked, self.ctx.device)
+        # On the host group (CPU tensors, gloo): the GPU's queue of work is neither read nor waited for.
+        return not all_ranks_agree(not asked, self.ctx)
 
     def exit(self, step: int, checkpoint: Path) -> NoReturn:
         """Leave the PREEMPTED marker and end this process (exit code 0: nothing failed)."""

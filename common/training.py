@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -11,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from common.distributed import DistContext, FatalError, all_ranks_agree, max_over_ranks, print0
+from common.distributed import DistContext, FatalError, max_over_ranks, print0
 from common.metrics import (
     MetricsLog,
     max_state_bytes,
@@ -19,6 +21,7 @@ from common.metrics import (
     peak_flops,
     peak_memory_bytes,
     progress_line,
+    reset_peak_memory,
     shard_group_size,
     transformer_flops_per_token,
 )
@@ -48,17 +51,47 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
     return LambdaLR(optimizer, factor)
 
 
-def stop_if_loss_is_not_finite(loss: torch.Tensor, step: int, ctx: DistContext) -> None:
-    """Stop every rank, before the optimizer step, if the loss is NaN or infinite on any rank.
+class FiniteLossCheck:
+    """Stops every rank when the training loss turns NaN or infinite, without reading the GPU every step.
 
-    Checked before the step so that the weights (and any checkpoint saved
-    later) never hold what a non-finite loss would do to them.
+    ``watch`` notes on the device the first step whose loss was not finite. The host reads that
+    note only where it reads the device anyway: at the steps that log (before their optimizer
+    step) and before a checkpoint is written. A GPU therefore never waits for this check, and a
+    non-finite loss still never reaches a checkpoint or model.pt: the final step always logs.
     """
-    if not all_ranks_agree(bool(torch.isfinite(loss).all()), ctx.device):
+
+    NONE = 2**62  # "no bad step yet"; the ranks agree on the smallest step any of them saw
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.first_bad_step = torch.full((), self.NONE, dtype=torch.int64, device=ctx.device)
+
+    def watch(self, loss: torch.Tensor, step: int, read: bool) -> None:
+        """Note ``loss``, the loss of optimizer step ``step``; ``read`` checks all notes so far now."""
+        first_bad_here = ~torch.isfinite(loss) & (self.first_bad_step == self.NONE)
+        self.first_bad_step = torch.where(first_bad_here, step, self.first_bad_step)
+        if read:
+            self.check(step, before_update=True)
+
+    def check(self, step: int, before_update: bool = False) -> None:
+        """Raise on every rank if any rank's loss was not finite at a step up to ``step``.
+
+        A collective: every rank calls it at the same step.
+        """
+        first_bad = self.first_bad_step.clone()
+        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+        bad_step = int(first_bad.item())
+        if bad_step == self.NONE:
+            return
+        if bad_step == step and before_update:
+            what = "stopped before the optimizer applied it, and no checkpoint was written after it"
+        else:
+            what = (
+                f"found at step {step}, where the run next read its losses (it reads them where it logs or "
+                f"saves); no checkpoint or model.pt was written after step {bad_step - 1}"
+            )
         raise FatalError(
-            f"the training loss is not finite (NaN or inf) at step {step}; stopped before the optimizer "
-            "applied it, and no checkpoint was written after it. Lower --lr, clip gradients (--grad-clip), "
-            "or resume from an earlier checkpoint with --resume-from",
+            f"the training loss is not finite (NaN or inf) at step {bad_step}; {what}. Lower --lr, clip "
+            "gradients (--grad-clip), or resume from an earlier checkpoint with --resume-from",
             exit_code=1,
         )
 
@@ -75,29 +108,67 @@ class ProgressReporter:
 
     Every rank must call ``report`` at the same steps, because the loss it
     reports is averaged over ranks with a collective.
+
+    Throughput and step time count training alone: the clock stops while the
+    run evaluates or saves (``paused``) and while it reports, and the run's
+    overall figure leaves out its first interval, which pays for warming up
+    (the first collectives, allocations, compilation). Peak memory is reset when
+    the reporter is made (after the model is wrapped) and read at the last step,
+    before anything gathers the whole model.
     """
 
-    def __init__(self, log: MetricsLog, total_steps: int, items_per_step: int, unit: str, first_step: int = 0) -> None:
+    def __init__(
+        self,
+        log: MetricsLog,
+        ctx: DistContext,
+        total_steps: int,
+        items_per_step: int,
+        unit: str,
+        first_step: int = 0,
+    ) -> None:
         self.log = log
+        self.ctx = ctx
         self.total_steps = total_steps
         self.items_per_step = items_per_step  # global: all ranks and micro-steps
         self.unit = unit  # "samples" or "tokens"
-        self._last_time = time.perf_counter()
         self._last_step = first_step  # a resumed run starts counting at its checkpoint
+        self._interval_seconds = 0.0
+        self._running_since: float | None = time.perf_counter()
+        self._warm = False
         self._steps = 0
         self._seconds = 0.0
+        self.peak_memory: int | None = None
+        reset_peak_memory(ctx.device)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent in here (evaluation, checkpoints) is not training time."""
+        self._stop_clock()
+        try:
+            yield
+        finally:
+            self._running_since = time.perf_counter()
+
+    def _stop_clock(self) -> None:
+        if self._running_since is not None:
+            self._interval_seconds += time.perf_counter() - self._running_since
+            self._running_since = None
 
     def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         """``grad_norm`` is the global norm, already the same on every rank."""
-        mean_loss = mean_over_ranks(loss)
-        now = time.perf_counter()
+        self._stop_clock()
         steps = step - self._last_step
-        elapsed = max(now - self._last_time, 1e-9)
+        elapsed = max(self._interval_seconds, 1e-9)
         rate = self.items_per_step * steps / elapsed
         step_ms = 1000 * elapsed / steps
-        self._last_time, self._last_step = now, step
-        self._steps += steps
-        self._seconds += elapsed
+        if self._warm:
+            self._steps += steps
+            self._seconds += elapsed
+        self._warm = True
+        self._last_step, self._interval_seconds = step, 0.0
+        if step == self.total_steps:
+            self.peak_memory = peak_memory_bytes(self.ctx.device)
+        mean_loss = mean_over_ranks(loss)
         norm = grad_norm.item()
         self.log.write(
             "train",
@@ -113,13 +184,10 @@ class ProgressReporter:
         print0(
             progress_line(step, self.total_steps, epoch, mean_loss, norm, lr, f"{rate:9.0f} {short_unit}/s", step_ms)
         )
+        self._running_since = time.perf_counter()
 
     def throughput(self) -> dict[str, float]:
-        """Global items per second and mean step time over every step this run trained; empty if none.
-
-        Measured from report to report, so evaluations and checkpoints between
-        two reports count, as they do for whoever waits for the run.
-        """
+        """Global items per second and mean step time after the first interval; empty if there was none."""
         if self._steps == 0:
             return {}
         return {
@@ -148,7 +216,8 @@ def finish_run(
 ) -> dict[str, Any]:
     """Write the final record (memory figures are the largest over ranks) and print a summary."""
     state_bytes = max_state_bytes(model, optimizer, ctx)
-    (peak,) = max_over_ranks([float(peak_memory_bytes(ctx.device))], ctx.device)
+    trained_peak = progress.peak_memory if progress is not None else None
+    (peak,) = max_over_ranks([float(trained_peak if trained_peak is not None else peak_memory_bytes(ctx.device))], ctx)
     record = {
         **fields,
         "world_size": ctx.world_size,

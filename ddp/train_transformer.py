@@ -9,6 +9,8 @@ reachable loss is known, so the run can tell how close it got.
     python ddp/train_transformer.py                                    # one process
     torchrun --standalone --nproc_per_node=4 ddp/train_transformer.py  # four, one machine
     python ddp/train_transformer.py --text-file input.txt --model small
+    torchrun --standalone --nproc_per_node=8 ddp/train_transformer.py --model medium --mixed-precision bf16 \\
+        --activation-checkpointing
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.checkpoint import Checkpointer, save_atomic
 from common.cli import (
     add_checkpoint_flags,
+    add_compute_flags,
     add_training_flags,
     add_transformer_flags,
     check_checkpoint_flags,
@@ -43,16 +46,17 @@ from common.data import eval_loader, train_loader
 from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
-from common.models import GPT, count_parameters
+from common.models import COMPUTE_DTYPES, GPT, checkpoint_activations, compile_blocks, count_parameters
 from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
-from common.training import ProgressReporter, finish_run, plan_total_steps, stop_if_loss_is_not_finite, warmup_cosine
+from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps, warmup_cosine
 
 
 def parse_args(argv: list[str] | None = None):
     parser = make_parser(__doc__, run_dir="runs/ddp_transformer", log_interval=25)
     add_training_flags(parser, batch_size=32, lr=1e-2, epochs=None, max_steps=600, grad_clip=1.0)
     add_transformer_flags(parser)
+    add_compute_flags(parser, precisions=["fp32", "bf16"])
     add_checkpoint_flags(parser, sharded=False)
     args = parser.parse_args(argv)
     check_training_flags(parser, args)
@@ -82,6 +86,12 @@ def train(args, ctx: DistContext) -> None:
     config = gpt_config(args, data.vocab_size)
     model = GPT(config).to(ctx.device)
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    if args.compile:
+        compile_blocks(model)
+    if args.activation_checkpointing:
+        checkpoint_activations(model)
+    # Weights stay fp32; autocast runs each matmul in low precision and keeps norms and softmax in fp32.
+    compute_dtype = COMPUTE_DTYPES[args.mixed_precision]
     # DISTRIBUTED: DDP copies rank 0's weights to every rank, then all-reduces
     # (averages) gradients during backward. With gradient_as_bucket_view the
     # .grad tensors are views into DDP's communication buckets, not extra copies.
@@ -91,6 +101,7 @@ def train(args, ctx: DistContext) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
 
+    finite_loss = FiniteLossCheck(ctx)
     # DISTRIBUTED: rank 0 writes one file; every copy of the model is the same.
     checkpoints = Checkpointer(
         ctx,
@@ -103,6 +114,7 @@ def train(args, ctx: DistContext) -> None:
         sharded=False,
         interval=args.checkpoint_interval,
         keep=args.keep_checkpoints,
+        check_before_save=finite_loss.check,  # a non-finite loss never reaches a checkpoint
     )
     resumed = checkpoints.resume(args.resume, args.resume_from)
     stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
@@ -111,7 +123,7 @@ def train(args, ctx: DistContext) -> None:
     if resumed.path:
         log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
     progress = ProgressReporter(
-        log, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
+        log, ctx, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
     )
     step = resumed.step
     result = None
@@ -126,38 +138,46 @@ def train(args, ctx: DistContext) -> None:
             if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
                 stop.exit(step, checkpoints.save(step))
             if checkpoints.due(step):
-                checkpoints.save(step)
-            optimizer.zero_grad(set_to_none=True)
+                with progress.paused():
+                    checkpoints.save(step)
+            # Only steps that log read values from the device: the others never make the host wait for it.
+            logs = (step + 1) % args.log_interval == 0 or step + 1 == total_steps
+            # DISTRIBUTED: DDP zeroes its buckets in place, keeping .grad as views of them;
+            # set_to_none would make it copy every gradient into its bucket again each step.
+            optimizer.zero_grad(set_to_none=False)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
                 inputs, targets = next(batches)
-                inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+                inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
                 # DISTRIBUTED: skip the gradient all-reduce on all but the last
                 # micro-step; gradients add up locally until then.
                 last_micro_step = micro_step == args.grad_accum_steps - 1
                 with nullcontext() if last_micro_step else model.no_sync():
-                    logits = model(inputs)
-                    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / args.grad_accum_steps
+                    with torch.autocast(ctx.device.type, dtype=compute_dtype, enabled=compute_dtype is not None):
+                        logits = model(inputs)
+                        # The loss in fp32 whatever the compute dtype: a low-precision softmax is too coarse.
+                        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()
-            stop_if_loss_is_not_finite(step_loss, step + 1, ctx)  # DISTRIBUTED: every rank stops, or none
+            finite_loss.watch(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
             optimizer.step()
             scheduler.step()
             step += 1
-            if step % args.log_interval == 0 or step == total_steps:
+            if logs:
                 progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
             if step % args.eval_interval == 0 or step == total_steps:
-                result = evaluate_language_model(model, heldout_loader, ctx)
-                log.write("eval", step=step, epoch=epoch, **result)
-                print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
+                with progress.paused():
+                    result = evaluate_language_model(model, heldout_loader, ctx, autocast=compute_dtype)
+                    log.write("eval", step=step, epoch=epoch, **result)
+                    print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
 
     if checkpoints.due(step):
         checkpoints.save(step)
     if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
-        result = evaluate_language_model(model, heldout_loader, ctx)
+        result = evaluate_language_model(model, heldout_loader, ctx, autocast=compute_dtype)
         log.write("eval", step=step, **result)
     if data.entropy_floor is not None:
         print0(
@@ -177,6 +197,7 @@ def train(args, ctx: DistContext) -> None:
         progress=progress,
         script="ddp/train_transformer.py",
         strategy="ddp",
+        mixed_precision=args.mixed_precision,
         global_batch_size=global_batch,
         steps=step,
         eval_loss=result["loss"],

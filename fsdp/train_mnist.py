@@ -48,13 +48,13 @@ from common.cli import (
     make_parser,
     positive_int,
 )
-from common.data import eval_loader, load_mnist, synthetic_mnist, train_loader
+from common.data import eval_loader, load_mnist, normalize_images, synthetic_mnist, train_loader
 from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_classifier
 from common.metrics import MetricsLog
 from common.models import MnistNet
 from common.preemption import StopRequest
-from common.training import ProgressReporter, finish_run, plan_total_steps, stop_if_loss_is_not_finite
+from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps
 
 
 def parse_args(argv: list[str] | None = None):
@@ -108,6 +108,7 @@ def train(args, ctx: DistContext) -> None:
 
     # DISTRIBUTED: by default each rank saves its own shards (no rank holds the
     # whole model); --checkpoint-format full gathers one file on rank 0 instead.
+    finite_loss = FiniteLossCheck(ctx)
     checkpoints = Checkpointer(
         ctx,
         args.run_dir,
@@ -120,6 +121,7 @@ def train(args, ctx: DistContext) -> None:
         trust=args.trust_checkpoint,
         interval=args.checkpoint_interval,
         keep=args.keep_checkpoints,
+        check_before_save=finite_loss.check,  # a non-finite loss never reaches a checkpoint
     )
     resumed = checkpoints.resume(args.resume, args.resume_from)
     stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
@@ -127,7 +129,7 @@ def train(args, ctx: DistContext) -> None:
     log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
     if resumed.path:
         log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
-    progress = ProgressReporter(log, total_steps, global_batch, unit="samples", first_step=resumed.step)
+    progress = ProgressReporter(log, ctx, total_steps, global_batch, unit="samples", first_step=resumed.step)
     step = resumed.step
     result = None
     while step < total_steps:
@@ -141,12 +143,17 @@ def train(args, ctx: DistContext) -> None:
             if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
                 stop.exit(step, checkpoints.save(step))
             if checkpoints.due(step):
-                checkpoints.save(step)
+                with progress.paused():
+                    checkpoints.save(step)
+            # Only steps that log read values from the device: the others never make the host wait for it.
+            logs = (step + 1) % args.log_interval == 0 or step + 1 == total_steps
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
                 images, labels = next(batches)
-                images, labels = images.to(ctx.device), labels.to(ctx.device)
+                # uint8 pixels cross to the device (a quarter of float32's bytes) and are normalised there.
+                images = normalize_images(images.to(ctx.device, non_blocking=True))
+                labels = labels.to(ctx.device, non_blocking=True)
                 # DISTRIBUTED: skip the gradient reduce-scatter on all but the last
                 # micro-step; unsharded gradients add up locally until then.
                 last_micro_step = micro_step == args.grad_accum_steps - 1
@@ -154,7 +161,7 @@ def train(args, ctx: DistContext) -> None:
                     loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()
-            stop_if_loss_is_not_finite(step_loss, step + 1, ctx)  # DISTRIBUTED: every rank stops, or none
+            finite_loss.watch(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
             # DISTRIBUTED: each rank holds only part of the gradients; FSDP's own
@@ -162,17 +169,18 @@ def train(args, ctx: DistContext) -> None:
             grad_norm = model.clip_grad_norm_(args.grad_clip or math.inf)
             optimizer.step()
             step += 1
-            if step % args.log_interval == 0 or step == total_steps:
+            if logs:
                 progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
         scheduler.step()
-        result = evaluate_classifier(model, test_loader, ctx)
-        log.write("eval", step=step, epoch=epoch, **result)
-        print0(f"eval after epoch {epoch}: loss {result['loss']:.4f} | accuracy {result['accuracy']:.2%}")
+        with progress.paused():
+            result = evaluate_classifier(model, test_loader, ctx, normalize_images)
+            log.write("eval", step=step, epoch=epoch, **result)
+            print0(f"eval after epoch {epoch}: loss {result['loss']:.4f} | accuracy {result['accuracy']:.2%}")
 
     if checkpoints.due(step):
         checkpoints.save(step)
     if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
-        result = evaluate_classifier(model, test_loader, ctx)
+        result = evaluate_classifier(model, test_loader, ctx, normalize_images)
         log.write("eval", step=step, **result)
 
     # DISTRIBUTED: no rank holds the whole model, so every rank takes part in

@@ -22,7 +22,6 @@ existing code still uses it.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import sys
@@ -35,22 +34,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch.distributed.fsdp.wrap import CustomPolicy
 
 from common.checkpoint import Checkpointer, save_atomic
 from common.cli import (
     add_checkpoint_flags,
+    add_compute_flags,
     add_fsdp_flags,
     add_training_flags,
     add_transformer_flags,
@@ -65,20 +60,22 @@ from common.data import eval_loader, train_loader
 from common.distributed import DistContext, distributed, env_num_nodes, env_world_size, print0, seed_everything
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
-from common.models import GPT, Block, count_parameters
+from common.models import COMPUTE_DTYPES, GPT, Block, checkpoint_activations, compile_blocks, count_parameters
 from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
-from common.training import ProgressReporter, finish_run, plan_total_steps, stop_if_loss_is_not_finite, warmup_cosine
+from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps, warmup_cosine
 
-LOW_PRECISION = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
+# The same strategy without resharding after forward, for the last Block (see the wrap policy below).
+KEEP_GATHERED = {"full_shard": ShardingStrategy.SHARD_GRAD_OP, "hybrid_shard": ShardingStrategy._HYBRID_SHARD_ZERO2}
 
 
 def parse_args(argv: list[str] | None = None):
     parser = make_parser(__doc__, run_dir="runs/fsdp_transformer", log_interval=25)
     add_training_flags(parser, batch_size=32, lr=1e-2, epochs=None, max_steps=600, grad_clip=1.0)
     add_transformer_flags(parser)
-    add_fsdp_flags(parser, precisions=list(LOW_PRECISION))
+    add_compute_flags(parser, precisions=list(COMPUTE_DTYPES))
+    add_fsdp_flags(parser)
     group = parser.add_argument_group("FSDP1")
     group.add_argument(
         "--sharding-strategy",
@@ -141,6 +138,8 @@ def train(args, ctx: DistContext) -> None:
     config = gpt_config(args, data.vocab_size)
     model = GPT(config).to(ctx.device)
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    if args.compile:
+        compile_blocks(model)
     if args.sharding_strategy == "no_shard":
         print0("note: no_shard keeps full copies and all-reduces gradients: the same as DDP (use DDP for that)")
     mesh = None
@@ -152,19 +151,31 @@ def train(args, ctx: DistContext) -> None:
             ctx.device.type, (args.replicate_degree, shard_degree), mesh_dim_names=("replicate", "shard")
         )
         print0(f"hybrid_shard: {args.replicate_degree} replica(s), each sharded across {shard_degree} rank(s)")
-    low = LOW_PRECISION[args.mixed_precision]
-    # DISTRIBUTED: each Block is one FSDP unit, gathered just before it runs and
-    # freed after; what no Block claims (embeddings, final norm, head) forms the
-    # root unit. use_orig_params keeps the original parameters visible (as views
+    compute_dtype = COMPUTE_DTYPES[args.mixed_precision]
+    last_block = model.blocks[-1]
+
+    def fsdp_unit(module: torch.nn.Module) -> bool | dict:
+        # DISTRIBUTED: each Block is one FSDP unit, gathered just before it runs and
+        # freed after; what no Block claims (embeddings, final norm, head) forms the
+        # root unit, which FSDP never frees after forward: backward needs it first.
+        # Nor the last Block: its backward comes next, and freeing it would mean
+        # gathering it again at once. (FSDP2 does the same below its root.)
+        if module is last_block and args.sharding_strategy in KEEP_GATHERED:
+            return {"sharding_strategy": KEEP_GATHERED[args.sharding_strategy]}
+        return isinstance(module, Block)
+
+    # DISTRIBUTED: use_orig_params keeps the original parameters visible (as views
     # of this rank's shard), so the optimizer and the metrics see real tensors.
     model = FSDP(
         model,
-        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        auto_wrap_policy=CustomPolicy(fsdp_unit),
         sharding_strategy=ShardingStrategy[args.sharding_strategy.upper()],
         device_mesh=mesh,
         # Compute in low precision, but reduce gradients in fp32 so that summing
         # N ranks' contributions loses nothing; the shards themselves stay fp32.
-        mixed_precision=None if low is None else MixedPrecision(param_dtype=low, reduce_dtype=torch.float32),
+        mixed_precision=None
+        if compute_dtype is None
+        else MixedPrecision(param_dtype=compute_dtype, reduce_dtype=torch.float32),
         cpu_offload=CPUOffload(offload_params=args.cpu_offload),
         backward_prefetch=PREFETCH[args.backward_prefetch],
         device_id=ctx.device,  # CPU runs need it too, or FSDP looks for an accelerator
@@ -172,12 +183,8 @@ def train(args, ctx: DistContext) -> None:
     )
     if args.activation_checkpointing:
         # Inside each FSDP unit, so the recomputation in backward runs while that
-        # unit's parameters are gathered anyway. Non-reentrant is the supported kind.
-        apply_activation_checkpointing(
-            model,
-            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-            check_fn=lambda module: isinstance(module, Block),
-        )
+        # unit's parameters are gathered anyway.
+        checkpoint_activations(model)
     # DISTRIBUTED: built after wrapping, so the optimizer holds (and keeps state
     # for) only this rank's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -186,6 +193,7 @@ def train(args, ctx: DistContext) -> None:
     # inf/nan across all ranks' shards. For other precisions it does nothing.
     scaler = ShardedGradScaler(ctx.device.type, enabled=args.mixed_precision == "fp16")
 
+    finite_loss = FiniteLossCheck(ctx)
     # DISTRIBUTED: by default each rank saves its own shards (no rank holds the
     # whole model); --checkpoint-format full gathers one file on rank 0 instead.
     checkpoints = Checkpointer(
@@ -200,6 +208,7 @@ def train(args, ctx: DistContext) -> None:
         trust=args.trust_checkpoint,
         interval=args.checkpoint_interval,
         keep=args.keep_checkpoints,
+        check_before_save=finite_loss.check,  # a non-finite loss never reaches a checkpoint
     )
     resumed = checkpoints.resume(args.resume, args.resume_from)
     stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
@@ -208,7 +217,7 @@ def train(args, ctx: DistContext) -> None:
     if resumed.path:
         log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
     progress = ProgressReporter(
-        log, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
+        log, ctx, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
     )
     step = resumed.step
     result = None
@@ -223,22 +232,27 @@ def train(args, ctx: DistContext) -> None:
             if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
                 stop.exit(step, checkpoints.save(step))
             if checkpoints.due(step):
-                checkpoints.save(step)
+                with progress.paused():
+                    checkpoints.save(step)
+            # Only steps that log read values from the device: the others never make the host wait for it.
+            logs = (step + 1) % args.log_interval == 0 or step + 1 == total_steps
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
                 inputs, targets = next(batches)
-                inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+                inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
                 # DISTRIBUTED: skip the gradient reduce-scatter on all but the last
-                # micro-step; unsharded gradients add up locally until then.
+                # micro-step; unsharded gradients add up locally until then. Not in
+                # low precision: FSDP1 would add them up in that dtype. Reduced every
+                # micro-step instead, they add up in the fp32 shards.
                 last_micro_step = micro_step == args.grad_accum_steps - 1
-                with nullcontext() if last_micro_step else model.no_sync():
+                with nullcontext() if last_micro_step or compute_dtype is not None else model.no_sync():
                     logits = model(inputs)
                     # The loss in fp32 whatever the compute dtype: a low-precision softmax is too coarse.
                     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
                     scaler.scale(loss).backward()
                 step_loss += loss.detach()
-            stop_if_loss_is_not_finite(step_loss, step + 1, ctx)  # DISTRIBUTED: every rank stops, or none
+            finite_loss.watch(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
             scaler.unscale_(optimizer)
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
@@ -249,12 +263,13 @@ def train(args, ctx: DistContext) -> None:
             scaler.update()
             scheduler.step()
             step += 1
-            if step % args.log_interval == 0 or step == total_steps:
+            if logs:
                 progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
             if step % args.eval_interval == 0 or step == total_steps:
-                result = evaluate_language_model(model, heldout_loader, ctx)
-                log.write("eval", step=step, epoch=epoch, **result)
-                print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
+                with progress.paused():
+                    result = evaluate_language_model(model, heldout_loader, ctx)
+                    log.write("eval", step=step, epoch=epoch, **result)
+                    print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
 
     if checkpoints.due(step):
         checkpoints.save(step)

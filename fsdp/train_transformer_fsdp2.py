@@ -21,7 +21,6 @@ FSDP2 is the API PyTorch recommends for new code (torchtitan uses it).
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import math
 import sys
@@ -33,11 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -46,6 +40,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from common.checkpoint import Checkpointer, save_atomic
 from common.cli import (
     add_checkpoint_flags,
+    add_compute_flags,
     add_fsdp_flags,
     add_training_flags,
     add_transformer_flags,
@@ -60,17 +55,18 @@ from common.data import eval_loader, train_loader
 from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
-from common.models import GPT, Block, count_parameters
+from common.models import GPT, checkpoint_activations, compile_blocks, count_parameters
 from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
-from common.training import ProgressReporter, finish_run, plan_total_steps, stop_if_loss_is_not_finite, warmup_cosine
+from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps, warmup_cosine
 
 
 def parse_args(argv: list[str] | None = None):
     parser = make_parser(__doc__, run_dir="runs/fsdp2_transformer", log_interval=25)
     add_training_flags(parser, batch_size=32, lr=1e-2, epochs=None, max_steps=600, grad_clip=1.0)
     add_transformer_flags(parser)
-    add_fsdp_flags(parser, precisions=["fp32", "bf16"])
+    add_compute_flags(parser, precisions=["fp32", "bf16"])
+    add_fsdp_flags(parser)
     group = parser.add_argument_group("FSDP2")
     group.add_argument(
         "--reshard-after-forward",
@@ -78,9 +74,6 @@ def parse_args(argv: list[str] | None = None):
         default=True,
         help="free each Block's gathered parameters after its forward and gather them again for backward; "
         "--no-reshard-after-forward keeps them (ZeRO-2-like: more memory, one all-gather less per step)",
-    )
-    group.add_argument(
-        "--compile", action="store_true", help="torch.compile each Block (the first steps are slow while it compiles)"
     )
     add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
@@ -129,18 +122,15 @@ def train(args, ctx: DistContext) -> None:
     # global gradient norm, gathering model.pt) need a CPU backend beside NCCL.
     backends = dict.fromkeys(dim_names, "cpu:gloo,cuda:nccl") if args.cpu_offload else None
     mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names, backend_override=backends)
+    if args.compile:
+        compile_blocks(model)
     if args.activation_checkpointing:
         # Before sharding, so fully_shard below takes each checkpointed Block whole:
         # its recomputation in backward runs while FSDP has that Block's
-        # parameters gathered for the gradients anyway. Non-reentrant is the supported kind.
-        apply_activation_checkpointing(
-            model,
-            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-            check_fn=lambda module: isinstance(module, Block),
-        )
+        # parameters gathered for the gradients anyway.
+        checkpoint_activations(model)
     fsdp_options = {
         "mesh": mesh,
-        "reshard_after_forward": args.reshard_after_forward,
         # Compute in bf16, but reduce gradients in fp32 so that summing N ranks'
         # contributions loses nothing; the sharded parameters themselves stay fp32.
         "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -150,17 +140,20 @@ def train(args, ctx: DistContext) -> None:
         "offload_policy": CPUOffloadPolicy() if args.cpu_offload else None,
     }
     # DISTRIBUTED: one FSDP unit per Block, gathered just before it runs and freed
-    # after; the root call takes what is left (embeddings, final norm, head).
+    # after. Not the last Block: its backward comes next, and freeing it would mean
+    # gathering it again at once.
     for block in model.blocks:
-        if args.compile:
-            block.compile()  # in place, so the state-dict names do not change
-        fully_shard(block, **fsdp_options)
+        keep_gathered = block is model.blocks[-1] or not args.reshard_after_forward
+        fully_shard(block, reshard_after_forward=not keep_gathered, **fsdp_options)
+    # DISTRIBUTED: the root takes what is left (embeddings, final norm, head). Left at
+    # its default, FSDP2 keeps the root's parameters after forward: backward needs them first.
     fully_shard(model, **fsdp_options)
     # DISTRIBUTED: built after sharding, so the optimizer holds (and keeps state
     # for) only this rank's slices.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
 
+    finite_loss = FiniteLossCheck(ctx)
     # DISTRIBUTED: by default each rank saves its own shards (no rank holds the
     # whole model); --checkpoint-format full gathers one file on rank 0 instead.
     checkpoints = Checkpointer(
@@ -175,6 +168,7 @@ def train(args, ctx: DistContext) -> None:
         trust=args.trust_checkpoint,
         interval=args.checkpoint_interval,
         keep=args.keep_checkpoints,
+        check_before_save=finite_loss.check,  # a non-finite loss never reaches a checkpoint
     )
     resumed = checkpoints.resume(args.resume, args.resume_from)
     stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
@@ -183,7 +177,7 @@ def train(args, ctx: DistContext) -> None:
     if resumed.path:
         log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
     progress = ProgressReporter(
-        log, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
+        log, ctx, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
     )
     step = resumed.step
     result = None
@@ -198,12 +192,15 @@ def train(args, ctx: DistContext) -> None:
             if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
                 stop.exit(step, checkpoints.save(step))
             if checkpoints.due(step):
-                checkpoints.save(step)
+                with progress.paused():
+                    checkpoints.save(step)
+            # Only steps that log read values from the device: the others never make the host wait for it.
+            logs = (step + 1) % args.log_interval == 0 or step + 1 == total_steps
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
                 inputs, targets = next(batches)
-                inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+                inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
                 # DISTRIBUTED: skip the gradient reduce-scatter on all but the last
                 # micro-step (FSDP2's no_sync); unsharded gradients add up locally until then.
                 last_micro_step = micro_step == args.grad_accum_steps - 1
@@ -213,7 +210,7 @@ def train(args, ctx: DistContext) -> None:
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
                 loss.backward()
                 step_loss += loss.detach()
-            stop_if_loss_is_not_finite(step_loss, step + 1, ctx)  # DISTRIBUTED: every rank stops, or none
+            finite_loss.watch(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
             # DISTRIBUTED: the gradients are DTensor slices; clip_grad_norm_
@@ -222,12 +219,13 @@ def train(args, ctx: DistContext) -> None:
             optimizer.step()
             scheduler.step()
             step += 1
-            if step % args.log_interval == 0 or step == total_steps:
+            if logs:
                 progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
             if step % args.eval_interval == 0 or step == total_steps:
-                result = evaluate_language_model(model, heldout_loader, ctx)
-                log.write("eval", step=step, epoch=epoch, **result)
-                print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
+                with progress.paused():
+                    result = evaluate_language_model(model, heldout_loader, ctx)
+                    log.write("eval", step=step, epoch=epoch, **result)
+                    print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
 
     if checkpoints.due(step):
         checkpoints.save(step)
