@@ -1,0 +1,136 @@
+"""Run a training script and write down what it does inside its steps, for tests to check.
+
+    tests/observe.py WHAT SCRIPT [FLAGS...]     (under the test launcher, or torchrun)
+
+WHAT is one of:
+  host-reads  every read of a tensor's value on the host (.item(), bool(), float(), .tolist(),
+              .cpu(), .numpy(), printing), with the optimizer step it happened in and the code
+              that asked for it
+  grad-dtype  at each training loss: the dtypes of the gradients the model holds so far, so the
+              second micro-step of an accumulating run shows what the first one left behind
+
+Each rank writes RUN_DIR/observed-WHAT-rank{RANK}.json when the script ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from common.models import GPT, MnistNet
+
+REPO = Path(__file__).resolve().parents[1]
+# The ways Python code turns a tensor's value into a host value. On a GPU each one waits until
+# all the work queued before it has run.
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy", "__format__", "__repr__")
+
+
+class Steps:
+    """Counts optimizer steps: each begins with ``zero_grad``; what runs before the first is step 0."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        original = torch.optim.Optimizer.zero_grad
+
+        def zero_grad(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            self.current += 1
+            return original(optimizer, *args, **kwargs)
+
+        torch.optim.Optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def where(frames: list[traceback.FrameSummary]) -> dict[str, str]:
+    """Where a read came from: the innermost frame of the project's own code (the line that asked
+    for it), and the innermost frame of all (torch's own code, when torch made the read)."""
+
+    def name(frame: traceback.FrameSummary) -> str:
+        path = frame.filename.split("site-packages/")[-1].removeprefix(f"{REPO}/")
+        return f"{path}:{frame.name}"
+
+    own = [frame for frame in frames if frame.filename.startswith(f"{REPO}/") and "site-packages" not in frame.filename]
+    own = [frame for frame in own if not frame.filename.startswith(f"{REPO}/tests/")]
+    return {"project": name(own[-1]) if own else "?", "innermost": name(frames[-1])}
+
+
+def watch_host_reads(steps: Steps, record: dict[str, Any]) -> None:
+    reads: list[dict[str, Any]] = record.setdefault("reads", [])
+    depth = threading.local()
+
+    def wrap(method: str) -> None:
+        original = getattr(torch.Tensor, method)
+
+        def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            outermost = getattr(depth, "value", 0) == 0  # a DTensor's read reads its local tensor too
+            depth.value = getattr(depth, "value", 0) + 1
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                depth.value -= 1
+                if outermost:
+                    reads.append({"step": steps.current, "method": method, **where(traceback.extract_stack()[:-1])})
+
+        setattr(torch.Tensor, method, read)
+
+    for method in READS:
+        wrap(method)
+
+
+def watch_models() -> list[torch.nn.Module]:
+    """Every model the script builds, as it builds it: the first is the one it trains."""
+    built: list[torch.nn.Module] = []
+    for cls in (GPT, MnistNet):
+        original = cls.__init__
+
+        def init(model: torch.nn.Module, *args: Any, wrapped: Any = original, **kwargs: Any) -> None:
+            wrapped(model, *args, **kwargs)
+            built.append(model)
+
+        cls.__init__ = init  # type: ignore[method-assign]
+    return built
+
+
+def watch_grad_dtypes(built: list[torch.nn.Module], record: dict[str, Any]) -> None:
+    """At each training loss, right after the model's forward: the dtypes of the gradients it holds."""
+    original = F.cross_entropy
+    seen: list[list[str]] = record.setdefault("at_loss", [])
+
+    def cross_entropy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if built and torch.is_grad_enabled():  # training, not evaluation
+            seen.append(sorted({str(p.grad.dtype) for p in built[0].parameters() if p.grad is not None}))
+        return original(*args, **kwargs)
+
+    F.cross_entropy = cross_entropy
+
+
+def main() -> None:
+    what, script, *flags = sys.argv[1:]
+    run_dir = Path(flags[flags.index("--run-dir") + 1])
+    record: dict[str, Any] = {"what": what}
+    steps = Steps()
+    built = watch_models()
+    if what == "host-reads":
+        watch_host_reads(steps, record)
+    elif what == "grad-dtype":
+        watch_grad_dtypes(built, record)
+    else:
+        raise SystemExit(f"unknown observation {what!r}")
+    sys.argv = [script, *flags]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        record["steps"] = steps.current
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / f"observed-{what}-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Fast on a GPU by construction, checked where there is no GPU.
+
+A GPU runs ahead of the host only while the host never waits for it. These tests check on CPU
+what keeps that true: no training step reads a value from the device except where the run
+logs, evaluates or saves; MNIST batches cost no per-image work; FSDP1 accumulates gradients in
+fp32 under mixed precision; and the throughput figure counts training alone.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from common.data import _open_mnist, normalize_images, train_loader
+from common.distributed import DistContext
+from tests.conftest import Run, run_script
+from tests.per_image_mnist import per_image_mnist
+
+TRANSFORMERS = ["ddp/train_transformer.py", "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"]
+SCRIPTS = ["ddp/train_mnist.py", "fsdp/train_mnist.py", *TRANSFORMERS]
+SHORT_TRANSFORMER = ["--block-size", "32", "--train-sequences", "320", "--heldout-sequences", "40"]
+
+# Reads of tensors that stay on the host in a GPU run too, so that the GPU never waits for them.
+# Matched against the project's own line that asked (first) or torch's line that read (second).
+HOST_SIDE = (
+    "common/distributed.py:all_ranks_agree",  # the stop agreement: CPU tensors on the gloo host group
+    "torch/optim/optimizer.py:_get_value",  # the optimizer's step counters, which torch keeps on the host
+    "torch/utils/data/",  # the sampler's indices and the loader's seeds, drawn on the host
+)
+
+
+def observed(run: Run, what: str, rank: int = 0) -> dict:
+    assert run.returncode == 0, run.describe()
+    return json.loads((run.run_dir / f"observed-{what}-rank{rank}.json").read_text())
+
+
+def device_reads(record: dict) -> dict[int, list[str]]:
+    """The reads that could wait for a GPU, by step."""
+    by_step: dict[int, list[str]] = {}
+    for read in record["reads"]:
+        if not (read["project"].startswith(HOST_SIDE) or read["innermost"].startswith(HOST_SIDE)):
+            by_step.setdefault(read["step"], []).append(
+                f"{read['method']} from {read['project']} ({read['innermost']})"
+            )
+    return by_step
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_steps_that_do_not_log_or_save_read_nothing_from_the_device(script: str, tmp_path: Path) -> None:
+    data = ["--synthetic"] if "mnist" in script else SHORT_TRANSFORMER
+    # 8 steps: steps 4 and 8 log; the checkpoint after step 6 is written at the start of step 7,
+    # before its zero_grad, so its reads count for step 6. 8 is the last step (evaluation, model.pt).
+    args = [*data, "--max-steps", "8", "--log-interval", "4", "--checkpoint-interval", "6"]
+    run = run_script(script, args, tmp_path, nproc=2, wrapper=["tests/observe.py", "host-reads"])
+    for rank in (0, 1):
+        record = observed(run, "host-reads", rank)
+        assert record["steps"] == 8
+        reads = device_reads(record)
+        quiet = {step: reads.get(step, []) for step in (1, 2, 3, 5, 7)}
+        assert all(not found for found in quiet.values()), f"rank {rank}: {quiet}\n{run.describe()}"
+        # The count sees reads where they are allowed: logging reads the loss (or it counts nothing).
+        assert any("common/training.py:report" in read for read in reads.get(4, [])), reads
+
+
+def per_step(run: Run) -> list[tuple]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in run.events("train")]
+
+
+def test_mnist_batches_on_the_device_train_exactly_as_the_per_image_transform(
+    tiny_mnist_dir: Path, tmp_path: Path
+) -> None:
+    args = ["--data-dir", str(tiny_mnist_dir), "--epochs", "1", "--batch-size", "16", "--log-interval", "1"]
+    tensors = run_script("ddp/train_mnist.py", args, tmp_path / "tensors", nproc=2).check()
+    images = run_script(
+        "ddp/train_mnist.py", args, tmp_path / "images", nproc=2, wrapper=["tests/per_image_mnist.py"]
+    ).check()
+    assert len(per_step(tensors)) == 20
+    assert per_step(tensors) == per_step(images)  # bit for bit
+    assert tensors.final()["eval_loss"] == images.final()["eval_loss"]
+    assert tensors.final()["accuracy"] == images.final()["accuracy"]
+
+
+def cpu_ms_per_batch(loader: DataLoader, prepare) -> float:  # noqa: ANN001
+    """Median CPU time of this thread to deliver one batch ready for the model (robust to other load)."""
+    times = []
+    batches = iter(loader)
+    while True:
+        began = time.thread_time()
+        try:
+            images, _ = next(batches)
+        except StopIteration:
+            return 1000 * statistics.median(times)
+        prepare(images)
+        times.append(time.thread_time() - began)
+
+
+def test_an_mnist_batch_of_64_takes_under_a_millisecond(mnist_dir: Path) -> None:
+    ctx = DistContext(
+        rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo"
+    )
+    tensors, _ = _open_mnist(mnist_dir, download=False)
+    per_image, _ = per_image_mnist(mnist_dir, download=False)
+    fast = cpu_ms_per_batch(train_loader(tensors, 64, ctx, seed=1), normalize_images)
+    slow = cpu_ms_per_batch(train_loader(per_image, 64, ctx, seed=1), lambda images: images)
+    print(f"MNIST, a batch of 64: {fast:.2f} ms as tensors, {slow:.2f} ms per image (CPU time)")
+    assert fast <= 1.0
+    assert fast * 5 < slow
+
+
+def test_fsdp1_accumulates_gradients_in_fp32_under_mixed_precision(tmp_path: Path) -> None:
+    """Under no_sync, FSDP1 would add the micro-steps' gradients up in bf16; the script reduces every
+    micro-step instead, so what the second micro-step finds is the first one's fp32 sharded gradient."""
+    args = [*SHORT_TRANSFORMER, "--mixed-precision", "bf16", "--grad-accum-steps", "2", "--max-steps", "2"]
+    run = run_script("fsdp/train_transformer.py", args, tmp_path, nproc=2, wrapper=["tests/observe.py", "grad-dtype"])
+    at_loss = observed(run, "grad-dtype")["at_loss"]
+    assert at_loss == [[], ["torch.float32"], [], ["torch.float32"]], at_loss
+
+
+def test_throughput_leaves_out_evaluation(tmp_path: Path) -> None:
+    """An evaluation every second step (of many sequences) takes far longer than the steps between;
+    the throughput must still be that of training."""
+    common = [*SHORT_TRANSFORMER[:4], "--heldout-sequences", "2000", "--max-steps", "24", "--log-interval", "4"]
+    evaluating = run_script("ddp/train_transformer.py", [*common, "--eval-interval", "2"], tmp_path / "a").check()
+    training = run_script("ddp/train_transformer.py", [*common, "--eval-interval", "1000"], tmp_path / "b").check()
+    with_evals, without = evaluating.final(), training.final()
+    # The evaluations make the run several times longer, so including them would show.
+    assert with_evals["wall_s"] > 2 * without["wall_s"], (with_evals["wall_s"], without["wall_s"])
+    ratio = with_evals["tokens_per_s"] / without["tokens_per_s"]
+    assert 0.5 < ratio < 2, (with_evals["tokens_per_s"], without["tokens_per_s"])
