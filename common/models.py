@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -13,6 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 class MnistNet(nn.Module):
@@ -115,9 +117,12 @@ class GPT(nn.Module):
     The output head is not tied to the token embedding: a shared weight would
     live in two FSDP units at once, and this reference wants every Block, the
     embeddings and the head to shard cleanly on their own.
+
+    ``seed`` initialises the weights (``init_parameters``); None leaves them as
+    built, for a model made on the meta device and initialised once sharded.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, seed: int | None = 0) -> None:
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
@@ -126,15 +131,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        # GPT-2's initialisation: small normal weights, zero biases.
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        if seed is not None:
+            init_parameters(self, seed)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
@@ -146,6 +144,52 @@ class GPT(nn.Module):
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# What wrappers insert into parameter names; a parameter's initial value depends on its plain name.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def initial_value(owner: nn.Module, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """GPT-2's initial value of the parameter ``name`` (of module ``owner``): a whole fp32 tensor on the CPU.
+
+    Small normal weights for linear layers and embeddings, ones and zeros for layer norms, zero
+    biases. Each parameter draws from a generator of its own, seeded by the run's seed and the
+    parameter's name, so its value depends on nothing else: not on which process makes it, nor
+    on what was made before. That is what lets a sharded model initialise each shard where it
+    lives and still start from exactly the weights one process would build.
+    """
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if isinstance(owner, nn.LayerNorm):
+        return torch.ones(shape)
+    # One 32-bit number from both: the CPU generator keeps only the low 32 bits of its seed.
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+    return torch.empty(shape).normal_(mean=0.0, std=0.02, generator=generator)
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, seed: int, prefix: str = "", recurse: bool = True) -> None:
+    """Set ``module``'s parameters to their initial values, whole or sharded, where they are.
+
+    ``prefix`` is the module's name inside the GPT; ``recurse`` False sets only its own parameters
+    (FSDP1's ``param_init_fn`` gets one module at a time). A sharded parameter (an FSDP2 DTensor)
+    keeps only its own piece of the value: each rank makes the whole parameter on the CPU and
+    copies out its slice, one parameter at a time, so no rank ever holds the whole model.
+    """
+    modules = module.named_modules(prefix=prefix) if recurse else [(prefix, module)]
+    for module_name, owner in modules:
+        for local_name, parameter in owner.named_parameters(recurse=False):
+            name = f"{module_name}.{local_name}" if module_name else local_name
+            for wrapper in WRAPPER_PREFIXES:
+                name = name.replace(wrapper, "")
+            value = initial_value(owner, name, parameter.shape, seed).to(parameter.device)
+            if isinstance(parameter, DTensor):
+                # src_data_rank None: take this rank's slice of its own copy, with no communication.
+                value = distribute_tensor(value, parameter.device_mesh, parameter.placements, src_data_rank=None)
+                parameter.to_local().copy_(value.to_local())
+            else:
+                parameter.copy_(value)
 
 
 # Precision names the scripts accept, and the dtype the matrix multiplications then use.

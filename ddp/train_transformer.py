@@ -84,7 +84,7 @@ def train(args, ctx: DistContext) -> None:
     )
 
     config = gpt_config(args, data.vocab_size)
-    model = GPT(config).to(ctx.device)
+    model = GPT(config, seed=args.seed).to(ctx.device)
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
     if args.compile:
         compile_blocks(model)

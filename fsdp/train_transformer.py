@@ -60,7 +60,15 @@ from common.data import eval_loader, train_loader
 from common.distributed import DistContext, distributed, env_num_nodes, env_world_size, print0, seed_everything
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
-from common.models import COMPUTE_DTYPES, GPT, Block, checkpoint_activations, compile_blocks, count_parameters
+from common.models import (
+    COMPUTE_DTYPES,
+    GPT,
+    Block,
+    checkpoint_activations,
+    compile_blocks,
+    count_parameters,
+    init_parameters,
+)
 from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
 from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps, warmup_cosine
@@ -132,11 +140,19 @@ def train(args, ctx: DistContext) -> None:
         f"sequences of {args.block_size} tokens | {total_steps} steps"
     )
 
-    # DISTRIBUTED: every rank seeds the same generator, so every rank builds the
-    # same initial weights and FSDP shards identical copies. (DDP broadcasts
-    # rank 0's weights instead; FSDP1's sync_module_states does that only on GPUs.)
+    # DISTRIBUTED: built on the meta device: shapes without memory. FSDP then
+    # materialises one unit at a time, initialises it (materialize below), and keeps
+    # this rank's shard of it, so no rank ever holds the whole model: it may be
+    # larger than one GPU. The weights still equal what one process would build.
     config = gpt_config(args, data.vocab_size)
-    model = GPT(config).to(ctx.device)
+    with torch.device("meta"):
+        model = GPT(config, seed=None)
+    names = {module: name for name, module in model.named_modules()}
+
+    def materialize(module: torch.nn.Module) -> None:
+        module.to_empty(device=ctx.device, recurse=False)
+        init_parameters(module, args.seed, prefix=names[module], recurse=False)
+
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
     if args.compile:
         compile_blocks(model)
@@ -179,6 +195,7 @@ def train(args, ctx: DistContext) -> None:
         cpu_offload=CPUOffload(offload_params=args.cpu_offload),
         backward_prefetch=PREFETCH[args.backward_prefetch],
         device_id=ctx.device,  # CPU runs need it too, or FSDP looks for an accelerator
+        param_init_fn=materialize,
         use_orig_params=True,
     )
     if args.activation_checkpointing:

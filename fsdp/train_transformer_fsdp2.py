@@ -55,7 +55,7 @@ from common.data import eval_loader, train_loader
 from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
-from common.models import GPT, checkpoint_activations, compile_blocks, count_parameters
+from common.models import GPT, checkpoint_activations, compile_blocks, count_parameters, init_parameters
 from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
 from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps, warmup_cosine
@@ -104,10 +104,13 @@ def train(args, ctx: DistContext) -> None:
         f"sequences of {args.block_size} tokens | {total_steps} steps"
     )
 
-    # DISTRIBUTED: every rank seeds the same generator, so every rank builds the
-    # same initial weights, and fully_shard keeps this rank's slice of them.
+    # DISTRIBUTED: built on the meta device: shapes without memory. Each rank
+    # allocates and initialises only its own shards once fully_shard has cut them
+    # (below), so no rank ever holds the whole model: it may be larger than one
+    # GPU. The weights still equal what one process would build.
     config = gpt_config(args, data.vocab_size)
-    model = GPT(config).to(ctx.device)
+    with torch.device("meta"):
+        model = GPT(config, seed=None)
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
     # DISTRIBUTED: the mesh says which ranks shard together. Passed explicitly
     # (on CPU too) so FSDP2 never guesses a device type. A 2-D mesh is HSDP:
@@ -148,6 +151,9 @@ def train(args, ctx: DistContext) -> None:
     # DISTRIBUTED: the root takes what is left (embeddings, final norm, head). Left at
     # its default, FSDP2 keeps the root's parameters after forward: backward needs them first.
     fully_shard(model, **fsdp_options)
+    # DISTRIBUTED: memory for this rank's shards only (in host memory when offloaded), then their values.
+    model.to_empty(device="cpu" if args.cpu_offload else ctx.device)
+    init_parameters(model, args.seed)
     # DISTRIBUTED: built after sharding, so the optimizer holds (and keeps state
     # for) only this rank's slices.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)

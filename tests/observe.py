@@ -8,12 +8,16 @@ WHAT is one of:
               that asked for it
   grad-dtype  at each training loss: the dtypes of the gradients the model holds so far, so the
               second micro-step of an accumulating run shows what the first one left behind
+  build-memory  the peak of this process's resident memory from the moment the model's class
+              is called until the first training step begins (building, wrapping, sharding,
+              initialising), above what it held when building began; Linux only
 
 Each rank writes RUN_DIR/observed-WHAT-rank{RANK}.json when the script ends, however it ends.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import runpy
@@ -31,6 +35,7 @@ from common.models import GPT, MnistNet
 REPO = Path(__file__).resolve().parents[1]
 # The ways Python code turns a tensor's value into a host value. On a GPU each one waits until
 # all the work queued before it has run.
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy", "__format__", "__repr__")
 
 
@@ -39,10 +44,14 @@ class Steps:
 
     def __init__(self) -> None:
         self.current = 0
+        self.on_first_step: list[Any] = []
         original = torch.optim.Optimizer.zero_grad
 
         def zero_grad(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             self.current += 1
+            if self.current == 1:
+                for callback in self.on_first_step:
+                    callback()
             return original(optimizer, *args, **kwargs)
 
         torch.optim.Optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
@@ -84,13 +93,17 @@ def watch_host_reads(steps: Steps, record: dict[str, Any]) -> None:
         wrap(method)
 
 
-def watch_models() -> list[torch.nn.Module]:
-    """Every model the script builds, as it builds it: the first is the one it trains."""
+def watch_models(before_first: list[Any]) -> list[torch.nn.Module]:
+    """Every model the script builds, as it builds it: the first is the one it trains.
+    ``before_first`` callbacks run just before the first one is built."""
     built: list[torch.nn.Module] = []
     for cls in (GPT, MnistNet):
         original = cls.__init__
 
         def init(model: torch.nn.Module, *args: Any, wrapped: Any = original, **kwargs: Any) -> None:
+            if not built:
+                for callback in before_first:
+                    callback()
             wrapped(model, *args, **kwargs)
             built.append(model)
 
@@ -111,16 +124,40 @@ def watch_grad_dtypes(built: list[torch.nn.Module], record: dict[str, Any]) -> N
     F.cross_entropy = cross_entropy
 
 
+def resident_kib(field: str) -> int:
+    """VmRSS (now) or VmHWM (the peak since the last reset) of this process, in KiB."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith(f"{field}:")))
+
+
+def watch_build_memory(steps: Steps, before_build: list[Any], record: dict[str, Any]) -> None:
+    def start() -> None:
+        # glibc keeps freed blocks for reuse, so resident memory would show what the allocator kept,
+        # not what was alive: serve every block of 64 KiB or more from its own mapping, returned at once.
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+        Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from what is resident now
+        record["resident_before_kib"] = resident_kib("VmRSS")
+
+    def stop() -> None:
+        record["peak_growth_bytes"] = 1024 * (resident_kib("VmHWM") - record["resident_before_kib"])
+
+    before_build.append(start)
+    steps.on_first_step.append(stop)
+
+
 def main() -> None:
     what, script, *flags = sys.argv[1:]
     run_dir = Path(flags[flags.index("--run-dir") + 1])
     record: dict[str, Any] = {"what": what}
     steps = Steps()
-    built = watch_models()
+    before_build: list[Any] = []
+    built = watch_models(before_build)
     if what == "host-reads":
         watch_host_reads(steps, record)
     elif what == "grad-dtype":
         watch_grad_dtypes(built, record)
+    elif what == "build-memory":
+        watch_build_memory(steps, before_build, record)
     else:
         raise SystemExit(f"unknown observation {what!r}")
     sys.argv = [script, *flags]

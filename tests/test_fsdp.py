@@ -16,6 +16,7 @@ run twice on different workers.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -147,3 +148,25 @@ def test_cuda_option_trains(script: str, args: list[str], tmp_path: Path) -> Non
     assert "(nccl)" in run.output
     assert all(math.isfinite(loss) for loss in train_losses(run))
     assert math.isfinite(run.final()["eval_loss"])
+
+
+# --- a model larger than one device: each rank builds only its share -----------------------------
+
+# 25.2M parameters, 96 MiB in fp32: large enough to see in a process's memory.
+BIG_MODEL = ["--n-layer", "8", "--d-model", "512", "--n-head", "8", "--block-size", "16"]
+BIG_MODEL_BYTES = 4 * 25_232_384
+ONE_STEP = ["--batch-size", "1", "--train-sequences", "64", "--heldout-sequences", "8", "--max-steps", "1"]
+
+
+@pytest.mark.parametrize("script", [FSDP1, FSDP2])
+def test_building_the_model_takes_each_rank_about_its_share(script: str, tmp_path: Path) -> None:
+    """Built on the meta device and initialised shard by shard, a model must never be whole on a rank:
+    each rank's memory grows by about a quarter of the model at 4 ranks (FSDP1 also holds one unit
+    whole, and its flattened copy, while it shards it), not by the whole of it."""
+    run = run_script(
+        script, [*BIG_MODEL, *ONE_STEP], tmp_path, nproc=4, wrapper=["tests/observe.py", "build-memory"], timeout=300
+    ).check()
+    for rank in range(4):
+        record = json.loads((tmp_path / f"observed-build-memory-rank{rank}.json").read_text())
+        share = record["peak_growth_bytes"] / BIG_MODEL_BYTES
+        assert 0.25 <= share <= 0.6, f"rank {rank} grew by {share:.2f} of the model\n{run.describe()}"
