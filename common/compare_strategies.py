@@ -155,16 +155,35 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     passed_on = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m common.compare_strategies",
+        usage="%(prog)s [options] [-- FLAGS FOR EVERY TRAINING SCRIPT]",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="tiny", help="the scripts' --model preset (default: %(default)s)")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4], metavar="N")
     parser.add_argument(
-        "--strategies", nargs="+", choices=[s.name for s in STRATEGIES], default=[s.name for s in STRATEGIES]
+        "--world-sizes", type=int, nargs="+", default=[1, 2, 4], metavar="N", help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=[s.name for s in STRATEGIES],
+        default=[s.name for s in STRATEGIES],
+        help="(default: all)",
     )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default: %(default)s)")
-    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
-    parser.add_argument("--out-dir", type=Path, default=Path("runs/compare_strategies"))
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "auto"],
+        default="auto",
+        help="as the scripts' --device: auto takes the GPUs if CUDA is available (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("runs/compare_strategies"),
+        help="each run's folder goes in here, as STRATEGY-WORLDSIZE (default: %(default)s)",
+    )
     parser.add_argument("--png", type=Path, help="also draw a bar chart here (needs matplotlib)")
     args = parser.parse_args(own)
     if args.steps < 1 or min(args.world_sizes) < 1:

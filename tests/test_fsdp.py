@@ -28,9 +28,10 @@ from torchvision import datasets, transforms
 
 from common.data import MNIST_MEAN, MNIST_STD
 from common.models import GPT, GPTConfig, MnistNet
-from tests.conftest import MNIST_ARGS, Run, run_script
+from tests.conftest import MNIST_ARGS, Run, run_script, run_until_stopped
 
 MNIST = "fsdp/train_mnist.py"
+DDP = "ddp/train_transformer.py"
 FSDP1 = "fsdp/train_transformer.py"
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
 
@@ -126,6 +127,9 @@ def test_option_trains(script: str, args: list[str], tmp_path: Path) -> None:
 
 CUDA_CASES = [
     pytest.param(MNIST, ["--synthetic", "--epochs", "1"], id="fsdp1-mnist"),
+    pytest.param("ddp/train_mnist.py", ["--synthetic", "--epochs", "1"], id="ddp-mnist"),
+    pytest.param(DDP, [*SHORT_ARGS, "--mixed-precision", "bf16", "--activation-checkpointing"], id="ddp-bf16-ac"),
+    pytest.param(DDP, [*SHORT_ARGS, "--compile", "--mixed-precision", "bf16"], id="ddp-compile-bf16"),
     pytest.param(FSDP1, [*SHORT_ARGS, "--mixed-precision", "bf16"], id="fsdp1-bf16"),
     pytest.param(FSDP1, [*SHORT_ARGS, "--mixed-precision", "fp16"], id="fsdp1-fp16-sharded_grad_scaler"),
     pytest.param(FSDP1, [*SHORT_ARGS, "--cpu-offload"], id="fsdp1-cpu_offload"),
@@ -170,3 +174,21 @@ def test_building_the_model_takes_each_rank_about_its_share(script: str, tmp_pat
         record = json.loads((tmp_path / f"observed-build-memory-rank{rank}.json").read_text())
         share = record["peak_growth_bytes"] / BIG_MODEL_BYTES
         assert 0.25 <= share <= 0.6, f"rank {rank} grew by {share:.2f} of the model\n{run.describe()}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("script", [DDP, FSDP2])
+def test_cuda_resume_restores_the_dropout_stream(script: str, tmp_path: Path) -> None:
+    """Stopped and resumed on a GPU, with dropout on: the CUDA random state must come back with the
+    checkpoint, or the resumed steps draw other masks. GPU kernels are not bit-reproducible here
+    (no --deterministic, which turns dropout off), so the losses must agree to rounding, which other
+    masks would exceed by far."""
+    args = [*SHORT_ARGS, "--max-steps", "12", "--log-interval", "1", "--dropout", "0.1", "--device", "cuda"]
+    reference = run_script(script, args, tmp_path / "reference", nproc=1).check()
+    stopped_dir = tmp_path / "stopped"
+    run_until_stopped(script, args, stopped_dir, nproc=1, stop_after=4).check()
+    resumed = run_script(script, [*args, "--resume"], stopped_dir, nproc=1).check()
+    expected = {r["step"]: r["loss"] for r in reference.events("train")}
+    for record in resumed.events("train"):
+        assert record["loss"] == pytest.approx(expected[record["step"]], rel=1e-4), record

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from common.data import _open_mnist, normalize_images, train_loader
 from common.distributed import DistContext
-from tests.conftest import Run, run_script
+from tests.conftest import Run, run_command, run_script
 from tests.per_image_mnist import per_image_mnist
 
 TRANSFORMERS = ["ddp/train_transformer.py", "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"]
@@ -138,3 +139,18 @@ def test_throughput_leaves_out_evaluation(tmp_path: Path) -> None:
     assert with_evals["wall_s"] > 2 * without["wall_s"], (with_evals["wall_s"], without["wall_s"])
     ratio = with_evals["tokens_per_s"] / without["tokens_per_s"]
     assert 0.5 < ratio < 2, (with_evals["tokens_per_s"], without["tokens_per_s"])
+
+
+def test_the_benchmark_compares_ddp_fsdp1_and_fsdp2_in_bf16(tmp_path: Path) -> None:
+    """The first command to run on GPUs, run here as on CPU: the tiny preset, one process per strategy."""
+    out = tmp_path / "benchmark.json"
+    command = [sys.executable, "-m", "common.benchmark", "--nproc", "1", "--warmup", "1", "--steps", "2"]
+    run = run_command([*command, "--out", str(out)], tmp_path, timeout=300).check()
+    rows = json.loads(out.read_text())["runs"]
+    assert [row["strategy"] for row in rows] == ["ddp", "fsdp1_full_shard", "fsdp2"], run.describe()
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["peak_memory_gib"] > 0, row
+        assert row["mfu"] is None  # only on a GPU of known peak
+        final = Run(command, 0, "", tmp_path / row["strategy"]).final()
+        assert final["mixed_precision"] == "bf16" and final["steps"] == 3
+    assert "| fsdp2 | 1 |" in run.output

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from common.compare_strategies import STRATEGIES, markdown_table
+from common.compare_strategies import STRATEGIES, markdown_table, parse_args
 from common.estimate_memory import (
     GIB,
     between_steps,
@@ -184,3 +184,10 @@ def test_mfu_is_omitted_on_cpu_and_divides_by_every_gpu() -> None:
     assert peak_flops(torch.device("cpu")) is None
     # 1e6 FLOPs per token at 1e8 tokens/s on 2 GPUs of 1e14 FLOP/s each: half of the peak.
     assert model_flops_utilization(1e6, 1e8, 1e14, 2) == pytest.approx(0.5)
+
+
+def test_compare_strategies_uses_the_device_the_scripts_would() -> None:
+    """On a GPU machine the comparison must measure the GPUs, as the scripts do by default."""
+    args, passed_on = parse_args(["--world-sizes", "2", "--", "--mixed-precision", "bf16"])
+    assert args.device == "auto"
+    assert passed_on == ["--mixed-precision", "bf16"]

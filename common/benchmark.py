@@ -1,0 +1,108 @@
+"""How fast DDP, FSDP1 and FSDP2 train the same transformer here: the first thing to run on GPUs.
+
+    python -m common.benchmark                         # every visible GPU; the gpt2 preset in bf16
+    python -m common.benchmark --nproc 2 --out b.json  # on CPU: the tiny preset, 2 processes
+
+Each strategy trains the same model, in bf16, on the same global batch, for --warmup steps
+that are not measured (the first collectives, allocations, compilation) and then --steps
+that are. The table gives what each run's final metrics.jsonl record says: tokens per second
+over all ranks, MFU (on GPUs whose peak is known), peak memory of the rank that needs most,
+and the mean step time, evaluation and checkpoints left out. The table also goes to --out as
+JSON. Every run goes through torchrun, like common.compare_strategies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.compare_strategies import STRATEGIES, launch
+
+BENCHMARKED = ("ddp", "fsdp1_full_shard", "fsdp2")
+GIB = 2**30
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    on_gpu = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--nproc", type=int, default=torch.cuda.device_count() or 2, help="processes (default: the GPUs, else 2)"
+    )
+    parser.add_argument(
+        "--model", default="gpt2" if on_gpu else "tiny", help="--model preset (default: gpt2 on GPUs, else tiny)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=16 if on_gpu else 8,
+        help="sequences per process per step (default: 16 on GPUs, else 8)",
+    )
+    parser.add_argument("--warmup", type=int, default=5, help="steps before the clock starts (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps (default: %(default)s)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs/benchmark/benchmark.json"), help="(default: %(default)s)"
+    )
+    args = parser.parse_args(argv)
+    if min(args.nproc, args.batch_size, args.warmup, args.steps) < 1:
+        parser.error("--nproc, --batch-size, --warmup and --steps must be positive")
+    return args
+
+
+def training_flags(args: argparse.Namespace) -> list[str]:
+    total = args.warmup + args.steps
+    return [
+        *("--device", "auto", "--model", args.model, "--mixed-precision", "bf16", "--batch-size", str(args.batch_size)),
+        # The first log interval is the warm-up: the final record's throughput leaves it out.
+        *("--max-steps", str(total), "--log-interval", str(args.warmup), "--eval-interval", str(total)),
+        # Enough synthetic sequences for every step, and no more: generating them is not what is measured.
+        *("--train-sequences", str(total * args.batch_size * args.nproc), "--heldout-sequences", str(args.nproc)),
+    ]
+
+
+def row(record: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "strategy": record["strategy"],
+        "processes": record["world_size"],
+        "tokens_per_s": record.get("tokens_per_s"),
+        "mfu": record.get("mfu"),
+        "peak_memory_gib": record["peak_memory_bytes"] / GIB,
+        "step_ms": record.get("step_ms"),
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| strategy | processes | tokens/s | MFU | peak memory GiB | step ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        lines.append(
+            f"| {r['strategy']} | {r['processes']} | {r['tokens_per_s']:.0f} | {mfu} | {r['peak_memory_gib']:.2f} "
+            f"| {r['step_ms']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    flags = training_flags(args)
+    rows = []
+    for strategy in (s for s in STRATEGIES if s.name in BENCHMARKED):
+        record = launch(strategy, args.nproc, args.out.parent / strategy.name, flags)
+        rows.append(row(record))
+    print()
+    print(table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": args.model, "batch_size": args.batch_size, "runs": rows}, indent=2) + "\n")
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

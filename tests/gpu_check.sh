@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The first thing to run on a machine with GPUs: the tests that need CUDA, then the benchmark.
+# About 5 minutes on one GPU. The benchmark's table also lands in runs/benchmark/gpu.json.
+#
+#   bash tests/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| GPUs:', torch.cuda.device_count())"
+# bf16, fp16 with the gradient scaler, CPU offload, torch.compile, and resuming with the CUDA random state.
+python -m pytest -m cuda -v -p no:cacheprovider
+python -m common.benchmark --out runs/benchmark/gpu.json
