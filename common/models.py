@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import zlib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -196,16 +197,20 @@ def init_parameters(module: nn.Module, seed: int, prefix: str = "", recurse: boo
 COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def checkpoint_activations(model: nn.Module) -> None:
-    """Keep only each Block's input in forward; recompute the rest in backward (non-reentrant, the supported kind)."""
+def checkpoint_activations(model: nn.Module, layers: Iterable[nn.Module]) -> None:
+    """Keep only each layer's input in forward; recompute the rest in backward (non-reentrant, the supported kind).
+
+    Each of ``layers`` (modules inside ``model``) is wrapped where it sits in ``model``.
+    """
+    wrapped = set(layers)
     apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda module: isinstance(module, Block),
+        check_fn=lambda module: module in wrapped,
     )
 
 
-def compile_blocks(model: GPT) -> None:
-    """torch.compile each Block in place, so the parameter names (and state dicts) do not change."""
-    for block in model.blocks:
-        block.compile()
+def compile_layers(layers: Iterable[nn.Module]) -> None:
+    """torch.compile each layer in place, so the parameter names (and state dicts) do not change."""
+    for layer in layers:
+        layer.compile()

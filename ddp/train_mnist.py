@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None):
 def train(args, ctx: DistContext) -> None:
     start = time.perf_counter()
     seed_everything(args.seed, args.deterministic)
+    # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
     loader = train_loader(train_set, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
     test_loader = eval_loader(test_set, args.test_batch_size, ctx)
@@ -71,7 +72,7 @@ def train(args, ctx: DistContext) -> None:
         f"{total_steps} steps, {steps_per_epoch} per epoch"
     )
 
-    model = MnistNet(dropout=not args.deterministic).to(ctx.device)
+    model = MnistNet(dropout=not args.deterministic).to(ctx.device)  # YOUR MODEL
     # DISTRIBUTED: DDP copies rank 0's weights to every rank, then all-reduces
     # (averages) gradients during backward. With gradient_as_bucket_view the
     # .grad tensors are views into DDP's communication buckets, not extra copies.
@@ -89,7 +90,7 @@ def train(args, ctx: DistContext) -> None:
         model=model,
         optimizer=optimizer,
         extra={"scheduler": scheduler},
-        identity={"script": "ddp/train_mnist.py"},
+        identity={"script": "ddp/train_mnist.py"},  # YOUR CHECKPOINT IDENTITY
         global_batch_size=global_batch,
         sharded=False,
         interval=args.checkpoint_interval,
@@ -133,7 +134,7 @@ def train(args, ctx: DistContext) -> None:
                 # micro-step; gradients add up locally until then.
                 last_micro_step = micro_step == args.grad_accum_steps - 1
                 with nullcontext() if last_micro_step else model.no_sync():
-                    loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps
+                    loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps  # YOUR LOSS
                     loss.backward()
                 step_loss += loss.detach()
             finite_loss.watch(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none

@@ -46,7 +46,7 @@ from common.data import eval_loader, train_loader
 from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
-from common.models import COMPUTE_DTYPES, GPT, checkpoint_activations, compile_blocks, count_parameters
+from common.models import COMPUTE_DTYPES, GPT, checkpoint_activations, compile_layers, count_parameters
 from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
 from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps, warmup_cosine
@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None = None):
 def train(args, ctx: DistContext) -> None:
     start = time.perf_counter()
     seed_everything(args.seed, args.deterministic)
+    # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     if args.text_file is not None:
         data = text_data(args.text_file, args.block_size)
     else:
@@ -84,12 +85,13 @@ def train(args, ctx: DistContext) -> None:
     )
 
     config = gpt_config(args, data.vocab_size)
-    model = GPT(config, seed=args.seed).to(ctx.device)
+    model = GPT(config, seed=args.seed).to(ctx.device)  # YOUR MODEL
+    layers = model.blocks  # YOUR LAYERS: the ones that repeat (FSDP's units in the FSDP scripts)
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
     if args.compile:
-        compile_blocks(model)
+        compile_layers(layers)
     if args.activation_checkpointing:
-        checkpoint_activations(model)
+        checkpoint_activations(model, layers)
     # Weights stay fp32; autocast runs each matmul in low precision and keeps norms and softmax in fp32.
     compute_dtype = COMPUTE_DTYPES[args.mixed_precision]
     # DISTRIBUTED: DDP copies rank 0's weights to every rank, then all-reduces
@@ -109,7 +111,7 @@ def train(args, ctx: DistContext) -> None:
         model=model,
         optimizer=optimizer,
         extra={"scheduler": scheduler},
-        identity={"script": "ddp/train_transformer.py", "model": config.shape()},
+        identity={"script": "ddp/train_transformer.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY
         global_batch_size=global_batch,
         sharded=False,
         interval=args.checkpoint_interval,
@@ -155,7 +157,7 @@ def train(args, ctx: DistContext) -> None:
                 with nullcontext() if last_micro_step else model.no_sync():
                     with torch.autocast(ctx.device.type, dtype=compute_dtype, enabled=compute_dtype is not None):
                         logits = model(inputs)
-                        # The loss in fp32 whatever the compute dtype: a low-precision softmax is too coarse.
+                        # YOUR LOSS. In fp32 whatever the compute dtype: a low-precision softmax is too coarse.
                         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
                     loss.backward()
                 step_loss += loss.detach()

@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None = None):
 def train(args, ctx: DistContext) -> None:
     start = time.perf_counter()
     seed_everything(args.seed, args.deterministic)
+    # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
     loader = train_loader(train_set, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
     test_loader = eval_loader(test_set, args.test_batch_size, ctx)
@@ -91,7 +92,7 @@ def train(args, ctx: DistContext) -> None:
     # DISTRIBUTED: every rank seeds the same generator, so every rank builds the
     # same initial weights and FSDP shards identical copies. (DDP broadcasts
     # rank 0's weights instead; FSDP1's sync_module_states does that only on GPUs.)
-    model = MnistNet(dropout=not args.deterministic).to(ctx.device)
+    model = MnistNet(dropout=not args.deterministic).to(ctx.device)  # YOUR MODEL
     # DISTRIBUTED: FSDP keeps 1/N of every unit's parameters on this rank and
     # gathers the rest just in time. use_orig_params keeps the original
     # parameters visible (as views of this rank's shard) to the optimizer.
@@ -115,7 +116,7 @@ def train(args, ctx: DistContext) -> None:
         model=model,
         optimizer=optimizer,
         extra={"scheduler": scheduler},
-        identity={"script": "fsdp/train_mnist.py"},
+        identity={"script": "fsdp/train_mnist.py"},  # YOUR CHECKPOINT IDENTITY
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",
         trust=args.trust_checkpoint,
@@ -158,7 +159,7 @@ def train(args, ctx: DistContext) -> None:
                 # micro-step; unsharded gradients add up locally until then.
                 last_micro_step = micro_step == args.grad_accum_steps - 1
                 with nullcontext() if last_micro_step else model.no_sync():
-                    loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps
+                    loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps  # YOUR LOSS
                     loss.backward()
                 step_loss += loss.detach()
             finite_loss.watch(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none

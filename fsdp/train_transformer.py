@@ -63,9 +63,8 @@ from common.metrics import MetricsLog
 from common.models import (
     COMPUTE_DTYPES,
     GPT,
-    Block,
     checkpoint_activations,
-    compile_blocks,
+    compile_layers,
     count_parameters,
     init_parameters,
 )
@@ -125,6 +124,7 @@ def parse_args(argv: list[str] | None = None):
 def train(args, ctx: DistContext) -> None:
     start = time.perf_counter()
     seed_everything(args.seed, args.deterministic)
+    # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     if args.text_file is not None:
         data = text_data(args.text_file, args.block_size)
     else:
@@ -146,7 +146,8 @@ def train(args, ctx: DistContext) -> None:
     # larger than one GPU. The weights still equal what one process would build.
     config = gpt_config(args, data.vocab_size)
     with torch.device("meta"):
-        model = GPT(config, seed=None)
+        model = GPT(config, seed=None)  # YOUR MODEL
+    layers = list(model.blocks)  # YOUR LAYERS: the ones that repeat; each becomes one FSDP unit
     names = {module: name for name, module in model.named_modules()}
 
     def materialize(module: torch.nn.Module) -> None:
@@ -155,7 +156,7 @@ def train(args, ctx: DistContext) -> None:
 
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
     if args.compile:
-        compile_blocks(model)
+        compile_layers(layers)
     if args.sharding_strategy == "no_shard":
         print0("note: no_shard keeps full copies and all-reduces gradients: the same as DDP (use DDP for that)")
     mesh = None
@@ -168,17 +169,16 @@ def train(args, ctx: DistContext) -> None:
         )
         print0(f"hybrid_shard: {args.replicate_degree} replica(s), each sharded across {shard_degree} rank(s)")
     compute_dtype = COMPUTE_DTYPES[args.mixed_precision]
-    last_block = model.blocks[-1]
 
     def fsdp_unit(module: torch.nn.Module) -> bool | dict:
-        # DISTRIBUTED: each Block is one FSDP unit, gathered just before it runs and
-        # freed after; what no Block claims (embeddings, final norm, head) forms the
+        # DISTRIBUTED: each layer is one FSDP unit, gathered just before it runs and
+        # freed after; what no layer claims (embeddings, final norm, head) forms the
         # root unit, which FSDP never frees after forward: backward needs it first.
-        # Nor the last Block: its backward comes next, and freeing it would mean
+        # Nor the last layer: its backward comes next, and freeing it would mean
         # gathering it again at once. (FSDP2 does the same below its root.)
-        if module is last_block and args.sharding_strategy in KEEP_GATHERED:
+        if module is layers[-1] and args.sharding_strategy in KEEP_GATHERED:
             return {"sharding_strategy": KEEP_GATHERED[args.sharding_strategy]}
-        return isinstance(module, Block)
+        return module in layers
 
     # DISTRIBUTED: use_orig_params keeps the original parameters visible (as views
     # of this rank's shard), so the optimizer and the metrics see real tensors.
@@ -201,7 +201,7 @@ def train(args, ctx: DistContext) -> None:
     if args.activation_checkpointing:
         # Inside each FSDP unit, so the recomputation in backward runs while that
         # unit's parameters are gathered anyway.
-        checkpoint_activations(model)
+        checkpoint_activations(model, layers)
     # DISTRIBUTED: built after wrapping, so the optimizer holds (and keeps state
     # for) only this rank's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -219,7 +219,7 @@ def train(args, ctx: DistContext) -> None:
         model=model,
         optimizer=optimizer,
         extra={"scheduler": scheduler, "scaler": scaler},
-        identity={"script": "fsdp/train_transformer.py", "model": config.shape()},
+        identity={"script": "fsdp/train_transformer.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",
         trust=args.trust_checkpoint,
@@ -265,7 +265,7 @@ def train(args, ctx: DistContext) -> None:
                 last_micro_step = micro_step == args.grad_accum_steps - 1
                 with nullcontext() if last_micro_step or compute_dtype is not None else model.no_sync():
                     logits = model(inputs)
-                    # The loss in fp32 whatever the compute dtype: a low-precision softmax is too coarse.
+                    # YOUR LOSS. In fp32 whatever the compute dtype: a low-precision softmax is too coarse.
                     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
                     scaler.scale(loss).backward()
                 step_loss += loss.detach()

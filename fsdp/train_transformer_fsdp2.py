@@ -55,7 +55,7 @@ from common.data import eval_loader, train_loader
 from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
-from common.models import GPT, checkpoint_activations, compile_blocks, count_parameters, init_parameters
+from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, init_parameters
 from common.preemption import StopRequest
 from common.tokens import markov_data, text_data
 from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps, warmup_cosine
@@ -89,6 +89,7 @@ def parse_args(argv: list[str] | None = None):
 def train(args, ctx: DistContext) -> None:
     start = time.perf_counter()
     seed_everything(args.seed, args.deterministic)
+    # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     if args.text_file is not None:
         data = text_data(args.text_file, args.block_size)
     else:
@@ -110,7 +111,8 @@ def train(args, ctx: DistContext) -> None:
     # GPU. The weights still equal what one process would build.
     config = gpt_config(args, data.vocab_size)
     with torch.device("meta"):
-        model = GPT(config, seed=None)
+        model = GPT(config, seed=None)  # YOUR MODEL
+    layers = model.blocks  # YOUR LAYERS: the ones that repeat; each becomes one FSDP unit
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
     # DISTRIBUTED: the mesh says which ranks shard together. Passed explicitly
     # (on CPU too) so FSDP2 never guesses a device type. A 2-D mesh is HSDP:
@@ -126,12 +128,12 @@ def train(args, ctx: DistContext) -> None:
     backends = dict.fromkeys(dim_names, "cpu:gloo,cuda:nccl") if args.cpu_offload else None
     mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names, backend_override=backends)
     if args.compile:
-        compile_blocks(model)
+        compile_layers(layers)
     if args.activation_checkpointing:
-        # Before sharding, so fully_shard below takes each checkpointed Block whole:
-        # its recomputation in backward runs while FSDP has that Block's
+        # Before sharding, so fully_shard below takes each checkpointed layer whole:
+        # its recomputation in backward runs while FSDP has that layer's
         # parameters gathered for the gradients anyway.
-        checkpoint_activations(model)
+        checkpoint_activations(model, layers)
     fsdp_options = {
         "mesh": mesh,
         # Compute in bf16, but reduce gradients in fp32 so that summing N ranks'
@@ -142,12 +144,12 @@ def train(args, ctx: DistContext) -> None:
         # Pinned host memory for fast copies: a GPU feature.
         "offload_policy": CPUOffloadPolicy() if args.cpu_offload else None,
     }
-    # DISTRIBUTED: one FSDP unit per Block, gathered just before it runs and freed
-    # after. Not the last Block: its backward comes next, and freeing it would mean
+    # DISTRIBUTED: one FSDP unit per layer, gathered just before it runs and freed
+    # after. Not the last layer: its backward comes next, and freeing it would mean
     # gathering it again at once.
-    for block in model.blocks:
-        keep_gathered = block is model.blocks[-1] or not args.reshard_after_forward
-        fully_shard(block, reshard_after_forward=not keep_gathered, **fsdp_options)
+    for layer in layers:
+        keep_gathered = layer is layers[-1] or not args.reshard_after_forward
+        fully_shard(layer, reshard_after_forward=not keep_gathered, **fsdp_options)
     # DISTRIBUTED: the root takes what is left (embeddings, final norm, head). Left at
     # its default, FSDP2 keeps the root's parameters after forward: backward needs them first.
     fully_shard(model, **fsdp_options)
@@ -168,7 +170,7 @@ def train(args, ctx: DistContext) -> None:
         model=model,
         optimizer=optimizer,
         extra={"scheduler": scheduler},
-        identity={"script": "fsdp/train_transformer_fsdp2.py", "model": config.shape()},
+        identity={"script": "fsdp/train_transformer_fsdp2.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",
         trust=args.trust_checkpoint,
@@ -212,7 +214,7 @@ def train(args, ctx: DistContext) -> None:
                 last_micro_step = micro_step == args.grad_accum_steps - 1
                 model.set_requires_gradient_sync(last_micro_step)
                 logits = model(inputs)
-                # The loss in fp32 whatever the compute dtype: a bf16 softmax is too coarse.
+                # YOUR LOSS. In fp32 whatever the compute dtype: a bf16 softmax is too coarse.
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
                 loss.backward()
                 step_loss += loss.detach()

@@ -106,11 +106,11 @@ def script_command(script: str, args: list[str], run_dir: Path, nproc: int | Non
     return [*launcher_prefix(nproc), *script_invocation(script, args, run_dir, wrapper)]
 
 
-def start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(command: list[str], env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.Popen:
     # Its own session, so that a hang can be killed whole: torchrun and every worker.
     return subprocess.Popen(
         command,
-        cwd=REPO,
+        cwd=cwd,
         env=env or clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -159,9 +159,11 @@ def run_warm(
     return run
 
 
-def run_command(command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None) -> Run:
+def run_command(
+    command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO
+) -> Run:
     """Run ``command`` to the end; on timeout kill its whole process group and fail with its output."""
-    process = start(command, env)
+    process = start(command, env, cwd)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -1,0 +1,185 @@
+"""Start your own project from a script: the README's steps, done as a user does them, in its order.
+
+Each test copies a script and common/ into a new folder outside the repository, puts a model
+that is not this repository's at the places the script marks (YOUR MODEL, YOUR LAYERS, YOUR
+CHECKPOINT IDENTITY), trains the copy with one process and with two, checks with
+common.compare_runs that both train the same way, and loads model.pt into the new model.
+
+The copies run with python and torchrun themselves, from their own folder: the test launcher's
+warm processes have this repository's common/ loaded already, and the copy must stand alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from tests.conftest import REPO, Run, clean_env, run_command
+from tests.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL, PARAM_ATOL
+
+CHECK = ["--deterministic", "--global-batch-size", "24", "--max-steps", "12", "--log-interval", "1"]
+
+# Step 2 of the README, the model in a file of its own beside the script.
+RESNET = '''
+import torch.nn as nn
+from torchvision.models import resnet18
+
+
+def digit_resnet() -> nn.Module:
+    """torchvision's ResNet-18 for 1-channel 28x28 digits. GroupNorm, not BatchNorm: BatchNorm
+    normalises by each rank's own slice of the batch, so N processes would not compute what one does."""
+    model = resnet18(num_classes=10, norm_layer=lambda channels: nn.GroupNorm(8, channels))
+    model.conv1 = nn.Conv2d(1, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    return model
+'''
+
+LANGUAGE_MODEL = '''
+import torch
+import torch.nn as nn
+
+
+class Layer(nn.Module):
+    """A pre-norm transformer layer on torch's own MultiheadAttention: not this repository's Block."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, bias=False, batch_first=True)
+        self.norm2 = nn.LayerNorm(width)
+        self.feed_forward = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, attn_mask=causal, is_causal=True, need_weights=False)[0]
+        return x + self.feed_forward(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab_size: int, block_size: int, width: int = 64, heads: int = 4, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.position = nn.Embedding(block_size, width)
+        self.layers = nn.ModuleList(Layer(width, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.norm(x))
+'''
+
+
+def copy_project(script: str, project: Path) -> Path:
+    """Step 1: common/ and the script, the script one folder below common/'s parent."""
+    shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    (project / "train").mkdir()
+    return Path(shutil.copy(REPO / script, project / "train" / "train.py"))
+
+
+def put_in(train_py: Path, model_source: str, edits: dict[str, str]) -> None:
+    """Step 2: the model in train/model.py, and the marked lines of train.py changed to use it."""
+    (train_py.parent / "model.py").write_text(model_source)
+    source = train_py.read_text()
+    for marked, replacement in edits.items():
+        assert source.count(marked) == 1, f"the script no longer has this marked line: {marked}"
+        source = source.replace(marked, replacement)
+    train_py.write_text(source)
+
+
+def train_once_and_twice(project: Path, args: list[str]) -> tuple[Run, Run]:
+    """Step 3: the same training with one process and with two."""
+    one, two = project / "runs" / "one", project / "runs" / "two"
+    flags = ["train/train.py", "--device", "cpu", *args]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = project_env(project)
+    return (
+        run_command([sys.executable, *flags, "--run-dir", str(one)], one, 180, env, project).check(),
+        run_command([*torchrun, *flags, "--run-dir", str(two)], two, 180, env, project).check(),
+    )
+
+
+def compare_runs(project: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """Step 4: ``python -m common.compare_runs runs/one runs/two`` with the equivalence tolerances (exit 1
+    beyond them). Its main() from the copy, in this process: the same code, without another start-up."""
+    tolerances = {"--loss-rtol": LOSS_RTOL, "--grad-norm-rtol": GRAD_NORM_RTOL, "--param-atol": PARAM_ATOL}
+    argv = [str(project / "runs" / "one"), str(project / "runs" / "two")]
+    argv += [str(part) for flag, value in tolerances.items() for part in (flag, value)]
+    verdict = load(project / "common" / "compare_runs.py").main(argv)
+    output = capsys.readouterr().out
+    assert verdict == 0, output
+    return output
+
+
+def load(path: Path) -> ModuleType:
+    """A module of the copy, from its file: each test's copy has its own, under a name of its own."""
+    spec = importlib.util.spec_from_file_location(f"copy_{path.stem}_{id(path)}", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]  # dataclasses look their module up there
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def project_env(project: Path) -> dict[str, str]:
+    env = clean_env()
+    env["PYTHONPATH"] = str(project)  # the copy's common/, never this repository's
+    return env
+
+
+def test_the_fsdp1_cnn_script_trains_a_torchvision_resnet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    project = tmp_path / "project"
+    train_py = copy_project("fsdp/train_mnist.py", project)
+    model_line = "    model = MnistNet(dropout=not args.deterministic).to(ctx.device)  # YOUR MODEL"
+    identity = '"script": "fsdp/train_mnist.py"},  # YOUR CHECKPOINT IDENTITY'
+    imports = "from common.models import MnistNet\n"
+    put_in(
+        train_py,
+        RESNET,
+        {
+            model_line: "    model = digit_resnet().to(ctx.device)  # YOUR MODEL",
+            identity: '"script": "train/train.py", "model": "digit_resnet"},  # YOUR CHECKPOINT IDENTITY',
+            imports: f"{imports}from model import digit_resnet\n",
+        },
+    )
+    # Adadelta's default lr of 1.0 makes this ResNet's loss jump about, which magnifies rounding
+    # beyond the tolerances within 12 steps; a calmer lr compares the training, not the rounding.
+    one, two = train_once_and_twice(project, ["--synthetic", "--lr", "0.05", *CHECK])
+    assert "12 steps compared" in compare_runs(project, capsys)
+    assert two.final()["world_size"] == 2 and two.final()["strategy"] == "fsdp1_full_shard"
+    digit_resnet = load(train_py.parent / "model.py").digit_resnet
+    digit_resnet().load_state_dict(torch.load(two.run_dir / "model.pt", weights_only=True))  # strict
+
+
+def test_the_fsdp2_script_shards_a_transformer_of_other_layers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project = tmp_path / "project"
+    train_py = copy_project("fsdp/train_transformer_fsdp2.py", project)
+    layers_line = "    layers = model.blocks  # YOUR LAYERS: the ones that repeat; each becomes one FSDP unit"
+    identity = '"script": "fsdp/train_transformer_fsdp2.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY'
+    imports = "from common.tokens import markov_data, text_data\n"
+    put_in(
+        train_py,
+        LANGUAGE_MODEL,
+        {
+            "model = GPT(config, seed=None)  # YOUR MODEL": "model = TinyLM(data.vocab_size, args.block_size)",
+            layers_line: layers_line.replace("model.blocks", "model.layers"),
+            identity: '"script": "train/train.py", "model": "TinyLM"},  # YOUR CHECKPOINT IDENTITY',
+            imports: f"{imports}from model import TinyLM\n",
+        },
+    )
+    data = ["--block-size", "32", "--train-sequences", "600", "--heldout-sequences", "61", "--lr", "1e-3"]
+    one, two = train_once_and_twice(project, [*data, *CHECK])
+    assert "12 steps compared" in compare_runs(project, capsys)
+    final = two.final()
+    assert final["strategy"] == "fsdp2" and final["shard_group_size"] == 2
+    tiny_lm = load(train_py.parent / "model.py").TinyLM(vocab_size=16, block_size=32)
+    tiny_lm.load_state_dict(torch.load(two.run_dir / "model.pt", weights_only=True))  # strict
