@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from common.cli import HelpFormatter
 from common.compare_strategies import STRATEGIES, launch
 
 BENCHMARKED = ("ddp", "fsdp1_full_shard", "fsdp2")
@@ -29,7 +30,7 @@ GIB = 2**30
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     on_gpu = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--nproc", type=int, default=torch.cuda.device_count() or 2, help="processes (default: the GPUs, else 2)"
     )

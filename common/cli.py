@@ -16,6 +16,17 @@ from common.distributed import env_rank, env_world_size, wants_cuda
 from common.models import GPT_PRESETS, GPTConfig
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (with their example commands), and every flag's default in its help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        has_default = action.default not in (None, False, argparse.SUPPRESS)
+        if has_default and action.option_strings and "(default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage, help and errors appear once, not once per rank."""
 
@@ -70,7 +81,7 @@ def probability(text: str) -> float:
 
 def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> Parser:
     """A parser with the flags every script has: device, timeouts, seed, output."""
-    parser = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=description, formatter_class=HelpFormatter)
     run = parser.add_argument_group("run")
     run.add_argument(
         "--device",
@@ -85,11 +96,23 @@ def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> 
         metavar="SECONDS",
         help="how long a collective waits for the other ranks before failing (default: %(default)s)",
     )
-    run.add_argument("--seed", type=int, default=1)
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        help="seeds the initial weights, the data order and dropout, the same on every rank",
+    )
     run.add_argument(
         "--run-dir", type=Path, default=Path(run_dir), help="where metrics.jsonl and model.pt go (default: %(default)s)"
     )
-    run.add_argument("--log-interval", type=positive_int, default=log_interval, metavar="STEPS")
+    run.add_argument(
+        "--log-interval",
+        type=positive_int,
+        default=log_interval,
+        metavar="STEPS",
+        help="a metrics.jsonl record and a console line every this many steps; only these steps read values "
+        "from the GPU",
+    )
     return parser
 
 
@@ -152,7 +175,9 @@ def add_mnist_flags(parser: Parser) -> None:
         action="store_true",
         help="train on generated 28x28 images instead of MNIST (smoke tests, no data needed)",
     )
-    group.add_argument("--test-batch-size", type=positive_int, default=1000)
+    group.add_argument(
+        "--test-batch-size", type=positive_int, default=1000, help="images per rank per evaluation batch"
+    )
     group.add_argument("--gamma", type=positive_float, default=0.7, help="StepLR decay per epoch")
 
 
@@ -163,7 +188,7 @@ def add_transformer_flags(parser: Parser) -> None:
     group.add_argument("--n-head", type=positive_int, help="override the preset's attention heads")
     group.add_argument("--d-model", type=positive_int, help="override the preset's width")
     group.add_argument("--block-size", type=positive_int, help="override the preset's context length")
-    group.add_argument("--dropout", type=probability, default=0.0)
+    group.add_argument("--dropout", type=probability, default=0.0, help="dropout probability in every Block")
     group.add_argument(
         "--text-file", type=Path, help="train character-level on this UTF-8 file instead of the synthetic Markov tokens"
     )
@@ -179,13 +204,19 @@ def add_transformer_flags(parser: Parser) -> None:
         default=1_000,
         help="synthetic held-out sequences (default: %(default)s)",
     )
-    group.add_argument("--warmup-steps", type=non_negative_int, default=30)
+    group.add_argument(
+        "--warmup-steps", type=non_negative_int, default=30, help="steps of linear warm-up to the peak lr"
+    )
     group.add_argument(
         "--min-lr-ratio", type=probability, default=0.1, help="the cosine schedule ends at lr times this"
     )
-    group.add_argument("--weight-decay", type=non_negative_float, default=0.1)
-    group.add_argument("--eval-interval", type=positive_int, default=100, metavar="STEPS")
-    group.add_argument("--eval-batch-size", type=positive_int, default=100)
+    group.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW's decoupled weight decay")
+    group.add_argument(
+        "--eval-interval", type=positive_int, default=100, metavar="STEPS", help="evaluate every this many steps"
+    )
+    group.add_argument(
+        "--eval-batch-size", type=positive_int, default=100, help="held-out sequences per rank per evaluation batch"
+    )
 
 
 def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from common.cli import HelpFormatter
+
 
 @dataclass
 class Comparison:
@@ -68,7 +70,7 @@ def compare(run_a: Path, run_b: Path) -> Comparison:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("run_a", type=Path)
     parser.add_argument("run_b", type=Path)
     parser.add_argument("--loss-rtol", type=float, help="fail if a step's loss differs by more than this, relatively")
@@ -90,12 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"largest parameter difference: {result.max_param_abs_diff:.3e} in {result.worst_param}")
 
+    if args.loss_rtol is None and args.grad_norm_rtol is None and args.param_atol is None:
+        print("no verdict: give --loss-rtol, --grad-norm-rtol or --param-atol to have one")
+        return 0
     failed = args.loss_rtol is not None and result.max_loss_rel_diff > args.loss_rtol
     failed |= args.grad_norm_rtol is not None and result.max_grad_norm_rel_diff > args.grad_norm_rtol
     if args.param_atol is not None:
         failed |= result.max_param_abs_diff is None or result.max_param_abs_diff > args.param_atol
-    if failed:
-        print("DIFFERENT: beyond the given tolerance")
+    print("DIFFERENT: beyond the given tolerance" if failed else "SAME: within the given tolerances")
     return 1 if failed else 0
 
 

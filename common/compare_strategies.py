@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from common.cli import HelpFormatter
 from common.estimate_memory import LAYOUTS, between_steps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         prog="python -m common.compare_strategies",
         usage="%(prog)s [options] [-- FLAGS FOR EVERY TRAINING SCRIPT]",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--model", default="tiny", help="the scripts' --model preset (default: %(default)s)")
     parser.add_argument(

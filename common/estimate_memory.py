@@ -39,6 +39,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from common.cli import HelpFormatter
+
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, both fp32
 ADAM_STEP_BYTES = 4  # one float32 scalar per parameter tensor
@@ -174,9 +176,7 @@ def estimate_table(estimates: Sequence[Estimate], gpu_bytes: float) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument(
         "--params",
         type=float,

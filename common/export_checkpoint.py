@@ -32,7 +32,7 @@ from common.checkpoint import (
     save_atomic,
     sharded_reader,
 )
-from common.cli import add_trust_flag
+from common.cli import HelpFormatter, add_trust_flag
 
 MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
 
@@ -67,7 +67,7 @@ def read_sharded_model_state(folder: Path, trust: bool) -> dict[str, torch.Tenso
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step-N (a folder) or step-N.pt")
     parser.add_argument("output", type=Path, help="where to write the model's state dict")
     add_trust_flag(parser)

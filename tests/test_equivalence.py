@@ -22,6 +22,7 @@ import torch
 from filelock import FileLock
 
 from common.compare_runs import compare
+from common.compare_runs import main as compare_runs_main
 from common.estimate_memory import LAYOUTS, between_steps
 from tests.conftest import run_script
 
@@ -192,3 +193,19 @@ def test_broken_gradient_averaging_is_caught(breakage: str, references: dict[str
         assert result.max_loss_rel_diff > 100 * LOSS_RTOL, run.describe()
         assert result.max_param_abs_diff is not None
         assert result.max_param_abs_diff > 100 * PARAM_ATOL, run.describe()
+
+
+def write_run(run_dir: Path, losses: list[float]) -> Path:
+    run_dir.mkdir()
+    records = [{"event": "train", "step": step, "loss": loss, "grad_norm": 1.0} for step, loss in enumerate(losses, 1)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return run_dir
+
+
+@pytest.mark.parametrize(("other", "code", "verdict"), [([2.0, 1.0], 0, "SAME"), ([2.0, 1.1], 1, "DIFFERENT")])
+def test_compare_runs_gives_its_verdict(
+    other: list[float], code: int, verdict: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = write_run(tmp_path / "a", [2.0, 1.0]), write_run(tmp_path / "b", other)
+    assert compare_runs_main([str(first), str(second), "--loss-rtol", "1e-5"]) == code
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"{verdict}:")
