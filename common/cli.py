@@ -90,6 +90,14 @@ def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> 
         "--run-dir", type=Path, default=Path(run_dir), help="where metrics.jsonl and model.pt go (default: %(default)s)"
     )
     run.add_argument("--log-interval", type=positive_int, default=log_interval, metavar="STEPS")
+    run.add_argument(
+        "--profile",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="write a torch.profiler trace of N steps after a warm-up step, one file per rank, into "
+        "RUN_DIR/profile/ (open it in ui.perfetto.dev or chrome://tracing); 0: no trace (default: %(default)s)",
+    )
     return parser
 
 
