@@ -37,6 +37,7 @@ from common.cli import (
     check_training_flags,
     make_parser,
 )
+from common.communication import StepObserver
 from common.data import eval_loader, load_mnist, synthetic_mnist, train_loader
 from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_classifier
@@ -96,6 +97,7 @@ def train(args, ctx: DistContext) -> None:
     )
     resumed = checkpoints.resume(args.resume, args.resume_from)
     stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
+    observer = StepObserver(args.run_dir, ctx, args.profile)  # what one step sends; --profile's trace
 
     log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
     if resumed.path:
@@ -115,6 +117,7 @@ def train(args, ctx: DistContext) -> None:
                 stop.exit(step, checkpoints.save(step))
             if checkpoints.due(step):
                 checkpoints.save(step)
+            observer.begin_step()  # from here to end_step: one optimizer step, nothing else
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
@@ -132,6 +135,7 @@ def train(args, ctx: DistContext) -> None:
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
             optimizer.step()
+            observer.end_step()
             step += 1
             if step % args.log_interval == 0 or step == total_steps:
                 progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
@@ -164,6 +168,7 @@ def train(args, ctx: DistContext) -> None:
         accuracy=result["accuracy"],
         eval_samples=result["samples"],
         wall_s=time.perf_counter() - start,
+        **observer.record(),
     )
     log.close()
 
