@@ -120,7 +120,9 @@ class CollectiveRecorder(TorchDispatchMode):
         super().__init__()
         self.collectives: list[Collective] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+    def __torch_dispatch__(
+        self, func: torch._ops.OpOverload, types: tuple[type, ...], args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if any(_is_dispatching_subclass(t) for t in types):
             return NotImplemented
@@ -149,10 +151,10 @@ def measured_step(profile_steps: int) -> int:
 class StepObserver:
     """Measures one optimizer step's collectives and, with ``--profile N``, traces N steps.
 
-    The training loop calls ``begin_step()`` before an optimizer step's first micro-step and
-    ``end_step()`` after the optimizer (and scheduler) step, every step; ``record()`` gives the
-    final record's fields. Steps are counted from this run's first one, so a resumed run skips
-    its own one-time work too.
+    The training loop calls ``begin_step(step)`` before an optimizer step's first micro-step
+    (``step``: the steps done so far) and ``end_step()`` after the optimizer (and scheduler) step,
+    every step; ``record()`` gives the final record's fields. Steps are counted from this run's
+    first one, so a resumed run skips its own one-time work too.
     """
 
     def __init__(self, run_dir: Path, ctx: DistContext, profile_steps: int = 0) -> None:
@@ -160,16 +162,21 @@ class StepObserver:
         self.profile_steps = profile_steps
         self.profile_dir = run_dir / "profile"
         self.measure_at = measured_step(profile_steps)
-        self._step = 0  # steps begun by this run
+        self._begun = 0  # steps this run has begun
         self._recorder: CollectiveRecorder | None = None
         self._profiler: torch.profiler.profile | None = None
+        self._step_range: torch.profiler.record_function | None = None
         self._traffic: Traffic | None = None
 
-    def begin_step(self) -> None:
-        self._step += 1
-        if self.profile_steps and self._step == 2:
+    def begin_step(self, step: int) -> None:
+        self._begun += 1
+        if self.profile_steps and self._begun == 2:
             self._profiler = start_profiler(self.ctx.device)
-        if self._step == self.measure_at:
+        if self._profiler is not None:
+            # A named range per step in the trace, so that each step's collectives are easy to find.
+            self._step_range = torch.profiler.record_function(f"optimizer step {step + 1}")
+            self._step_range.__enter__()
+        if self._begun == self.measure_at:
             self._recorder = CollectiveRecorder()
             self._recorder.__enter__()
 
@@ -178,7 +185,10 @@ class StepObserver:
             self._recorder.__exit__(None, None, None)
             self._traffic = Traffic.of((c.kind, c.message_bytes, c.group_size) for c in self._recorder.collectives)
             self._recorder = None
-        if self._profiler is not None and self._step == 1 + self.profile_steps:
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        if self._profiler is not None and self._begun == 1 + self.profile_steps:
             self._finish_profile()
 
     def _finish_profile(self) -> None:
@@ -189,7 +199,7 @@ class StepObserver:
         print0(f"profile: {self.profile_steps} step(s) after a warm-up step in {path.parent}/ (one file per rank)")
 
     def record(self) -> dict[str, Any]:
-        """Fields for the final record: empty if the run ended before the measured step."""
+        """Fields for the final record: none if the run ended before the measured step."""
         if self._profiler is not None:  # the run ended inside the window: keep what it traced
             self._finish_profile()
         return {} if self._traffic is None else self._traffic.as_record()

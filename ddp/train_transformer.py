@@ -129,7 +129,7 @@ def train(args, ctx: DistContext) -> None:
                 stop.exit(step, checkpoints.save(step))
             if checkpoints.due(step):
                 checkpoints.save(step)
-            observer.begin_step()  # from here to end_step: one optimizer step, nothing else
+            observer.begin_step(step)  # from here to end_step: one optimizer step, nothing else
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
