@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from common.communication import CollectiveRecorder, StepObserver, measured_step
+from common.compare_strategies import markdown_table, micro_steps
 from common.distributed import DistContext
 from common.estimate_communication import (
     FsdpBehaviour,
@@ -226,3 +227,24 @@ def test_a_short_run_has_no_measurement(world_of_one: DistContext, tmp_path: Pat
         observer.end_step()
     assert observer.record() == {}
     assert not (tmp_path / "profile").exists()
+
+
+def test_comparison_table_shows_measured_and_estimated_communication() -> None:
+    shapes = named_shapes(GPT(TINY))
+    params = sum(map(math.prod, shapes.values()))
+    held = {"params": 4 * params, "grads": 4 * params, "optimizer": 8 * params + 4 * len(shapes)}
+    base = {"world_size": 2, "local_state_bytes": held, "peak_memory_bytes": 2**28, "step_ms": 10.0}
+    measured = run_estimate("fsdp2", shapes, 2, 2, micro_steps=2).as_record()
+    measured["comm_bytes_per_step"]["all_gather"] += 2**20  # 1 MiB more than the formula, to tell them apart
+    fsdp2 = {**base, "strategy": "fsdp2", "shard_group_size": 2, **measured}
+    short = {**base, "strategy": "ddp", "shard_group_size": 1}  # too few steps to measure one
+    lines = markdown_table([(fsdp2, shapes), (short, shapes)], micro_steps=2).splitlines()
+    header = [cell.strip() for cell in lines[0].split("|")[-5:-1]]
+    assert header == ["all-gather MiB", "reduce-scatter MiB", "all-reduce MiB", "sent per link MiB"]
+    cells = [cell.strip() for cell in lines[2].split("|")[1:-1]][-4:]
+    gathered = 2 * 2 * 4 * params / MIB  # twice per micro-step, two micro-steps
+    assert cells[0] == f"{gathered + 1:.3f} ({gathered:.3f})"
+    assert cells[1] == f"{4 * params / MIB:.3f} ({4 * params / MIB:.3f})"
+    assert [cell.strip() for cell in lines[3].split("|")[1:-1]][-4:] == ["n/a"] * 4
+    assert micro_steps(["--lr", "1", "--grad-accum-steps", "2", "--grad-accum-steps", "4"]) == 4
+    assert micro_steps(["--batch-size", "3"]) == 1
