@@ -22,7 +22,8 @@ happens at that level on purpose: gloo has no reduce-scatter and runs one as an 
 whole gradient, so counting what the backend runs would misname it. The mode costs Python time
 per operator, so only one step is measured: the third of the run (the first two do one-time work:
 FSDP's lazy initialisation, DDP's rebuilding of its buckets), or the first after a ``--profile``
-window. With ``torch.compile`` that step runs eagerly: compiled code does not run under such a mode.
+window. Code compiled with ``torch.compile`` runs compiled under it, and the mode sees the
+operators that code dispatches (collectives, not the kernels it fused).
 
 ``--profile N`` writes a torch.profiler trace of N steps after a warm-up step, one file per rank,
 ``RUN_DIR/profile/rank-R.json``; it opens in https://ui.perfetto.dev or chrome://tracing.
@@ -119,6 +120,12 @@ class CollectiveRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.collectives: list[Collective] = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Let torch.compile run its compiled code during the measured step too, instead of falling
+        # back to eager: the mode then sees what that code dispatches, collectives included.
+        return True
 
     def __torch_dispatch__(
         self, func: torch._ops.OpOverload, types: tuple[type, ...], args: tuple = (), kwargs: dict | None = None

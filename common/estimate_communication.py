@@ -23,7 +23,7 @@ reshard after forward, and whether micro-steps reduce, are parameters (``FsdpBeh
 assumptions: they change with how a script calls FSDP.
 
 On a ring of n ranks a rank sends (n-1)/n of each all-gather's or reduce-scatter's message and
-2(n-1)/n of each all-reduce's; ``time`` divides those bytes by a link's bandwidth. Messages are
+2(n-1)/n of each all-reduce's; ``step_seconds`` divides those bytes by a link's bandwidth. Messages are
 padded as FSDP pads them: FSDP1 starts each parameter at a 16-byte boundary (``use_orig_params``)
 and pads each unit to a multiple of the group; FSDP2 pads each parameter's first dimension to a
 multiple of the group.
@@ -44,7 +44,6 @@ REDUCE_BYTES = FP32  # every script reduces gradients in fp32, whatever it compu
 DDP_FIRST_BUCKET_BYTES = 2**20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 FSDP1_ALIGNMENT_BYTES = 16  # FSDP1 with use_orig_params starts every parameter at this boundary
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
 
 
@@ -173,7 +172,9 @@ def fsdp_step(
     collectives = []
     for micro_step in range(micro_steps):
         reduces = sync_every_micro_step or micro_step == micro_steps - 1
-        still_gathered = micro_step > 0 and not regather_each_micro_step
+        # Units stay gathered into the next micro-step only if the last one did not reduce: FSDP
+        # frees them after every backward that reduces.
+        still_gathered = micro_step > 0 and not (regather_each_micro_step or sync_every_micro_step)
         for unit in units:
             if not still_gathered:
                 collectives.append(("all_gather", gather_bytes * unit.elements, shard_group))

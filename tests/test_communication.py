@@ -98,9 +98,18 @@ def test_accumulation() -> None:
     # FSDP1 shard_grad_op keeps its units gathered between micro-steps: the all-gathers of K = 1.
     kept = fsdp_step(equal_units(params, layers, reshard=False), n, micro_steps=2, regather_each_micro_step=False)
     assert kept.bytes == fsdp_step(equal_units(params, layers, reshard=False), n).bytes
-    # Without no_sync every micro-step reduce-scatters.
+    # Without no_sync every micro-step reduce-scatters, and frees what it gathered (FSDP1 rule,
+    # measured for shard_grad_op and full_shard at K = 2).
     every = fsdp_step(equal_units(params, layers), n, micro_steps=2, sync_every_micro_step=True)
-    assert every.bytes["reduce_scatter"] == 2 * 4 * params
+    assert every.bytes == {"all_gather": 2 * 2 * 4 * params, "reduce_scatter": 2 * 4 * params}
+    synced = fsdp_step(
+        equal_units(params, layers, reshard=False),
+        n,
+        micro_steps=2,
+        regather_each_micro_step=False,
+        sync_every_micro_step=True,
+    )
+    assert synced.bytes == {"all_gather": 2 * 4 * params, "reduce_scatter": 2 * 4 * params}
 
 
 def test_padding() -> None:
