@@ -257,3 +257,22 @@ def test_comparison_table_shows_measured_and_estimated_communication() -> None:
     assert [cell.strip() for cell in lines[3].split("|")[1:-1]][-4:] == ["n/a"] * 4
     assert micro_steps(["--lr", "1", "--grad-accum-steps", "2", "--grad-accum-steps", "4"]) == 4
     assert micro_steps(["--batch-size", "3"]) == 1
+
+
+def test_compiled_code_runs_compiled_while_measured() -> None:
+    """torch.compile would fall back to eager under an ordinary dispatch mode; the recorder lets it
+    run what it compiled, so the measured step computes what the others do."""
+    runs = []
+
+    def counting_backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        def run(*args: torch.Tensor) -> object:
+            runs.append(len(args))
+            return graph.forward(*args)
+
+        return run
+
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend=counting_backend)
+    compiled(torch.ones(2, 4))
+    with CollectiveRecorder():
+        compiled(torch.ones(2, 4))
+    assert len(runs) == 2
