@@ -113,6 +113,14 @@ def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> 
         help="a metrics.jsonl record and a console line every this many steps; only these steps read values "
         "from the GPU",
     )
+    run.add_argument(
+        "--profile",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="write a torch.profiler trace of N steps after a warm-up step, one file per rank, into "
+        "RUN_DIR/profile/ (open it in ui.perfetto.dev or chrome://tracing); 0: no trace (default: %(default)s)",
+    )
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Train the transformer under DDP and every FSDP mode, and show what each rank holds.
+"""Train the transformer under DDP and every FSDP mode, and show what each rank holds and sends.
 
     python -m common.compare_strategies --model tiny --world-sizes 1 2 4
     python -m common.compare_strategies --model small --world-sizes 2 4 --steps 50 --png memory.png
@@ -6,8 +6,9 @@
 
 Each configuration runs through torchrun for a few steps; its final metrics.jsonl record gives the
 per-rank bytes of parameters, gradients and optimizer state (the rank holding the most), the peak
-memory and the throughput. Beside each model-state figure, in parentheses, is what
-``common.estimate_memory`` predicts from the shapes in the run's model.pt. Hybrid modes need an
+memory, the throughput, and what one optimizer step's collectives moved, by kind. Beside each
+figure, in parentheses, is what ``common.estimate_memory`` and ``common.estimate_communication``
+predict from the shapes in the run's model.pt. Hybrid modes need an
 even world size of at least 4 (2 replicas of at least 2 shards) and are skipped elsewhere.
 Arguments after ``--`` go to every training script unchanged, after (so overriding) the ones this
 command passes: --device, --model, --max-steps, --log-interval, --eval-interval, and a smaller
@@ -21,13 +22,14 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from common.cli import HelpFormatter
+from common.estimate_communication import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,18 +86,38 @@ def final_record(run_dir: Path) -> dict:
     return record
 
 
-def parameter_shapes(run_dir: Path) -> list[tuple[int, ...]]:
-    """The shapes of the whole model's parameters, from the plain state dict every run saves."""
+def parameter_shapes(run_dir: Path) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of the whole model's parameters, from the plain state dict every run saves."""
     state = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True, mmap=True)
-    return [tuple(tensor.shape) for tensor in state.values()]
+    return {name: tuple(tensor.shape) for name, tensor in state.items()}
 
 
-def _mib(measured: int, estimated: int) -> str:
+def _mib(measured: float, estimated: float) -> str:
     return f"{measured / MIB:.3f} ({estimated / MIB:.3f})"
 
 
-def markdown_table(runs: Sequence[tuple[dict, Sequence[Sequence[int]]]]) -> str:
-    """One row per (final record, parameter shapes); measured values with the estimate in parentheses."""
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def communication_cells(record: dict, shapes: Mapping[str, Sequence[int]], micro_steps: int) -> list[str]:
+    """Measured (estimated) MiB per optimizer step: each kind's messages, then what a ring sends per link."""
+    if "comm_bytes_per_step" not in record:  # a run too short to measure a step
+        return ["n/a"] * (len(COMM_KINDS) + 1)
+    predicted = run_estimate(
+        record["strategy"],
+        shapes,
+        record["world_size"],
+        record["shard_group_size"],
+        record.get("mixed_precision", "fp32"),
+        micro_steps,
+    )
+    sent = record["comm_bytes_per_step"]
+    cells = [_mib(sent.get(kind, 0), predicted.bytes.get(kind, 0)) for kind in COMM_KINDS]
+    return [*cells, _mib(sum(record["comm_ring_bytes_per_step"].values()), predicted.total_ring_bytes)]
+
+
+def markdown_table(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], micro_steps: int = 1) -> str:
+    """One row per (final record, parameter shapes by name); measured values with the estimate in parentheses."""
     ddp_totals = {
         record["world_size"]: sum(record["local_state_bytes"].values())
         for record, _ in runs
@@ -103,12 +125,13 @@ def markdown_table(runs: Sequence[tuple[dict, Sequence[Sequence[int]]]]) -> str:
     }
     lines = [
         "| strategy | ranks | ranks per copy | params MiB | grads MiB | optimizer MiB | model state MiB "
-        "| vs DDP | peak memory MiB | step ms | tokens/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| vs DDP | peak memory MiB | step ms | tokens/s | all-gather MiB | reduce-scatter MiB | all-reduce MiB "
+        "| sent per link MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for record, shapes in runs:
         held = record["local_state_bytes"]
-        predicted = between_steps(shapes, record["shard_group_size"], LAYOUTS[record["strategy"]])
+        predicted = between_steps(shapes.values(), record["shard_group_size"], LAYOUTS[record["strategy"]])
         total = sum(held.values())
         ddp_total = ddp_totals.get(record["world_size"])
         ratio = f"{total / ddp_total:.2f}" if ddp_total else "n/a"
@@ -118,12 +141,14 @@ def markdown_table(runs: Sequence[tuple[dict, Sequence[Sequence[int]]]]) -> str:
             f"| {record['strategy']} | {record['world_size']} | {record['shard_group_size']} "
             f"| {_mib(held['params'], predicted.params)} | {_mib(held['grads'], predicted.grads)} "
             f"| {_mib(held['optimizer'], predicted.optimizer)} | {_mib(total, predicted.total)} | {ratio} "
-            f"| {record['peak_memory_bytes'] / MIB:.0f} | {step_ms} | {rate} |"
+            f"| {record['peak_memory_bytes'] / MIB:.0f} | {step_ms} | {rate} | "
+            + " | ".join(communication_cells(record, shapes, micro_steps))
+            + " |"
         )
     return "\n".join(lines)
 
 
-def bar_chart(runs: Sequence[tuple[dict, Sequence[Sequence[int]]]], path: Path) -> bool:
+def bar_chart(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], path: Path) -> bool:
     """Measured and estimated model state per rank as bars; False when matplotlib is not installed."""
     try:
         import matplotlib
@@ -135,7 +160,7 @@ def bar_chart(runs: Sequence[tuple[dict, Sequence[Sequence[int]]]], path: Path) 
     labels = [f"{record['strategy']}\n{record['world_size']} ranks" for record, _ in runs]
     measured = [sum(record["local_state_bytes"].values()) / MIB for record, _ in runs]
     estimated = [
-        between_steps(shapes, record["shard_group_size"], LAYOUTS[record["strategy"]]).total / MIB
+        between_steps(shapes.values(), record["shard_group_size"], LAYOUTS[record["strategy"]]).total / MIB
         for record, shapes in runs
     ]
     positions = range(len(runs))
@@ -192,6 +217,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return args, passed_on
 
 
+def micro_steps(flags: Sequence[str]) -> int:
+    """--grad-accum-steps among the flags passed to the scripts (the last one wins, as in argparse)."""
+    values = [flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == "--grad-accum-steps"]
+    return int(values[-1]) if values else 1
+
+
 def main(argv: list[str] | None = None) -> None:
     args, passed_on = parse_args(argv)
     common_flags = [
@@ -208,11 +239,13 @@ def main(argv: list[str] | None = None) -> None:
                 run_dir = args.out_dir / f"{strategy.name}-{world_size}"
                 runs.append((launch(strategy, world_size, run_dir, common_flags), parameter_shapes(run_dir)))
     print()
-    print(markdown_table(runs))
+    print(markdown_table(runs, micro_steps(common_flags)))
     print(
         "\nmeasured (estimated): bytes held between steps by the rank that holds the most; the estimate is "
         "common.estimate_memory's.\npeak memory: CUDA's peak allocation on a GPU; on CPU the process's peak "
-        "resident set, Python and torch included."
+        "resident set, Python and torch included.\nall-gather, reduce-scatter, all-reduce: message bytes of one "
+        "optimizer step's collectives (rank 0's; the third step);\nsent per link: what a ring algorithm sends "
+        "from each rank for them. Estimates: common.estimate_communication's."
     )
     if args.png is not None:
         drawn = bar_chart(runs, args.png)

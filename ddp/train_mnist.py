@@ -37,6 +37,7 @@ from common.cli import (
     check_training_flags,
     make_parser,
 )
+from common.communication import StepObserver
 from common.data import eval_loader, load_mnist, normalize_images, synthetic_mnist, train_loader
 from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_classifier
@@ -99,6 +100,7 @@ def train(args, ctx: DistContext) -> None:
     )
     resumed = checkpoints.resume(args.resume, args.resume_from)
     stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
+    observer = StepObserver(args.run_dir, ctx, args.profile)  # what one step sends; --profile's trace
 
     log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
     if resumed.path:
@@ -121,6 +123,7 @@ def train(args, ctx: DistContext) -> None:
                     checkpoints.save(step)
             # Only steps that log read values from the device: the others never make the host wait for it.
             logs = (step + 1) % args.log_interval == 0 or step + 1 == total_steps
+            observer.begin_step(step)  # from here to end_step: one optimizer step, nothing else
             # DISTRIBUTED: DDP zeroes its buckets in place, keeping .grad as views of them;
             # set_to_none would make it copy every gradient into its bucket again each step.
             optimizer.zero_grad(set_to_none=False)
@@ -142,6 +145,7 @@ def train(args, ctx: DistContext) -> None:
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
             optimizer.step()
+            observer.end_step()
             step += 1
             if logs:
                 progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
@@ -175,6 +179,7 @@ def train(args, ctx: DistContext) -> None:
         accuracy=result["accuracy"],
         eval_samples=result["samples"],
         wall_s=time.perf_counter() - start,
+        **observer.record(),
     )
     log.close()
 

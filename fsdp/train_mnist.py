@@ -48,6 +48,7 @@ from common.cli import (
     make_parser,
     positive_int,
 )
+from common.communication import StepObserver
 from common.data import eval_loader, load_mnist, normalize_images, synthetic_mnist, train_loader
 from common.distributed import DistContext, distributed, print0, seed_everything
 from common.evaluation import evaluate_classifier
@@ -126,6 +127,7 @@ def train(args, ctx: DistContext) -> None:
     )
     resumed = checkpoints.resume(args.resume, args.resume_from)
     stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
+    observer = StepObserver(args.run_dir, ctx, args.profile)  # what one step sends; --profile's trace
 
     log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
     if resumed.path:
@@ -148,6 +150,7 @@ def train(args, ctx: DistContext) -> None:
                     checkpoints.save(step)
             # Only steps that log read values from the device: the others never make the host wait for it.
             logs = (step + 1) % args.log_interval == 0 or step + 1 == total_steps
+            observer.begin_step(step)  # from here to end_step: one optimizer step, nothing else
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
@@ -169,6 +172,7 @@ def train(args, ctx: DistContext) -> None:
             # clip_grad_norm_ combines the shards' norms into the global one.
             grad_norm = model.clip_grad_norm_(args.grad_clip or math.inf)
             optimizer.step()
+            observer.end_step()
             step += 1
             if logs:
                 progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
@@ -204,6 +208,7 @@ def train(args, ctx: DistContext) -> None:
         accuracy=result["accuracy"],
         eval_samples=result["samples"],
         wall_s=time.perf_counter() - start,
+        **observer.record(),
     )
     log.close()
 

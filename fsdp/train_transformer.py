@@ -56,6 +56,7 @@ from common.cli import (
     gpt_config,
     make_parser,
 )
+from common.communication import StepObserver
 from common.data import eval_loader, train_loader
 from common.distributed import DistContext, distributed, env_num_nodes, env_world_size, print0, seed_everything
 from common.evaluation import evaluate_language_model
@@ -229,6 +230,7 @@ def train(args, ctx: DistContext) -> None:
     )
     resumed = checkpoints.resume(args.resume, args.resume_from)
     stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
+    observer = StepObserver(args.run_dir, ctx, args.profile)  # what one step sends; --profile's trace
 
     log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
     if resumed.path:
@@ -253,6 +255,7 @@ def train(args, ctx: DistContext) -> None:
                     checkpoints.save(step)
             # Only steps that log read values from the device: the others never make the host wait for it.
             logs = (step + 1) % args.log_interval == 0 or step + 1 == total_steps
+            observer.begin_step(step)  # from here to end_step: one optimizer step, nothing else
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step in range(args.grad_accum_steps):
@@ -279,6 +282,7 @@ def train(args, ctx: DistContext) -> None:
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
+            observer.end_step()
             step += 1
             if logs:
                 progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
@@ -320,6 +324,7 @@ def train(args, ctx: DistContext) -> None:
         eval_samples=result["samples"],
         entropy_floor=data.entropy_floor,
         wall_s=time.perf_counter() - start,
+        **observer.record(),
     )
     log.close()
 

@@ -29,6 +29,7 @@ CASES = [
     ("ddp/train_transformer.py", ["--max-steps", "-1"], "--max-steps: must be zero or a positive integer, got -1"),
     ("ddp/train_transformer.py", ["--dropout", "1.5"], "--dropout: must be in [0, 1), got 1.5"),
     ("fsdp/train_mnist.py", ["--keep-checkpoints", "0"], "--keep-checkpoints: must be a positive integer, got 0"),
+    (FSDP2, ["--profile", "-2"], "--profile: must be zero or a positive integer, got -2"),
     ("ddp/train_mnist.py", ["--resume", "--resume-from", "x"], "give --resume (the newest checkpoint) or"),
     (FSDP2, ["--resume-from", "runs/none/checkpoints/step-9"], "--resume-from runs/none/checkpoints/step-9: no such"),
     ("ddp/train_mnist.py", ["--resume-from", "common"], "--resume-from common: not a checkpoint"),

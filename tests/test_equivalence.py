@@ -21,8 +21,10 @@ import pytest
 import torch
 from filelock import FileLock
 
+from common.communication import KIND_OF_OP
 from common.compare_runs import compare
 from common.compare_runs import main as compare_runs_main
+from common.estimate_communication import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
 from tests.conftest import run_script
 
@@ -49,18 +51,27 @@ TRANSFORMER_ARGS = [
 # (id, script, processes, extra flags); each is compared with one process of the same family.
 # DDP at 2 processes and with accumulation run on the transformer below; the CNN's
 # 3 ranks also split its 2000 test images unevenly (667 + 667 + 666).
+# --profile 2 on one run of each script: a trace per rank, while the run still matches one process.
+PROFILE = ["--profile", "2"]
 MNIST_CASES = [
-    ("ddp-3", "ddp/train_mnist.py", 3, []),
-    ("fsdp1-full_shard-2", "fsdp/train_mnist.py", 2, []),
+    ("ddp-3", "ddp/train_mnist.py", 3, PROFILE),
+    ("fsdp1-full_shard-2", "fsdp/train_mnist.py", 2, PROFILE),
 ]
 # For the transformer, also how many ranks share one copy of the model state:
 # each rank should hold 1/that of DDP's parameters, gradients and optimizer state.
+# With --grad-accum-steps 2 (x2-accum), gradients are reduced once per optimizer step.
 TRANSFORMER_CASES = [
-    ("ddp-2", "ddp/train_transformer.py", 2, [], 1),
-    ("ddp-3", "ddp/train_transformer.py", 3, [], 1),
+    ("ddp-2", "ddp/train_transformer.py", 2, PROFILE, 1),
+    ("ddp-4", "ddp/train_transformer.py", 4, [], 1),
     ("ddp-2x2-accum", "ddp/train_transformer.py", 2, ["--grad-accum-steps", "2"], 1),
-    ("fsdp1-full_shard-2", "fsdp/train_transformer.py", 2, ["--sharding-strategy", "full_shard"], 2),
-    ("fsdp1-full_shard-4", "fsdp/train_transformer.py", 4, ["--sharding-strategy", "full_shard"], 4),
+    ("fsdp1-full_shard-2", "fsdp/train_transformer.py", 2, ["--sharding-strategy", "full_shard", *PROFILE], 2),
+    (
+        "fsdp1-full_shard-4x2-accum",
+        "fsdp/train_transformer.py",
+        4,
+        ["--sharding-strategy", "full_shard", "--grad-accum-steps", "2"],
+        4,
+    ),
     # Measured between steps, where SHARD_GRAD_OP holds the same shards as
     # full_shard: PyTorch reshards its parameters after backward too. It keeps
     # them whole only from forward to backward, inside a step.
@@ -68,8 +79,9 @@ TRANSFORMER_CASES = [
     ("fsdp1-no_shard-2", "fsdp/train_transformer.py", 2, ["--sharding-strategy", "no_shard"], 1),
     # Two replicas, each sharded two ways: half of the state, not a quarter.
     ("fsdp1-hybrid_shard-4", "fsdp/train_transformer.py", 4, ["--sharding-strategy", "hybrid_shard"], 2),
-    ("fsdp2-2", "fsdp/train_transformer_fsdp2.py", 2, [], 2),
-    ("fsdp2-3", "fsdp/train_transformer_fsdp2.py", 3, [], 3),
+    ("fsdp2-2", "fsdp/train_transformer_fsdp2.py", 2, PROFILE, 2),
+    # Three ranks: 64 rows do not split evenly, so shards and messages carry padding.
+    ("fsdp2-3x2-accum", "fsdp/train_transformer_fsdp2.py", 3, ["--grad-accum-steps", "2"], 3),
     ("fsdp2-hsdp-2x2", "fsdp/train_transformer_fsdp2.py", 4, ["--replicate-degree", "2"], 2),
 ]
 # Sharded state per rank against DDP's / ranks per copy. FSDP1 pads each unit to
@@ -125,6 +137,10 @@ def test_mnist_matches_one_process(
 ) -> None:
     run = run_script(script, [*MNIST_ARGS, *extra], tmp_path, nproc=nproc).check()
     assert_same_training(references["mnist"], tmp_path, run.describe())
+    # The size-based policy makes fc1 the CNN's only unit besides the root.
+    assert_communication_as_predicted(run.final(), tmp_path / "model.pt", extra, unit_prefixes=["fc1."])
+    if PROFILE[0] in extra:
+        assert_traces_show_the_collectives(tmp_path, nproc, run.final()["strategy"])
 
 
 @pytest.mark.parametrize(
@@ -144,6 +160,9 @@ def test_transformer_matches_one_process(
     final = run.final()
     assert_state_as_predicted(final, final_record(references["transformer"]), per_copy, tmp_path / "model.pt")
     assert_throughput_is_the_run_average(final, run.events("train"))
+    assert_communication_as_predicted(final, tmp_path / "model.pt", extra)
+    if PROFILE[0] in extra:
+        assert_traces_show_the_collectives(tmp_path, nproc, final["strategy"])
 
 
 def assert_state_as_predicted(final: dict, reference: dict, per_copy: int, model_file: Path) -> None:
@@ -156,6 +175,50 @@ def assert_state_as_predicted(final: dict, reference: dict, per_copy: int, model
     assert held == pytest.approx(predicted, rel=ESTIMATE_RTOL), (held, predicted)
 
 
+def micro_steps(extra: list[str]) -> int:
+    return int(extra[extra.index("--grad-accum-steps") + 1]) if "--grad-accum-steps" in extra else 1
+
+
+def assert_communication_as_predicted(
+    final: dict, model_file: Path, extra: list[str], unit_prefixes: list[str] | None = None
+) -> None:
+    """What one step's collectives moved, by kind, is exactly what common.estimate_communication says.
+
+    Exactly, padding included: FSDP2 at 3 ranks pads 64 rows to 66 in every all-gather and
+    reduce-scatter (1.8% more bytes), and the formula pads as FSDP does.
+    """
+    shapes = {name: tuple(t.shape) for name, t in torch.load(model_file, weights_only=True).items()}
+    k = micro_steps(extra)
+    world, group, strategy = final["world_size"], final["shard_group_size"], final["strategy"]
+    predicted = run_estimate(strategy, shapes, world, group, micro_steps=k, unit_prefixes=unit_prefixes)
+    measured = (final["comm_bytes_per_step"], final["collectives_per_step"], final["comm_ring_bytes_per_step"])
+    assert measured[:2] == (predicted.bytes, predicted.counts), (measured, predicted)
+    assert measured[2] == pytest.approx(predicted.ring_bytes, rel=1e-12), (measured, predicted)
+    if k > 1:
+        # Measured, not only predicted: under no_sync (DDP) and set_requires_gradient_sync(False)
+        # (FSDP2) the gradients are reduced once per optimizer step, as at K = 1, while FSDP gathers
+        # the parameters again in every micro-step.
+        once = run_estimate(strategy, shapes, world, group, unit_prefixes=unit_prefixes).bytes
+        reduced = ("all_reduce", "reduce_scatter")
+        assert {kind: measured[0].get(kind) for kind in reduced} == {kind: once.get(kind) for kind in reduced}
+        gathered, gathered_once = measured[0].get("all_gather", 0), once.get("all_gather", 0)
+        if strategy.startswith("fsdp2"):  # FSDP2 frees every unit after every backward
+            assert gathered == k * gathered_once
+        elif strategy.startswith("fsdp1"):  # but FSDP1's last layer (SHARD_GRAD_OP) stays through no_sync
+            assert gathered_once < gathered < k * gathered_once
+
+
+def assert_traces_show_the_collectives(run_dir: Path, nproc: int, strategy: str) -> None:
+    """--profile 2: one Chrome trace per rank, holding steps 2 and 3 and the strategy's collectives."""
+    expected = {"ddp": {"all_reduce"}}.get(strategy, {"all_gather", "reduce_scatter"})
+    assert sorted(p.name for p in (run_dir / "profile").iterdir()) == [f"rank-{r}.json" for r in range(nproc)]
+    for rank in range(nproc):
+        trace = json.loads((run_dir / "profile" / f"rank-{rank}.json").read_text())
+        names = [event.get("name", "") for event in trace["traceEvents"]]
+        assert [n for n in names if n.startswith("optimizer step")] == ["optimizer step 2", "optimizer step 3"]
+        assert expected <= {KIND_OF_OP.get(name) for name in names}, (rank, sorted(set(names))[:50])
+
+
 def assert_throughput_is_the_run_average(final: dict, train_records: list[dict]) -> None:
     """All tokens over all the time the logged steps took after the first (warm-up) interval: not an
     average of per-interval rates, and not diluted by the slow first step."""
@@ -166,6 +229,21 @@ def assert_throughput_is_the_run_average(final: dict, train_records: list[dict])
     assert final["tokens_per_s"] == pytest.approx(tokens / seconds, rel=1e-9)
     assert final["step_ms"] == pytest.approx(1000 * seconds / len(measured), rel=1e-9)
     assert "mfu" not in final  # only on a GPU
+
+
+def test_profiling_changes_no_loss(references: dict[str, Path], tmp_path: Path) -> None:
+    """--profile 2 traces steps 2 and 3 and moves the measured step from 3 to 4: the same losses, bit for bit.
+
+    The one launch this file adds for it: one process, four steps. With 3 warm-up steps the
+    learning rates of the first four do not depend on --max-steps, so their losses and gradient
+    norms must equal the unprofiled reference's first four.
+    """
+    run = run_script("ddp/train_transformer.py", [*TRANSFORMER_ARGS, "--max-steps", "4", *PROFILE], tmp_path).check()
+    reference = [json.loads(line) for line in (references["transformer"] / "metrics.jsonl").read_text().splitlines()]
+    expected = [(r["loss"], r["grad_norm"]) for r in reference if r["event"] == "train"][:4]
+    assert [(r["loss"], r["grad_norm"]) for r in run.events("train")] == expected, run.describe()
+    assert (tmp_path / "profile" / "rank-0.json").exists()
+    assert run.final()["comm_bytes_per_step"] == final_record(references["transformer"])["comm_bytes_per_step"]
 
 
 BREAKAGES = {

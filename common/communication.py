@@ -1,0 +1,232 @@
+"""What a training step sends: its collectives, counted as the process issues them, and a trace.
+
+Memory is half of the DDP/FSDP trade; this is the other half. A ``StepObserver`` watches one
+optimizer step (all its micro-steps, clipping and the optimizer step; not logging, evaluation or
+checkpoints) and records every collective the process issued in it, whoever issued it: DDP's C++
+reducer, FSDP1, FSDP2, DTensor, or the script itself. The final record gets, per optimizer step:
+
+    comm_bytes_per_step       message bytes by kind: {"all_gather": ..., "reduce_scatter": ..., ...}
+    collectives_per_step      how many collectives of each kind
+    comm_ring_bytes_per_step  bytes a ring algorithm puts on this rank's link, by kind
+
+The message of a collective is its whole tensor: what an all-gather assembles, what a
+reduce-scatter starts from, what an all-reduce or a broadcast carries (nccl-tests call it the
+size). On a ring of n ranks each rank sends (n-1)/n of it for an all-gather or a reduce-scatter,
+2(n-1)/n for an all-reduce (a reduce-scatter, then an all-gather), and all of it for a broadcast.
+Divide those bytes by a link's bandwidth for the time they take.
+
+How: a ``TorchDispatchMode`` is active during the measured step. Every operator the process runs
+passes through it, including the ``c10d::`` collectives that DDP's reducer calls from C++, with
+their tensors and their process group, so sizes, dtypes and group sizes are exact. Counting
+happens at that level on purpose: gloo has no reduce-scatter and runs one as an all-reduce of the
+whole gradient, so counting what the backend runs would misname it. The mode costs Python time
+per operator, so only one step is measured: the third of the run (the first two do one-time work:
+FSDP's lazy initialisation, DDP's rebuilding of its buckets), or the first after a ``--profile``
+window. Code compiled with ``torch.compile`` runs compiled under it, and the mode sees the
+operators that code dispatches (collectives, not the kernels it fused).
+
+``--profile N`` writes a torch.profiler trace of N steps after a warm-up step, one file per rank,
+``RUN_DIR/profile/rank-R.json``; it opens in https://ui.perfetto.dev or chrome://tracing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from common.distributed import DistContext, print0
+from common.estimate_communication import Traffic
+
+# Every collective operator of torch.distributed, by the kind it is reported as. The c10d ops are
+# what the process-group API (and DDP's reducer) calls; the _c10d_functional ones are what
+# DTensor and functional collectives call.
+KIND_OF_OP = {
+    "c10d::allreduce_": "all_reduce",
+    "c10d::allreduce_coalesced_": "all_reduce",
+    "_c10d_functional::all_reduce": "all_reduce",
+    "_c10d_functional::all_reduce_": "all_reduce",
+    "_c10d_functional::all_reduce_coalesced": "all_reduce",
+    "_c10d_functional::all_reduce_coalesced_": "all_reduce",
+    "c10d::allgather_": "all_gather",
+    "c10d::_allgather_base_": "all_gather",
+    "c10d::allgather_coalesced_": "all_gather",
+    "c10d::allgather_into_tensor_coalesced_": "all_gather",
+    "_c10d_functional::all_gather_into_tensor": "all_gather",
+    "_c10d_functional::all_gather_into_tensor_coalesced": "all_gather",
+    "_c10d_functional::all_gather_into_tensor_out": "all_gather",
+    "c10d::reduce_scatter_": "reduce_scatter",
+    "c10d::_reduce_scatter_base_": "reduce_scatter",
+    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional::reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "_c10d_functional::reduce_scatter_tensor_out": "reduce_scatter",
+    "c10d::broadcast_": "broadcast",
+    "_c10d_functional::broadcast": "broadcast",
+    "_c10d_functional::broadcast_": "broadcast",
+    "c10d::reduce_": "reduce",
+    "c10d::alltoall_": "all_to_all",
+    "c10d::alltoall_base_": "all_to_all",
+    "_c10d_functional::all_to_all_single": "all_to_all",
+    "c10d::gather_": "gather",
+    "c10d::gather_into_tensor_": "gather",
+    "c10d::scatter_": "scatter",
+    "c10d::send": "send_recv",
+    "c10d::recv_": "send_recv",
+    "c10d::recv_any_source_": "send_recv",
+    "_c10d_functional::isend": "send_recv",
+    "_c10d_functional::irecv": "send_recv",
+    "_c10d_functional::batch_p2p_ops": "send_recv",
+    "c10d::barrier": "barrier",
+    "c10d::monitored_barrier_": "barrier",
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    message_bytes: int
+    group_size: int
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def _group_size(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> int:
+    """The size of the process group an operator runs on: a ProcessGroup argument, or a group's name."""
+    values = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
+    for name, value in values.items():
+        if isinstance(value, torch.ScriptObject) and "ProcessGroup" in str(value._type()):
+            return dist.ProcessGroup.unbox(value).size()
+        if name == "group_name" and isinstance(value, str):
+            return dist.distributed_c10d._resolve_process_group(value).size()
+    return dist.get_world_size()
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records each collective operator that runs while it is active.
+
+    Tensor subclasses (FSDP2's and DTensor's) are let through first, so that the collectives
+    they turn into reach this mode as plain operators and count once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives: list[Collective] = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Let torch.compile run its compiled code during the measured step too, instead of falling
+        # back to eager: the mode then sees what that code dispatches, collectives included.
+        return True
+
+    def __torch_dispatch__(
+        self, func: torch._ops.OpOverload, types: tuple[type, ...], args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if any(_is_dispatching_subclass(t) for t in types):
+            return NotImplemented
+        result = func(*args, **kwargs)
+        kind = KIND_OF_OP.get(func._schema.name)
+        if kind is not None:
+            # The whole message: the larger of what goes in and what comes out (an all-gather's
+            # output, a reduce-scatter's input, an all-reduce's tensor either way).
+            parts = [*args, *kwargs.values(), result]
+            message = max(_tensor_bytes(part) for part in parts)
+            self.collectives.append(Collective(kind, message, _group_size(func._schema, args, kwargs)))
+        return result
+
+
+def _is_dispatching_subclass(cls: type) -> bool:
+    return cls is not torch.Tensor and getattr(cls, "__torch_dispatch__", None) is not getattr(
+        torch.Tensor, "__torch_dispatch__", None
+    )
+
+
+def measured_step(profile_steps: int) -> int:
+    """Which step of a run (1 = the first it trains) is measured: after the one-time work, after the trace."""
+    return max(3, profile_steps + 2)
+
+
+class StepObserver:
+    """Measures one optimizer step's collectives and, with ``--profile N``, traces N steps.
+
+    The training loop calls ``begin_step(step)`` before an optimizer step's first micro-step
+    (``step``: the steps done so far) and ``end_step()`` after the optimizer (and scheduler) step,
+    every step; ``record()`` gives the final record's fields. Steps are counted from this run's
+    first one, so a resumed run skips its own one-time work too.
+    """
+
+    def __init__(self, run_dir: Path, ctx: DistContext, profile_steps: int = 0) -> None:
+        self.ctx = ctx
+        self.profile_steps = profile_steps
+        self.profile_dir = run_dir / "profile"
+        self.measure_at = measured_step(profile_steps)
+        self._begun = 0  # steps this run has begun
+        self._recorder: CollectiveRecorder | None = None
+        self._profiler: torch.profiler.profile | None = None
+        self._step_range: torch.profiler.record_function | None = None
+        self._traffic: Traffic | None = None
+
+    def begin_step(self, step: int) -> None:
+        self._begun += 1
+        if self.profile_steps and self._begun == 2:
+            self._profiler = start_profiler(self.ctx.device)
+        if self._profiler is not None:
+            # A named range per step in the trace, so that each step's collectives are easy to find.
+            self._step_range = torch.profiler.record_function(f"optimizer step {step + 1}")
+            self._step_range.__enter__()
+        if self._begun == self.measure_at:
+            self._recorder = CollectiveRecorder()
+            self._recorder.__enter__()
+
+    def end_step(self) -> None:
+        if self._recorder is not None:
+            self._recorder.__exit__(None, None, None)
+            self._traffic = Traffic.of((c.kind, c.message_bytes, c.group_size) for c in self._recorder.collectives)
+            self._recorder = None
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        if self._profiler is not None and self._begun == 1 + self.profile_steps:
+            self._finish_profile()
+
+    def _finish_profile(self) -> None:
+        assert self._profiler is not None
+        self._profiler.stop()
+        path = export_trace(self._profiler, self.profile_dir, self.ctx.rank)
+        self._profiler = None
+        print0(f"profile: {self.profile_steps} step(s) after a warm-up step in {path.parent}/ (one file per rank)")
+
+    def record(self) -> dict[str, Any]:
+        """Fields for the final record: none if the run ended before the measured step."""
+        if self._profiler is not None:  # the run ended inside the window: keep what it traced
+            self._finish_profile()
+        return {} if self._traffic is None else self._traffic.as_record()
+
+
+def start_profiler(device: torch.device) -> torch.profiler.profile:
+    """A running torch.profiler that records operator input shapes (a collective's message size)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+    profiler.start()
+    return profiler
+
+
+def export_trace(profiler: torch.profiler.profile, directory: Path, rank: int) -> Path:
+    """Write this rank's Chrome-format trace; renamed into place, so a reader never sees half a file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank-{rank}.json"
+    temporary = directory / f".rank-{rank}.json.tmp"
+    profiler.export_chrome_trace(str(temporary))
+    os.replace(temporary, path)
+    return path
