@@ -81,6 +81,46 @@ def test_the_launchers_differ_only_in_name_default_script_and_examples() -> None
         assert a.startswith("#   sbatch") or a.startswith("#   RUN_DIR") or "job-name" in a or "script=" in a, (a, b)
 
 
+def children_of(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_training_processes_stop_when_their_torchrun_is_killed(tmp_path: Path) -> None:
+    """SIGKILL to torchrun: its processes get SIGTERM from the kernel (PR_SET_PDEATHSIG) and stop with a
+    checkpoint, instead of training on, orphaned, unseen by SLURM's --kill-on-bad-exit."""
+    run_dir = tmp_path / "run"
+    script = ["ddp/train_transformer.py", *TRANSFORMER_ARGS, "--max-steps", "2000", "--run-dir", str(run_dir)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *script]
+    torchrun = subprocess.Popen(
+        command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    workers: list[int] = []
+    try:
+        lines = []
+        for line in torchrun.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if re.match(r"^step +3/", line):
+                break
+        workers = children_of(torchrun.pid)
+        assert len(workers) == 2, "".join(lines)
+        torchrun.kill()
+        killed = time.monotonic()
+        # The workers hold the pipe: it ends when they have.
+        try:
+            rest, _ = torchrun.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the training processes trained on for 30 s after their torchrun was killed")
+        stopped_in = time.monotonic() - killed
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    output = "".join(lines) + rest
+    marker = json.loads((run_dir / "PREEMPTED").read_text())
+    assert marker["reason"] == "SIGTERM" and 3 <= marker["step"] < 2000, output
+    report("torchrun killed outside SLURM", **{"kill to the last process gone": stopped_in})
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     missing = missing_programs()
@@ -108,16 +148,13 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @dataclass
 class JobProcess:
     pid: int
+    parent: int
     node: str
     argv: list[str]
 
     @property
     def is_torchrun(self) -> bool:
         return "torch.distributed.run" in self.argv and not self.argv[0].endswith("srun")
-
-    @property
-    def is_trainer(self) -> bool:
-        return any(arg.endswith(".py") for arg in self.argv) and "torch.distributed.run" not in self.argv
 
 
 @dataclass
@@ -190,16 +227,25 @@ class Job:
         return self.wait(ended, timeout, "the end of the job")
 
     def processes(self) -> list[JobProcess]:
+        """Every process of this job still running, on either node."""
         found = []
         for pid in self.cluster.processes(SLURM_JOB_ID=str(self.id)):
             environ = process_environ(pid)
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+                # /proc/PID/stat: "pid (name) state ppid ..."; the name may hold spaces, not ")".
+                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
             except OSError:
                 continue
             if environ is not None:
-                found.append(JobProcess(pid, environ.get("SLURMD_NODENAME", ""), argv))
+                found.append(JobProcess(pid, parent, environ.get("SLURMD_NODENAME", ""), argv))
         return found
+
+    def trainers(self) -> list[int]:
+        """The training processes: the children of the job's torchrun agents."""
+        processes = self.processes()
+        agents = {p.pid for p in processes if p.is_torchrun}
+        return [p.pid for p in processes if p.parent in agents]
 
     def metrics(self, run_dir: Path | None = None) -> list[dict]:
         lines = ((run_dir or self.run_dir) / "metrics.jsonl").read_text().splitlines()
@@ -272,7 +318,8 @@ def follow_time_limit_job(job: Job) -> dict[str, float]:
     first = job.wait_for_output(rf"^step +{PAUSE_AT_STEP}/|{WARNING}", 120)
     # Until Slurm's warning comes, hold the training processes still (SIGSTOP), so that waiting for
     # Slurm's clock costs this machine nothing; they continue (SIGCONT) when it has come.
-    paused = [] if WARNING in first.group(0) else [p.pid for p in job.processes() if p.is_trainer]
+    paused = [] if WARNING in first.group(0) else job.trainers()
+    assert WARNING in first.group(0) or len(paused) == 2, f"training processes to pause: {job.processes()}"
     for pid in paused:
         os.kill(pid, signal.SIGSTOP)
     try:
