@@ -95,12 +95,16 @@ def test_training_processes_stop_when_their_torchrun_is_killed(tmp_path: Path) -
         command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     workers: list[int] = []
+    # A run that never reaches step 3 ends here: killing torchrun ends its processes (the point of the test).
+    watchdog = threading.Timer(START_S, torchrun.kill)
+    watchdog.start()
     try:
         lines = []
         for line in torchrun.stdout:  # type: ignore[union-attr]
             lines.append(line)
             if re.match(r"^step +3/", line):
                 break
+        watchdog.cancel()
         workers = children_of(torchrun.pid)
         assert len(workers) == 2, "".join(lines)
         torchrun.kill()
@@ -112,6 +116,7 @@ def test_training_processes_stop_when_their_torchrun_is_killed(tmp_path: Path) -
             pytest.fail("the training processes trained on for 30 s after their torchrun was killed")
         stopped_in = time.monotonic() - killed
     finally:
+        watchdog.cancel()
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
