@@ -1,8 +1,8 @@
 """The SLURM launchers against real Slurm: one slurmctld and two slurmd on this machine.
 
-tests/slurm_cluster.py starts the cluster once for the session. The cases share it, so they run on
-one pytest-xdist worker (the xdist_group below; pyproject.toml sets --dist=loadgroup), and jobs
-that can share the cluster do: the time-limit job runs in the background while the others run.
+tests/slurm_cluster.py starts the cluster once for the session. The cases share it, so under -n they
+all run on one pytest-xdist worker (tests/conftest.py's scheduler), and jobs that can share the
+cluster do: the time-limit job runs in the background while the others run.
 
 Every job is submitted with the real sbatch from a checkout of its own, as a user of a small
 CPU-only cluster would submit it, with only what such a cluster needs changed:
@@ -41,7 +41,6 @@ import pytest
 from tests.conftest import REPO, clean_env
 from tests.slurm_cluster import INSTALL_COMMAND, SlurmCluster, missing_programs, process_environ
 
-pytestmark = pytest.mark.xdist_group("slurm")
 T = TypeVar("T")
 
 LAUNCHERS = sorted(str(path.relative_to(REPO)) for path in (REPO / "slurm").glob("*.sbatch"))
@@ -292,10 +291,11 @@ def report(case: str, **seconds: float) -> None:
 
 
 # The time-limit case, in the background while the other cases run: Slurm's warning comes on Slurm's
-# clock, so waiting for it costs time but no work. --time=2 with --signal=B:USR1@55: Slurm checks time
-# limits every 30 s, so USR1 reaches the batch script 55 to 85 s before the end, that is 35 to 65 s
-# after the start. Each run of the job gets that window, and the last one must finish before it.
-TIME_LIMIT_OPTIONS = ("--time=2", "--signal=B:USR1@55")
+# clock, so waiting for it costs time but no work. --time=2 with --signal=B:USR1@45: Slurm checks time
+# limits every 30 s, so USR1 reaches the batch script 45 to 75 s before the end, that is 45 to 75 s
+# after the start. Each run of the job gets that window; the resumed run has a few steps left and
+# usually ends before it. If it does not, the job is warned and requeued again, which is as right.
+TIME_LIMIT_OPTIONS = ("--time=2", "--signal=B:USR1@45")
 TIME_LIMIT_STEPS = 30
 PAUSE_AT_STEP = 5
 
@@ -458,7 +458,9 @@ class TestOnARealCluster:
         # One log for every run of the job, since it keeps its id: appended, not overwritten.
         output = job.output()
         assert output.count(f"job {job.id}: 1 node(s) x 2 process(es)") == restarts + 1, job.describe()
-        assert output.count(WARNING) == output.count(REQUEUE) == restarts, job.describe()
+        assert output.count(REQUEUE) == restarts, job.describe()
+        # A warning can also come when the last run has no step left to stop: nothing to requeue then.
+        assert output.count(WARNING) >= restarts, job.describe()
         records = job.metrics()
         resumes = [index for index, record in enumerate(records) if record["event"] == "resume"]
         assert len(resumes) == restarts
