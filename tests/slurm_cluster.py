@@ -143,10 +143,11 @@ class SlurmCluster:
         """Start slurmctld and one slurmd per node, and return once every node is idle."""
         self.write_config()
         env = self.client_env()
-        commands = [["slurmctld", "-D", "-c", "-f", str(self.conf)]]
-        commands += [["slurmd", "-D", "-N", name, "-f", str(self.conf)] for name in NODES]
-        for command in commands:
-            log = open(self.root / f"{command[0]}-{command[-3]}.stderr", "wb")  # noqa: SIM115 - the daemon's
+        # -D: in the foreground, so that each daemon is our child and its pid is the one to stop.
+        commands = {"slurmctld": ["slurmctld", "-D", "-c", "-f", str(self.conf)]}
+        commands.update({f"slurmd-{name}": ["slurmd", "-D", "-N", name, "-f", str(self.conf)] for name in NODES})
+        for label, command in commands.items():
+            log = open(self.root / f"{label}.stderr", "wb")  # noqa: SIM115 - handed to the daemon
             self.daemons.append(
                 subprocess.Popen(
                     [shutil.which(command[0], path=_path_with_sbin()) or command[0], *command[1:]],
@@ -185,12 +186,6 @@ class SlurmCluster:
             key, _, value = item.partition("=")
             fields[key] = value
         return fields
-
-    def wait_for_job(
-        self, job_id: int, condition: Callable[[dict[str, str]], bool], timeout: float, what: str
-    ) -> dict[str, str]:
-        """Poll ``scontrol show job`` until ``condition`` holds; the job's fields then."""
-        return self.wait_until(lambda: (lambda job: job if condition(job) else None)(self.job(job_id)), timeout, what)
 
     def wait_until(self, probe: Callable[[], object], timeout: float, what: str) -> object:
         deadline = time.monotonic() + timeout
