@@ -8,9 +8,11 @@ a SLURM job (one torchrun per node) all go through it. A plain
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import random
+import signal
 import sys
 import traceback
 from collections.abc import Iterator
@@ -91,8 +93,21 @@ def set_cpu_threads(local_world_size: int) -> None:
     torch.set_num_threads(max(1, cores // local_world_size))
 
 
+def end_with_torchrun() -> None:
+    """Under torchrun on Linux, have the kernel send this process SIGTERM when torchrun dies.
+
+    A torchrun killed outright (SIGKILL, the OOM killer) cannot stop its workers. They would train
+    on, orphaned: SLURM does not see the node fail while they hold the step's output open, and may
+    not find them to kill. SIGTERM is a stop request like any other.
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1  # from <linux/prctl.h>
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def setup_distributed(requested_device: str, timeout_s: float) -> DistContext:
     """Start the process group for this process and pick its device and backend."""
+    end_with_torchrun()
     rank = env_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = env_world_size()

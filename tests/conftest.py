@@ -220,6 +220,23 @@ def run_until_stopped(
     return run_warm(script_invocation(script, args, run_dir, []), run_dir, nproc, timeout, stop_at_step)
 
 
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``-n``, all of test_slurm.py runs on one worker: its tests share one Slurm cluster.
+
+    Every other test is a unit of its own, as under xdist's default. (xdist's own ``xdist_group``
+    mark does nothing with pytest 9: the group is added to a node id that pytest no longer reads.)
+    """
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlurmTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "slurm" if nodeid.startswith("tests/test_slurm.py::") else nodeid
+
+    return SlurmTestsTogether(config, log)
+
+
 @pytest.fixture(scope="session")
 def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small rendered-digit MNIST: 3000 training images, 1999 test images.

