@@ -258,7 +258,6 @@ def tiny_mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # finishing a long test alone. Measured with `pytest -n auto --durations=0`; earlier wins.
 LONGEST_FIRST = (
     "tests/test_slurm.py",
-    "tests/test_fsdp.py::test_mnist",
     "tests/test_checkpoint.py",
     "tests/test_failures.py",
     "tests/test_ddp.py",

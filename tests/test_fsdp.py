@@ -65,7 +65,7 @@ def load_plain(model: torch.nn.Module, path: Path) -> torch.nn.Module:
 
 
 def test_mnist_trains_and_saves_the_plain_model(mnist_dir: Path, tmp_path: Path) -> None:
-    run = run_script(MNIST, [*MNIST_ARGS, "--data-dir", str(mnist_dir)], tmp_path, nproc=2, real_launcher=True).check()
+    run = run_script(MNIST, [*MNIST_ARGS, "--data-dir", str(mnist_dir)], tmp_path, nproc=2).check()
     losses = train_losses(run)
     assert losses[-1] < losses[0], losses
     final = run.final()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -18,9 +17,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from common import benchmark
+from common.compare_strategies import Strategy
 from common.data import _open_mnist, normalize_images, train_loader
 from common.distributed import DistContext
-from tests.conftest import Run, run_command, run_script
+from tests.conftest import Run, run_script
 from tests.per_image_mnist import per_image_mnist
 
 TRANSFORMERS = ["ddp/train_transformer.py", "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"]
@@ -58,7 +59,9 @@ def test_steps_that_do_not_log_or_save_read_nothing_from_the_device(script: str,
     # 8 steps: steps 4 and 8 log; the checkpoint after step 6 is written at the start of step 7,
     # before its zero_grad, so its reads count for step 6. 8 is the last step (evaluation, model.pt).
     args = [*data, "--max-steps", "8", "--log-interval", "4", "--checkpoint-interval", "6"]
-    run = run_script(script, args, tmp_path, nproc=2, wrapper=["tests/observe.py", "host-reads"])
+    # fsdp/train_mnist.py's one run through torchrun itself: every script has one, for the launcher's contract.
+    real = script == "fsdp/train_mnist.py"
+    run = run_script(script, args, tmp_path, nproc=2, wrapper=["tests/observe.py", "host-reads"], real_launcher=real)
     for rank in (0, 1):
         record = observed(run, "host-reads", rank)
         assert record["steps"] == 8
@@ -141,16 +144,27 @@ def test_throughput_leaves_out_evaluation(tmp_path: Path) -> None:
     assert 0.5 < ratio < 2, (with_evals["tokens_per_s"], without["tokens_per_s"])
 
 
-def test_the_benchmark_compares_ddp_fsdp1_and_fsdp2_in_bf16(tmp_path: Path) -> None:
-    """The first command to run on GPUs, run here as on CPU: the tiny preset, one process per strategy."""
+def test_the_benchmark_compares_ddp_fsdp1_and_fsdp2_in_bf16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first command to run on GPUs, run here as on CPU: the tiny preset, one process per strategy.
+
+    Its main() in this process, and each strategy's run from the test launcher instead of a torchrun
+    of its own: what is tested is the command's choice of runs, flags, table and JSON; torchrun
+    itself is tested elsewhere."""
+
+    def launch(strategy: Strategy, world_size: int, run_dir: Path, flags: list[str]) -> dict:
+        run = run_script(strategy.script, [*strategy.flags, *flags], run_dir, nproc=world_size).check()
+        return run.final()
+
+    monkeypatch.setattr(benchmark, "launch", launch)
     out = tmp_path / "benchmark.json"
-    command = [sys.executable, "-m", "common.benchmark", "--nproc", "1", "--warmup", "1", "--steps", "2"]
-    run = run_command([*command, "--out", str(out)], tmp_path, timeout=300).check()
+    assert benchmark.main(["--nproc", "1", "--warmup", "1", "--steps", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["runs"]
-    assert [row["strategy"] for row in rows] == ["ddp", "fsdp1_full_shard", "fsdp2"], run.describe()
+    assert [row["strategy"] for row in rows] == ["ddp", "fsdp1_full_shard", "fsdp2"]
     for row in rows:
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["peak_memory_gib"] > 0, row
         assert row["mfu"] is None  # only on a GPU of known peak
-        final = Run(command, 0, "", tmp_path / row["strategy"]).final()
-        assert final["mixed_precision"] == "bf16" and final["steps"] == 3
-    assert "| fsdp2 | 1 |" in run.output
+        final = Run([], 0, "", tmp_path / row["strategy"]).final()
+        assert final["mixed_precision"] == "bf16" and final["steps"] == 3 and final["world_size"] == 1
+    assert "| fsdp2 | 1 |" in capsys.readouterr().out
