@@ -114,6 +114,8 @@ def test_missing_mnist_names_the_way_out(nproc: int | None, tmp_path: Path) -> N
     assert len(lines) == 1, run.describe()
     assert "--synthetic" in lines[0]
     assert "Traceback" not in run.output, run.describe()  # from no rank
+    # The failed download leaves no empty MNIST/raw behind, which would look like a data set.
+    assert list(empty.iterdir()) == [], run.describe()
 
 
 def test_empty_text_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
