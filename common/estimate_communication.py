@@ -37,7 +37,14 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from common.estimate_memory import COMPUTE_BYTES, GIB, between_steps, count_label, largest_shard_numel
+from common.estimate_memory import (
+    COMPUTE_BYTES,
+    GIB,
+    between_steps,
+    count_label,
+    largest_shard_numel,
+    resolve_shard_group_size,
+)
 
 FP32 = 4
 REDUCE_BYTES = FP32  # every script reduces gradients in fp32, whatever it computes in
@@ -422,10 +429,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--params, --world-size, --layers and --grad-accum-steps must be positive")
     if min(args.fast_gbps, args.slow_gbps, args.tokens_per_gpu, args.tflops) <= 0:
         parser.error("bandwidths, --tokens-per-gpu and --tflops must be positive")
-    if args.shard_group_size is None:
-        args.shard_group_size = math.gcd(args.world_size, 8)
-    if args.shard_group_size < 1 or args.world_size % args.shard_group_size:
-        parser.error(f"--shard-group-size {args.shard_group_size} must divide --world-size {args.world_size}")
+    resolve_shard_group_size(parser, args)
     return args
 
 

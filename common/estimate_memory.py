@@ -201,11 +201,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.params) <= 0 or args.world_size < 1 or args.gpu_memory <= 0 or args.layers < 1:
         parser.error("--params, --world-size, --gpu-memory and --layers must be positive")
+    resolve_shard_group_size(parser, args)
+    return args
+
+
+def resolve_shard_group_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--shard-group-size defaults to one machine of up to 8 GPUs, and must divide --world-size."""
     if args.shard_group_size is None:
         args.shard_group_size = math.gcd(args.world_size, 8)
     if args.shard_group_size < 1 or args.world_size % args.shard_group_size:
         parser.error(f"--shard-group-size {args.shard_group_size} must divide --world-size {args.world_size}")
-    return args
 
 
 def main(argv: list[str] | None = None) -> None:
