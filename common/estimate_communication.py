@@ -296,9 +296,13 @@ def run_estimate(
     if strategy == "ddp":
         return ddp_step([math.prod(s) for s in shapes.values()], world_size, micro_steps) + scalars
     units = fsdp_units(shapes, unit_prefixes)
-    if strategy == "fsdp1_no_shard":  # every unit's flat gradient all-reduced, once per step (no_sync)
+    # On one rank there is nothing to shard: FSDP1 falls back to NO_SHARD, FSDP2 sends nothing.
+    if strategy == "fsdp1_no_shard" or (strategy.startswith("fsdp1") and world_size == 1):
+        # Every unit's flat gradient all-reduced, once per step (no_sync).
         reduced = [("all_reduce", FP32 * sum(math.prod(s) for s in unit), world_size) for unit in units.values()]
         return Traffic.of(reduced) + scalars
+    if world_size == 1:
+        return scalars
     behaviour = behaviour or current_behaviour(strategy, precision=precision, transformer=unit_prefixes is None)
     compute = COMPUTE_BYTES.get(precision, 2)  # fp16 gathers 2 bytes, as bf16 does
     last_block = list(units)[-1]

@@ -289,3 +289,12 @@ def test_compiled_code_runs_compiled_while_measured() -> None:
     with CollectiveRecorder():
         compiled(torch.ones(2, 4))
     assert len(runs) == 2
+
+
+def test_on_one_rank_fsdp1_all_reduces_and_fsdp2_sends_nothing() -> None:
+    """Measured by compare_strategies at world size 1: FSDP1 turns into NO_SHARD there."""
+    shapes = named_shapes(GPT(TINY))
+    params = sum(map(math.prod, shapes.values()))
+    fsdp1 = run_estimate("fsdp1_full_shard", shapes, 1, 1, loss_check=False)
+    assert fsdp1.bytes == {"all_reduce": 4 * params + 4}  # the gradients, and the norm's one fp32
+    assert "all_gather" not in run_estimate("fsdp2", shapes, 1, 1).bytes
