@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common.compat import destroy_process_group
+
 
 class FatalError(Exception):
     """A problem the user can fix (bad flag, missing data).
@@ -117,7 +119,7 @@ def setup_distributed(requested_device: str, timeout_s: float) -> DistContext:
 
 def teardown_distributed() -> None:
     if dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 @contextmanager

@@ -40,7 +40,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -61,6 +61,7 @@ from common.cli import (
     gpt_config,
     make_parser,
 )
+from common.compat import full_state_dict_options
 from common.data import eval_loader, train_loader
 from common.distributed import DistContext, distributed, env_num_nodes, env_world_size, print0, seed_everything
 from common.evaluation import evaluate_language_model
@@ -268,8 +269,8 @@ def train(args, ctx: DistContext) -> None:
 
     # DISTRIBUTED: no rank holds the whole model, so every rank takes part in
     # gathering it; rank 0 receives plain CPU tensors under the original names
-    # (the others get an empty dict) and saves them.
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # and saves them.
+    state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
     if ctx.is_main:
         save_atomic(state, args.run_dir / "model.pt")
     finish_run(

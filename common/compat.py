@@ -1,0 +1,66 @@
+"""Everything in this repository that depends on the torch version, and why.
+
+The scripts are tested on torch 2.6 (the floor: the first release with the
+public FSDP2 API, ``torch.distributed.fsdp.fully_shard``) and on the newest
+torch pip resolves (2.14.1 when this was written). Each function below says
+which releases need it. Where a part cannot work on an older torch, it stops
+with one line that names the version it needs, before any process group starts.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+TORCH_FLOOR = (2, 6)
+
+
+def torch_release(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version``, by default the installed torch's (2.6.0+cu124 gives (2, 6))."""
+    text = version if version is not None else torch.__version__
+    match = re.match(r"(\d+)\.(\d+)", text)
+    if match is None:
+        raise ValueError(f"not a torch version: {text!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def torch_at_least(release: tuple[int, int]) -> bool:
+    return torch_release() >= release
+
+
+def full_state_dict_options(device: torch.device) -> StateDictOptions:
+    """Options that gather the whole model (and optimizer) state, as plain tensors, for rank 0 to save.
+
+    Normally the gathered tensors are copied to the CPU and only rank 0 keeps
+    them (``cpu_offload=True``; the other ranks get empty dicts).
+    """
+    # torch < 2.14: FSDP1's FlatParamHandle.to_cpu() "moves" the gathered
+    # parameters to the CPU and then frees the gathered copy, which on a CPU
+    # run is the same memory: the state dict then reads freed memory and rank 0
+    # dies with a segmentation fault (pytorch/pytorch#188989, fixed in 2.14 by
+    # #188990). A CPU run has nothing to offload: without cpu_offload every rank
+    # gathers the full state in host memory, and the ranks other than 0 drop it.
+    if device.type == "cpu" and not torch_at_least((2, 14)):
+        return StateDictOptions(full_state_dict=True, cpu_offload=False)
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def destroy_process_group() -> None:
+    """``dist.destroy_process_group()``, which with gloo can deadlock on torch < 2.8."""
+    if torch_at_least((2, 8)):
+        dist.destroy_process_group()
+        return
+    # torch < 2.8: destroying a ProcessGroup from Python runs ProcessGroupGloo's
+    # destructor with the GIL held, and it joins gloo's worker threads. A worker
+    # that is just then freeing a finished collective's tensor needs the GIL to
+    # drop that tensor's Python object, so both wait forever: after the final
+    # record, at random (pytorch/pytorch#154976 releases the GIL there, in 2.8).
+    # ProcessGroupGloo's own Python binding releases the GIL in its destructor:
+    # holding it here moves its destruction to the `del` below, without the GIL.
+    groups = list(dist.distributed_c10d._world.pg_map)
+    gloo = [group._get_backend(torch.device("cpu")) for group in groups if "gloo" in dist.get_backend(group)]
+    dist.destroy_process_group()
+    del gloo
