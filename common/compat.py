@@ -9,6 +9,7 @@ with one line that names the version it needs, before any process group starts.
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import torch
@@ -16,6 +17,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 TORCH_FLOOR = (2, 6)
+
+# FSDP2 on the CPU: fully_shard records events on the CPU "stream" that
+# torch.cpu.Stream has (as no-ops) only from torch 2.7 (pytorch/pytorch#145935);
+# on 2.6 the first forward fails ('Stream' object has no attribute 'record_event').
+FSDP2_ON_CPU = (2, 7)
+# FSDP2 --cpu-offload gives the mesh a CPU backend beside NCCL, through
+# init_device_mesh(backend_override=...), which torch 2.9 added (pytorch/pytorch#159371).
+FSDP2_CPU_OFFLOAD = (2, 9)
 
 
 def torch_release(version: str | None = None) -> tuple[int, int]:
@@ -29,6 +38,16 @@ def torch_release(version: str | None = None) -> tuple[int, int]:
 
 def torch_at_least(release: tuple[int, int]) -> bool:
     return torch_release() >= release
+
+
+def require_torch(parser: argparse.ArgumentParser, release: tuple[int, int], feature: str) -> None:
+    """Stop with one line (exit code 2, from rank 0 only) if this torch is older than ``release``.
+
+    Called while the flags are checked, so nothing has been started or written yet.
+    """
+    if not torch_at_least(release):
+        needed = ".".join(map(str, release))
+        parser.exit(2, f"error: {feature} needs torch {needed} or newer; this is torch {torch.__version__}\n")
 
 
 def full_state_dict_options(device: torch.device) -> StateDictOptions:

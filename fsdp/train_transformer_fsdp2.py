@@ -38,7 +38,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -56,8 +56,9 @@ from common.cli import (
     gpt_config,
     make_parser,
 )
+from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, full_state_dict_options, require_torch
 from common.data import eval_loader, train_loader
-from common.distributed import DistContext, distributed, print0, seed_everything
+from common.distributed import DistContext, distributed, print0, seed_everything, wants_cuda
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
 from common.models import GPT, Block, count_parameters
@@ -87,6 +88,10 @@ def parse_args(argv: list[str] | None = None):
     check_training_flags(parser, args)
     check_checkpoint_flags(parser, args)
     check_transformer_flags(parser, args)
+    if args.cpu_offload:
+        require_torch(parser, FSDP2_CPU_OFFLOAD, "--cpu-offload with FSDP2")
+    if not wants_cuda(args.device):
+        require_torch(parser, FSDP2_ON_CPU, "FSDP2 on the CPU")
     check_fsdp_flags(parser, args)
     if args.replicate_degree is None:
         args.replicate_degree = 1  # plain FSDP: one copy, sharded across every rank
@@ -125,10 +130,13 @@ def train(args, ctx: DistContext) -> None:
     else:
         shape, dim_names = (args.replicate_degree, shard_degree), ("replicate", "shard")
         print0(f"HSDP: {args.replicate_degree} replica(s), each sharded across {shard_degree} rank(s)")
-    # Offloaded shards live in host memory, and the collectives on them (the
-    # global gradient norm, gathering model.pt) need a CPU backend beside NCCL.
-    backends = dict.fromkeys(dim_names, "cpu:gloo,cuda:nccl") if args.cpu_offload else None
-    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names, backend_override=backends)
+    if args.cpu_offload:
+        # Offloaded shards live in host memory, and the collectives on them (the
+        # global gradient norm, gathering model.pt) need a CPU backend beside NCCL.
+        backends = dict.fromkeys(dim_names, "cpu:gloo,cuda:nccl")
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names, backend_override=backends)
+    else:
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names)
     if args.activation_checkpointing:
         # Before sharding, so fully_shard below takes each checkpointed Block whole:
         # its recomputation in backward runs while FSDP has that Block's
@@ -247,8 +255,8 @@ def train(args, ctx: DistContext) -> None:
             module.reshard()
     # DISTRIBUTED: no rank holds the whole model, so every rank takes part in
     # gathering it; rank 0 receives plain CPU tensors under the original names
-    # (the others get an empty dict) and saves them.
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # and saves them.
+    state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
     if ctx.is_main:
         save_atomic(state, args.run_dir / "model.pt")
     finish_run(
