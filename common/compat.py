@@ -79,7 +79,11 @@ def destroy_process_group() -> None:
     # record, at random (pytorch/pytorch#154976 releases the GIL there, in 2.8).
     # ProcessGroupGloo's own Python binding releases the GIL in its destructor:
     # holding it here moves its destruction to the `del` below, without the GIL.
-    groups = list(dist.distributed_c10d._world.pg_map)
-    gloo = [group._get_backend(torch.device("cpu")) for group in groups if "gloo" in dist.get_backend(group)]
+    # (No reference to a ProcessGroup may outlive destroy_process_group here, or
+    # its destruction, with the GIL held, would come later and deadlock as before.)
+    cpu = torch.device("cpu")
+    gloo = [
+        group._get_backend(cpu) for group in dist.distributed_c10d._world.pg_map if "gloo" in dist.get_backend(group)
+    ]
     dist.destroy_process_group()
     del gloo
