@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -127,15 +128,43 @@ def run_script(
 
 
 def run_command(command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None) -> Run:
-    """Run ``command`` to the end; on timeout kill its whole process group and fail with its output."""
+    """Run ``command`` to the end; on timeout kill it and everything it started, and fail with its output."""
     process = start(command, env)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_all(process.pid)
         output, _ = process.communicate()
         pytest.fail(f"timed out after {timeout} s\n$ {' '.join(command)}\n--- output ---\n{output}")
     return Run(command, process.returncode, output, run_dir)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs, from Linux's /proc."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(child) for child in (task / "children").read_text().split()]
+        except OSError:  # the task ended meanwhile
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def kill_all(pid: int) -> None:
+    """SIGKILL the process group of ``pid`` and every process below it.
+
+    The group alone is not enough: torchrun starts each worker in a session of
+    its own, and a hung worker that outlives torchrun keeps the output pipe open,
+    so the test would wait for it forever.
+    """
+    below = descendants(pid)  # before the kill, while torchrun is still their parent
+    for target in (pid, *below):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 PROGRESS_LINE = re.compile(r"^step +(\d+)/")
@@ -148,7 +177,7 @@ def run_watching(
     progress line reports step ``at_step``. ``options``: ``env``, ``timeout`` (seconds, 240)."""
     timeout = options.get("timeout", 240)
     process = start(command, options.get("env"))
-    deadline = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))
+    deadline = threading.Timer(timeout, kill_all, (process.pid,))
     deadline.start()
     lines: list[str] = []
     try:
