@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, torch_at_least
 from tests.mnist_fixture import write_fake_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,6 +33,33 @@ CONVERGE_ARGS = [
     "--block-size", "32", "--log-interval", "10", "--eval-interval", "300",
 ]  # fmt: skip
 NEAR_FLOOR = 0.3
+
+# Parts that stop by design on an older torch (test_torch_versions.py shows each stop) are skipped there.
+FSDP2_SCRIPT = "fsdp/train_transformer_fsdp2.py"
+NEEDS_FSDP2_ON_CPU = pytest.mark.skipif(
+    not torch_at_least(FSDP2_ON_CPU), reason="FSDP2 on the CPU needs torch 2.7 (test_torch_versions.py)"
+)
+NEEDS_FSDP2_CPU_OFFLOAD = pytest.mark.skipif(
+    not torch_at_least(FSDP2_CPU_OFFLOAD), reason="FSDP2 --cpu-offload needs torch 2.9 (test_torch_versions.py)"
+)
+
+
+def cases(rows: list[tuple], floor: Collection[str] = (), keep_id: bool = True) -> list:
+    """``pytest.param`` per row of a case table whose first item is the case's id.
+
+    Rows named in ``floor`` get the ``floor`` marker: the floor pass (the oldest
+    supported torch, ``pytest -m floor``) runs them too. Rows that run the FSDP2
+    script are skipped where FSDP2 cannot run on the CPU. ``keep_id=False``
+    passes the row without its id to the test.
+    """
+    params = []
+    for row in rows:
+        marks = [pytest.mark.floor] if row[0] in floor else []
+        if FSDP2_SCRIPT in row:
+            marks.append(NEEDS_FSDP2_ON_CPU)
+        params.append(pytest.param(*(row if keep_id else row[1:]), id=row[0], marks=marks))
+    return params
+
 
 # Variables a launcher or scheduler may have left in the environment of the
 # test run; a child that inherits them would try to join someone else's job.

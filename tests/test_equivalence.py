@@ -22,7 +22,7 @@ from filelock import FileLock
 
 from common.compare_runs import compare
 from common.estimate_memory import LAYOUTS, between_steps
-from tests.conftest import run_script
+from tests.conftest import cases, run_script
 
 LOSS_RTOL = 1e-5  # per-step training loss, relative
 # Per-step global gradient norm, relative. Looser than the loss: the norm sums
@@ -70,6 +70,16 @@ TRANSFORMER_CASES = [
     ("fsdp2-3", "fsdp/train_transformer_fsdp2.py", 3, [], 3),
     ("fsdp2-hsdp-2x2", "fsdp/train_transformer_fsdp2.py", 4, ["--replicate-degree", "2"], 2),
 ]
+# The floor pass (the oldest supported torch) runs the cases at 2 processes.
+MNIST_FLOOR = {"fsdp1-full_shard-2"}
+TRANSFORMER_FLOOR = {
+    "ddp-2",
+    "ddp-2x2-accum",
+    "fsdp1-full_shard-2",
+    "fsdp1-shard_grad_op-2",
+    "fsdp1-no_shard-2",
+    "fsdp2-2",
+}
 # Sharded state per rank against DDP's / ranks per copy. FSDP1 pads each unit to
 # an even split; FSDP2 cuts every parameter by rows, and uneven rows (64 rows in
 # 3) leave the first rank up to 2% more.
@@ -115,7 +125,7 @@ def assert_same_training(reference: Path, candidate: Path, description: str) -> 
     assert final["eval_loss"] == pytest.approx(expected["eval_loss"], rel=LOSS_RTOL), description
 
 
-@pytest.mark.parametrize(("case", "script", "nproc", "extra"), MNIST_CASES, ids=[c[0] for c in MNIST_CASES])
+@pytest.mark.parametrize(("case", "script", "nproc", "extra"), cases(MNIST_CASES, floor=MNIST_FLOOR))
 def test_mnist_matches_one_process(
     case: str, script: str, nproc: int, extra: list[str], references: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -124,7 +134,7 @@ def test_mnist_matches_one_process(
 
 
 @pytest.mark.parametrize(
-    ("case", "script", "nproc", "extra", "per_copy"), TRANSFORMER_CASES, ids=[c[0] for c in TRANSFORMER_CASES]
+    ("case", "script", "nproc", "extra", "per_copy"), cases(TRANSFORMER_CASES, floor=TRANSFORMER_FLOOR)
 )
 def test_transformer_matches_one_process(
     case: str,

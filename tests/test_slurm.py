@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROGRESS_LINE, REPO, Run, clean_env, run_command, run_watching
+from tests.conftest import NEEDS_FSDP2_ON_CPU, PROGRESS_LINE, REPO, Run, clean_env, run_command, run_watching
 
 LAUNCHERS = sorted(str(path.relative_to(REPO)) for path in (REPO / "slurm").glob("*.sbatch"))
 
@@ -138,6 +138,7 @@ def test_two_nodes_meet_at_the_first_node(tmp_path: Path) -> None:
     assert f"--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:{port} --rdzv-id={cluster.job_id}" in srun
 
 
+@NEEDS_FSDP2_ON_CPU
 def test_warning_signal_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, nodes=1, processes_per_node=2)
     script = "fsdp/train_transformer_fsdp2.py"
