@@ -1,4 +1,4 @@
-"""Everything in this repository that depends on the torch version, and why.
+"""Where this repository works around torch: what depends on its version, and its bugs.
 
 The scripts are tested on torch 2.6 (the floor: the first release with the
 public FSDP2 API, ``torch.distributed.fsdp.fully_shard``) and on the newest
@@ -53,18 +53,22 @@ def require_torch(parser: argparse.ArgumentParser, release: tuple[int, int], fea
 def full_state_dict_options(device: torch.device) -> StateDictOptions:
     """Options that gather the whole model (and optimizer) state, as plain tensors, for rank 0 to save.
 
-    Normally the gathered tensors are copied to the CPU and only rank 0 keeps
-    them (``cpu_offload=True``; the other ranks get empty dicts).
+    On a GPU the gathered tensors are copied to the CPU and only rank 0 keeps
+    them (``cpu_offload=True``; the other ranks get empty dicts). A CPU run has
+    nothing to offload: every rank gathers the full state in host memory, and
+    the ranks other than 0 drop it.
     """
-    # torch < 2.14: FSDP1's FlatParamHandle.to_cpu() "moves" the gathered
-    # parameters to the CPU and then frees the gathered copy, which on a CPU
-    # run is the same memory: the state dict then reads freed memory and rank 0
-    # dies with a segmentation fault (pytorch/pytorch#188989, fixed in 2.14 by
-    # #188990). A CPU run has nothing to offload: without cpu_offload every rank
-    # gathers the full state in host memory, and the ranks other than 0 drop it.
-    if device.type == "cpu" and not torch_at_least((2, 14)):
-        return StateDictOptions(full_state_dict=True, cpu_offload=False)
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # Not only pointless on a CPU run: FSDP1's offload paths take the move to
+    # the CPU for a copy, and on the CPU it is none.
+    # - torch < 2.14: FlatParamHandle.to_cpu() frees the gathered parameters
+    #   after "moving" them, so the model state dict reads freed memory and
+    #   rank 0 dies with a segmentation fault (pytorch/pytorch#188989, fixed in
+    #   2.14 by #188990).
+    # - every release from 2.6 to 2.14.1: the gathered optimizer state is copied
+    #   out of a reused buffer only by `.cpu()`, so every exp_avg comes back as a
+    #   view that the next state, exp_avg_sq, overwrites: the checkpoint holds
+    #   exp_avg_sq twice and a resumed run silently trains differently.
+    return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
 
 
 def destroy_process_group() -> None:
