@@ -18,10 +18,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 TORCH_FLOOR = (2, 6)
 
-# FSDP2 on the CPU: fully_shard records events on the CPU "stream" that
-# torch.cpu.Stream has (as no-ops) only from torch 2.7 (pytorch/pytorch#145935);
-# on 2.6 the first forward fails ('Stream' object has no attribute 'record_event').
-FSDP2_ON_CPU = (2, 7)
+# FSDP2 on the CPU (gloo) needs torch 2.9:
+# - 2.6: the first forward fails ('Stream' object has no attribute 'record_event'):
+#   torch.cpu.Stream got its no-op record_event/wait_event in 2.7 (pytorch/pytorch#145935);
+# - 2.7 and 2.8: gloo's reduce_scatter_tensor takes ReduceOp.AVG, which FSDP2 uses for
+#   fp32 gradients, and sums: every gradient is world-size times too large, silently
+#   (pytorch/pytorch#162338; checked with a 2-rank reduce-scatter on 2.6 to 2.14.1).
+FSDP2_ON_CPU = (2, 9)
 # FSDP2 --cpu-offload gives the mesh a CPU backend beside NCCL, through
 # init_device_mesh(backend_override=...), which torch 2.9 added (pytorch/pytorch#159371).
 FSDP2_CPU_OFFLOAD = (2, 9)

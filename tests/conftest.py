@@ -37,7 +37,7 @@ NEAR_FLOOR = 0.3
 # Parts that stop by design on an older torch (test_torch_versions.py shows each stop) are skipped there.
 FSDP2_SCRIPT = "fsdp/train_transformer_fsdp2.py"
 NEEDS_FSDP2_ON_CPU = pytest.mark.skipif(
-    not torch_at_least(FSDP2_ON_CPU), reason="FSDP2 on the CPU needs torch 2.7 (test_torch_versions.py)"
+    not torch_at_least(FSDP2_ON_CPU), reason="FSDP2 on the CPU needs torch 2.9 (test_torch_versions.py)"
 )
 NEEDS_FSDP2_CPU_OFFLOAD = pytest.mark.skipif(
     not torch_at_least(FSDP2_CPU_OFFLOAD), reason="FSDP2 --cpu-offload needs torch 2.9 (test_torch_versions.py)"

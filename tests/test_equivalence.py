@@ -14,6 +14,7 @@ about 1e-7, far below the tolerances below and far above zero.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -94,8 +95,11 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     Made once for the whole session, even under ``pytest -n``: the first worker
     to take the lock runs them into the directory all workers share.
     """
-    # getbasetemp() is per worker under xdist; its parent is shared by them all.
-    root = tmp_path_factory.getbasetemp().parent / "equivalence-references"
+    # getbasetemp() is per worker under xdist, and its parent is this session's, shared by
+    # the workers. Without xdist the parent is shared by every session of this user, other
+    # torch versions' too: there the session's own folder is the one to use.
+    session = tmp_path_factory.getbasetemp()
+    root = (session.parent if "PYTEST_XDIST_WORKER" in os.environ else session) / "equivalence-references"
     runs = {"mnist": ("ddp/train_mnist.py", MNIST_ARGS), "transformer": ("ddp/train_transformer.py", TRANSFORMER_ARGS)}
     with FileLock(f"{root}.lock"):
         if not (root / "done").exists():

@@ -36,7 +36,7 @@ def assert_stopped_for_torch(run: Run, part: str, release: tuple[int, int]) -> N
     assert not run.run_dir.exists(), "a run refused for its torch must write nothing"
 
 
-def test_fsdp2_runs_on_the_cpu_from_torch_2_7(tmp_path: Path) -> None:
+def test_fsdp2_runs_on_the_cpu_from_torch_2_9(tmp_path: Path) -> None:
     run = run_script(FSDP2_SCRIPT, SHORT_ARGS, tmp_path / "run")
     if torch_at_least(FSDP2_ON_CPU):
         final = run.check().final()
