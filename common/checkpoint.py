@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from common.compat import full_state_dict_options
 from common.distributed import DistContext, FatalError, all_ranks_agree, print0
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
@@ -192,7 +193,7 @@ class Checkpointer:
     def _save_full(self, step: int, trainer: dict[str, Any]) -> Path:
         # DISTRIBUTED: for FSDP every rank takes part in gathering the full state
         # onto rank 0 (the others get empty dicts); for DDP it is a local copy.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        options = full_state_dict_options(self.ctx.device)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
         path = self.folder / f"step-{step}.pt"
         if self.ctx.is_main:

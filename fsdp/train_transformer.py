@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -57,6 +57,7 @@ from common.cli import (
     make_parser,
 )
 from common.communication import StepObserver
+from common.compat import full_state_dict_options
 from common.data import eval_loader, train_loader
 from common.distributed import DistContext, distributed, env_num_nodes, env_world_size, print0, seed_everything
 from common.evaluation import evaluate_language_model
@@ -305,8 +306,8 @@ def train(args, ctx: DistContext) -> None:
 
     # DISTRIBUTED: no rank holds the whole model, so every rank takes part in
     # gathering it; rank 0 receives plain CPU tensors under the original names
-    # (the others get an empty dict) and saves them.
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # and saves them.
+    state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
     if ctx.is_main:
         save_atomic(state, args.run_dir / "model.pt")
     finish_run(

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -52,8 +52,9 @@ from common.cli import (
     make_parser,
 )
 from common.communication import StepObserver
+from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, full_state_dict_options, require_torch
 from common.data import eval_loader, train_loader
-from common.distributed import DistContext, distributed, print0, seed_everything
+from common.distributed import DistContext, distributed, print0, seed_everything, wants_cuda
 from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
 from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, init_parameters
@@ -81,6 +82,10 @@ def parse_args(argv: list[str] | None = None):
     check_training_flags(parser, args)
     check_checkpoint_flags(parser, args)
     check_transformer_flags(parser, args)
+    if args.cpu_offload:
+        require_torch(parser, FSDP2_CPU_OFFLOAD, "--cpu-offload with FSDP2")
+    if not wants_cuda(args.device):
+        require_torch(parser, FSDP2_ON_CPU, "FSDP2 on the CPU")
     check_fsdp_flags(parser, args)
     if args.replicate_degree is None:
         args.replicate_degree = 1  # plain FSDP: one copy, sharded across every rank
@@ -124,10 +129,13 @@ def train(args, ctx: DistContext) -> None:
     else:
         shape, dim_names = (args.replicate_degree, shard_degree), ("replicate", "shard")
         print0(f"HSDP: {args.replicate_degree} replica(s), each sharded across {shard_degree} rank(s)")
-    # Offloaded shards live in host memory, and the collectives on them (the
-    # global gradient norm, gathering model.pt) need a CPU backend beside NCCL.
-    backends = dict.fromkeys(dim_names, "cpu:gloo,cuda:nccl") if args.cpu_offload else None
-    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names, backend_override=backends)
+    if args.cpu_offload:
+        # Offloaded shards live in host memory, and the collectives on them (the
+        # global gradient norm, gathering model.pt) need a CPU backend beside NCCL.
+        backends = dict.fromkeys(dim_names, "cpu:gloo,cuda:nccl")
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names, backend_override=backends)
+    else:
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names)
     if args.compile:
         compile_layers(layers)
     if args.activation_checkpointing:
@@ -258,8 +266,8 @@ def train(args, ctx: DistContext) -> None:
             module.reshard()
     # DISTRIBUTED: no rank holds the whole model, so every rank takes part in
     # gathering it; rank 0 receives plain CPU tensors under the original names
-    # (the others get an empty dict) and saves them.
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # and saves them.
+    state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
     if ctx.is_main:
         save_atomic(state, args.run_dir / "model.pt")
     finish_run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,13 +10,14 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, torch_at_least
 from tests import launcher
 from tests.mnist_fixture import write_fake_mnist
 
@@ -32,6 +34,33 @@ CONVERGE_ARGS = [
     "--block-size", "32", "--log-interval", "10", "--eval-interval", "300",
 ]  # fmt: skip
 NEAR_FLOOR = 0.3
+
+# Parts that stop by design on an older torch (test_torch_versions.py shows each stop) are skipped there.
+FSDP2_SCRIPT = "fsdp/train_transformer_fsdp2.py"
+NEEDS_FSDP2_ON_CPU = pytest.mark.skipif(
+    not torch_at_least(FSDP2_ON_CPU), reason="FSDP2 on the CPU needs torch 2.9 (test_torch_versions.py)"
+)
+NEEDS_FSDP2_CPU_OFFLOAD = pytest.mark.skipif(
+    not torch_at_least(FSDP2_CPU_OFFLOAD), reason="FSDP2 --cpu-offload needs torch 2.9 (test_torch_versions.py)"
+)
+
+
+def cases(rows: list[tuple], floor: Collection[str] = (), keep_id: bool = True) -> list:
+    """``pytest.param`` per row of a case table whose first item is the case's id.
+
+    Rows named in ``floor`` get the ``floor`` marker: the floor pass (the oldest
+    supported torch, ``pytest -m floor``) runs them too. Rows that run the FSDP2
+    script are skipped where FSDP2 cannot run on the CPU. ``keep_id=False``
+    passes the row without its id to the test.
+    """
+    params = []
+    for row in rows:
+        marks = [pytest.mark.floor] if row[0] in floor else []
+        if FSDP2_SCRIPT in row:
+            marks.append(NEEDS_FSDP2_ON_CPU)
+        params.append(pytest.param(*(row if keep_id else row[1:]), id=row[0], marks=marks))
+    return params
+
 
 # Variables a launcher or scheduler may have left in the environment of the
 # test run; a child that inherits them would try to join someone else's job.
@@ -162,15 +191,43 @@ def run_warm(
 def run_command(
     command: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO
 ) -> Run:
-    """Run ``command`` to the end; on timeout kill its whole process group and fail with its output."""
+    """Run ``command`` to the end; on timeout kill it and everything it started, and fail with its output."""
     process = start(command, env, cwd)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_all(process.pid)
         output, _ = process.communicate()
         pytest.fail(f"timed out after {timeout} s\n$ {' '.join(command)}\n--- output ---\n{output}")
     return Run(command, process.returncode, output, run_dir)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs, from Linux's /proc."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(child) for child in (task / "children").read_text().split()]
+        except OSError:  # the task ended meanwhile
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def kill_all(pid: int) -> None:
+    """SIGKILL the process group of ``pid`` and every process below it.
+
+    The group alone is not enough: torchrun starts each worker in a session of
+    its own, and a hung worker that outlives torchrun keeps the output pipe open,
+    so the test would wait for it forever.
+    """
+    below = descendants(pid)  # before the kill, while torchrun is still their parent
+    for target in (pid, *below):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 PROGRESS_LINE = re.compile(r"^step +(\d+)/")
@@ -183,7 +240,7 @@ def run_watching(
     progress line reports step ``at_step``. ``options``: ``env``, ``timeout`` (seconds, 240)."""
     timeout = options.get("timeout", 240)
     process = start(command, options.get("env"))
-    deadline = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))
+    deadline = threading.Timer(timeout, kill_all, (process.pid,))
     deadline.start()
     lines: list[str] = []
     try:

@@ -15,7 +15,6 @@ CASES = [
     # (script, arguments, text the single message must contain)
     ("ddp/train_mnist.py", ["--batch-size", "0"], "--batch-size: must be a positive integer, got 0"),
     ("ddp/train_mnist.py", ["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
-    (FSDP2, ["--cpu-offload"], "--cpu-offload frees GPU memory by moving state to the host; this run has no GPU"),
     ("ddp/train_mnist.py", ["--lr", "-1"], "--lr: must be a positive number, got -1"),
     ("ddp/train_transformer.py", ["--d-model", "66", "--n-head", "4"], "--d-model 66 must be divisible by --n-head 4"),
     ("ddp/train_transformer.py", ["--text-file", "does/not/exist.txt"], "--text-file does/not/exist.txt: no such file"),

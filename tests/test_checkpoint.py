@@ -23,7 +23,7 @@ from common.checkpoint import checkpoint_step, complete_checkpoints
 from common.compare_runs import compare
 from common.models import GPT, GPTConfig
 from common.tokens import markov_data
-from tests.conftest import Run, run_script, run_until_stopped
+from tests.conftest import NEEDS_FSDP2_ON_CPU, Run, cases, run_script, run_until_stopped
 from tests.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL, PARAM_ATOL
 
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
@@ -45,8 +45,19 @@ CASES = [
     ("fsdp1-mnist", "fsdp/train_mnist.py", MNIST_ARGS, 20, 40, "sharded"),
     ("ddp-transformer", "ddp/train_transformer.py", TRANSFORMER_ARGS, 20, 40, "full"),
     ("fsdp1-transformer", "fsdp/train_transformer.py", TRANSFORMER_ARGS, 20, 40, "sharded"),
+    # One file gathered on rank 0: on a CPU, torch < 2.14 needs common.compat.full_state_dict_options.
+    (
+        "fsdp1-transformer-full",
+        "fsdp/train_transformer.py",
+        [*TRANSFORMER_ARGS, "--checkpoint-format", "full"],
+        20,
+        40,
+        "full",
+    ),
     ("fsdp2-transformer", FSDP2, TRANSFORMER_ARGS, 20, 40, "sharded"),
 ]
+# The floor pass (the oldest supported torch) runs one case per strategy family.
+FLOOR_CASES = {"ddp-mnist", "fsdp1-transformer-full", "fsdp2-transformer"}
 # Asked to stop a few steps into the second epoch; the run stops at the next
 # step boundary it reaches after seeing the STOP file, well before the epoch ends.
 STOP_AFTER_EPOCH_STEPS = 3
@@ -69,7 +80,7 @@ def assert_same_parameters(path_a: Path, path_b: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("script", "args", "per_epoch", "total", "kind"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+    ("script", "args", "per_epoch", "total", "kind"), cases(CASES, floor=FLOOR_CASES, keep_id=False)
 )
 def test_stopped_and_resumed_run_matches_an_uninterrupted_one(
     script: str, args: list[str], per_epoch: int, total: int, kind: str, tiny_mnist_dir: Path, tmp_path: Path
@@ -183,6 +194,7 @@ def names(run_dir: Path) -> list[str]:
     return [path.name for path in complete_checkpoints(run_dir)]
 
 
+@NEEDS_FSDP2_ON_CPU
 def test_kill_mid_save_and_damaged_checkpoint_lose_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     killed = run_script(
@@ -222,11 +234,12 @@ def test_full_checkpoint_from_another_run_or_damaged_is_refused_and_an_older_one
     assert wider.returncode == 2, wider.describe()
     assert "was not written by this script and model: model is {" in wider.output, wider.describe()
 
+    other = "fsdp/train_transformer.py"
     other_script = run_script(
-        FSDP2, [*SHORT_ARGS, "--resume-from", str(newest)], tmp_path / "other", real_launcher=True
+        other, [*SHORT_ARGS, "--resume-from", str(newest)], tmp_path / "other", real_launcher=True
     )
     assert other_script.returncode == 2, other_script.describe()
-    assert f"script is '{script}' there, '{FSDP2}' here" in other_script.output, other_script.describe()
+    assert f"script is '{script}' there, '{other}' here" in other_script.output, other_script.describe()
 
     truncate(newest)
     before[str(newest.relative_to(run_dir))] = hashlib.sha256(newest.read_bytes()).hexdigest()

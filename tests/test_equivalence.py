@@ -26,7 +26,7 @@ from common.compare_runs import compare
 from common.compare_runs import main as compare_runs_main
 from common.estimate_communication import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
-from tests.conftest import run_script
+from tests.conftest import cases, run_script
 
 LOSS_RTOL = 1e-5  # per-step training loss, relative
 # Per-step global gradient norm, relative. Looser than the loss: the norm sums
@@ -84,6 +84,16 @@ TRANSFORMER_CASES = [
     ("fsdp2-3x2-accum", "fsdp/train_transformer_fsdp2.py", 3, ["--grad-accum-steps", "2"], 3),
     ("fsdp2-hsdp-2x2", "fsdp/train_transformer_fsdp2.py", 4, ["--replicate-degree", "2"], 2),
 ]
+# The floor pass (the oldest supported torch) runs the cases at 2 processes.
+MNIST_FLOOR = {"fsdp1-full_shard-2"}
+TRANSFORMER_FLOOR = {
+    "ddp-2",
+    "ddp-2x2-accum",
+    "fsdp1-full_shard-2",
+    "fsdp1-shard_grad_op-2",
+    "fsdp1-no_shard-2",
+    "fsdp2-2",
+}
 # Sharded state per rank against DDP's / ranks per copy. FSDP1 pads each unit to
 # an even split; FSDP2 cuts every parameter by rows, and uneven rows (64 rows in
 # 3) leave the first rank up to 2% more.
@@ -98,10 +108,11 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     Made once for the whole session, even under ``pytest -n``: the first worker
     to take the lock runs them into the directory all workers share.
     """
-    base = tmp_path_factory.getbasetemp()
-    # Under xdist each worker's base is a child of the session's, shared by all workers; without
-    # xdist the parent outlives the session, and its references could come from older code.
-    root = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "equivalence-references"
+    # getbasetemp() is per worker under xdist, and its parent is this session's, shared by
+    # the workers. Without xdist the parent is shared by every session of this user, other
+    # torch versions' too: there the session's own folder is the one to use.
+    session = tmp_path_factory.getbasetemp()
+    root = (session.parent if "PYTEST_XDIST_WORKER" in os.environ else session) / "equivalence-references"
     runs = {"mnist": ("ddp/train_mnist.py", MNIST_ARGS), "transformer": ("ddp/train_transformer.py", TRANSFORMER_ARGS)}
     with FileLock(f"{root}.lock"):
         if not (root / "done").exists():
@@ -131,7 +142,7 @@ def assert_same_training(reference: Path, candidate: Path, description: str) -> 
     assert final["eval_loss"] == pytest.approx(expected["eval_loss"], rel=LOSS_RTOL), description
 
 
-@pytest.mark.parametrize(("case", "script", "nproc", "extra"), MNIST_CASES, ids=[c[0] for c in MNIST_CASES])
+@pytest.mark.parametrize(("case", "script", "nproc", "extra"), cases(MNIST_CASES, floor=MNIST_FLOOR))
 def test_mnist_matches_one_process(
     case: str, script: str, nproc: int, extra: list[str], references: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -144,7 +155,7 @@ def test_mnist_matches_one_process(
 
 
 @pytest.mark.parametrize(
-    ("case", "script", "nproc", "extra", "per_copy"), TRANSFORMER_CASES, ids=[c[0] for c in TRANSFORMER_CASES]
+    ("case", "script", "nproc", "extra", "per_copy"), cases(TRANSFORMER_CASES, floor=TRANSFORMER_FLOOR)
 )
 def test_transformer_matches_one_process(
     case: str,

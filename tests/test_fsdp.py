@@ -28,7 +28,7 @@ from torchvision import datasets, transforms
 
 from common.data import MNIST_MEAN, MNIST_STD
 from common.models import GPT, GPTConfig, MnistNet
-from tests.conftest import MNIST_ARGS, Run, run_script, run_until_stopped
+from tests.conftest import MNIST_ARGS, NEEDS_FSDP2_CPU_OFFLOAD, NEEDS_FSDP2_ON_CPU, Run, run_script, run_until_stopped
 
 MNIST = "fsdp/train_mnist.py"
 DDP = "ddp/train_transformer.py"
@@ -106,6 +106,7 @@ OPTIONS = [
             "2",
         ],
         id="fsdp2-no_reshard-bf16-checkpointing-accumulation",
+        marks=NEEDS_FSDP2_ON_CPU,
     ),
 ]
 
@@ -135,7 +136,7 @@ CUDA_CASES = [
     pytest.param(FSDP1, [*SHORT_ARGS, "--cpu-offload"], id="fsdp1-cpu_offload"),
     pytest.param(FSDP1, [*SHORT_ARGS, "--activation-checkpointing", "--mixed-precision", "bf16"], id="fsdp1-ac-bf16"),
     pytest.param(FSDP2, [*SHORT_ARGS, "--mixed-precision", "bf16"], id="fsdp2-bf16"),
-    pytest.param(FSDP2, [*SHORT_ARGS, "--cpu-offload"], id="fsdp2-cpu_offload"),
+    pytest.param(FSDP2, [*SHORT_ARGS, "--cpu-offload"], id="fsdp2-cpu_offload", marks=NEEDS_FSDP2_CPU_OFFLOAD),
     pytest.param(FSDP2, [*SHORT_ARGS, "--compile"], id="fsdp2-compile"),
     pytest.param(
         FSDP2, [*SHORT_ARGS, "--compile", "--mixed-precision", "bf16", "--activation-checkpointing"], id="fsdp2-all"
