@@ -25,6 +25,10 @@ TORCH_FLOOR = (2, 6)
 #   fp32 gradients, and sums: every gradient is world-size times too large, silently
 #   (pytorch/pytorch#162338; checked with a 2-rank reduce-scatter on 2.6 to 2.14.1).
 FSDP2_ON_CPU = (2, 9)
+# The communication recorder (common.communication) is a TorchDispatchMode; torch.compile runs
+# compiled code under such a mode only from torch 2.9 (TorchDispatchMode.ignore_compile_internals).
+# Older torch runs the measured step of a --compile run eagerly: same traffic, eager speed.
+COMPILED_UNDER_DISPATCH_MODE = (2, 9)
 # FSDP2 --cpu-offload gives the mesh a CPU backend beside NCCL, through
 # init_device_mesh(backend_override=...), which torch 2.9 added (pytorch/pytorch#159371).
 FSDP2_CPU_OFFLOAD = (2, 9)

@@ -15,6 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import complete_checkpoints
+from common.compat import torch_at_least
 from common.distributed import FatalError, distributed
 from common.models import GPT, GPTConfig
 from tests.conftest import run_script
@@ -78,6 +79,8 @@ def refuse_after_wrapping(before: int) -> None:
     raise FatalError(f"refused ({type(model).__name__})")
 
 
+# Seen: torch 2.13 and 2.14 name gloo's threads; 2.6, 2.9 and 2.10 do not, and there they cannot be told apart.
+@pytest.mark.skipif(not torch_at_least((2, 13)), reason="this torch does not name gloo's threads")
 def test_a_refusal_frees_the_process_groups_before_the_interpreter_exits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A FatalError must end in its exit code. It used to abort now and then (SIGABRT, exit 134):
     the failed frame kept the model, and through it the gloo group, alive into interpreter

@@ -21,7 +21,7 @@ from common import benchmark
 from common.compare_strategies import Strategy
 from common.data import _open_mnist, normalize_images, train_loader
 from common.distributed import DistContext
-from tests.conftest import Run, run_script
+from tests.conftest import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU, Run, run_script
 from tests.per_image_mnist import per_image_mnist
 
 TRANSFORMERS = ["ddp/train_transformer.py", "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"]
@@ -53,7 +53,9 @@ def device_reads(record: dict) -> dict[int, list[str]]:
     return by_step
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize(
+    "script", [pytest.param(s, marks=NEEDS_FSDP2_ON_CPU) if s == FSDP2_SCRIPT else s for s in SCRIPTS]
+)
 def test_steps_that_do_not_log_or_save_read_nothing_from_the_device(script: str, tmp_path: Path) -> None:
     data = ["--synthetic"] if "mnist" in script else SHORT_TRANSFORMER
     # 8 steps: steps 4 and 8 log; the checkpoint after step 6 is written at the start of step 7,
@@ -144,6 +146,7 @@ def test_throughput_leaves_out_evaluation(tmp_path: Path) -> None:
     assert 0.5 < ratio < 2, (with_evals["tokens_per_s"], without["tokens_per_s"])
 
 
+@NEEDS_FSDP2_ON_CPU
 def test_the_benchmark_compares_ddp_fsdp1_and_fsdp2_in_bf16(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

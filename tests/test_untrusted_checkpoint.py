@@ -25,10 +25,12 @@ from filelock import FileLock
 
 from common import export_checkpoint
 from common.checkpoint import UntrustedCheckpoint, read_dcp_metadata, root_failure, sharded_reader
-from tests.conftest import run_script
+from tests.conftest import NEEDS_FSDP2_ON_CPU, run_script
 from tests.test_checkpoint import assert_same_parameters
 
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
+# Every case starts from an FSDP2 checkpoint.
+pytestmark = NEEDS_FSDP2_ON_CPU
 # Its checkpoint at step 4 is the last step, so it holds the same model as its model.pt.
 RUN_ARGS = [
     *("--max-steps", "4", "--checkpoint-interval", "4", "--block-size", "32", "--train-sequences", "320"),
