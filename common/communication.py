@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -145,6 +146,11 @@ class CollectiveRecorder(TorchDispatchMode):
 
 
 def _is_dispatching_subclass(cls: type) -> bool:
+    # FakeTensor is left to this mode: DTensor runs ops on fake tensors to learn their shapes, and
+    # some torch releases (2.10) do it with this mode active, where deferring to FakeTensor failed
+    # ("all __torch_dispatch__ handlers returned NotImplemented") and ended the measured step.
+    if issubclass(cls, FakeTensor):
+        return False
     return cls is not torch.Tensor and getattr(cls, "__torch_dispatch__", None) is not getattr(
         torch.Tensor, "__torch_dispatch__", None
     )
