@@ -149,10 +149,12 @@ def test_the_fsdp1_cnn_script_trains_a_torchvision_resnet(tmp_path: Path, capsys
             imports: f"{imports}from model import digit_resnet\n",
         },
     )
-    # Adadelta's default lr of 1.0 makes this ResNet's loss jump about, which magnifies rounding
-    # beyond the tolerances within 12 steps; a calmer lr compares the training, not the rounding.
-    one, two = train_once_and_twice(project, ["--synthetic", "--lr", "0.02", *CHECK])
-    assert "12 steps compared" in compare_runs(project, capsys)
+    # A ResNet-18 magnifies the two runs' rounding differences (5e-6 in the first gradient norm)
+    # step by step. Measured at lr 0.01 and 0.02 on torch 2.6, 2.9, 2.10 and 2.14: the runs agreed
+    # within the tolerances for the first 5 steps, and some drifted past them from step 6 or 7; at
+    # 0.05, on 2.6, from step 4. So 5 steps at a calm lr.
+    one, two = train_once_and_twice(project, ["--synthetic", "--lr", "0.01", *CHECK, "--max-steps", "5"])
+    assert "5 steps compared" in compare_runs(project, capsys)
     assert two.final()["world_size"] == 2 and two.final()["strategy"] == "fsdp1_full_shard"
     digit_resnet = load(train_py.parent / "model.py").digit_resnet
     digit_resnet().load_state_dict(torch.load(two.run_dir / "model.pt", weights_only=True))  # strict
