@@ -37,9 +37,11 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from common.cli import HelpFormatter
 from common.estimate_memory import (
     COMPUTE_BYTES,
     GIB,
+    add_job_flags,
     between_steps,
     count_label,
     largest_shard_numel,
@@ -399,24 +401,17 @@ def _seconds(value: float) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--params", type=float, nargs="+", required=True, help="parameters, e.g. 7e9 (several: rows)")
-    parser.add_argument("--world-size", type=int, required=True, help="GPUs in the job")
-    parser.add_argument(
-        "--shard-group-size",
-        type=int,
-        help="GPUs per machine, and hybrid_shard's group sharing one copy (default: gcd(world size, 8))",
-    )
-    parser.add_argument("--precision", choices=sorted(COMPUTE_BYTES), default="fp32", help="dtype of the gathers")
-    parser.add_argument("--layers", type=int, default=32, help="FSDP units (default: %(default)s)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    add_job_flags(parser)
     parser.add_argument("--grad-accum-steps", dest="micro_steps", type=int, default=1, help="K micro-steps per step")
     parser.add_argument(
-        "--fast-gbps", type=float, default=450.0, help="GB/s per direction of a fast link (NVLink 4: %(default)s)"
+        "--fast-gbps",
+        type=float,
+        default=450.0,
+        help="GB/s per direction of a fast link (default: %(default)s, NVLink 4)",
     )
     parser.add_argument(
-        "--slow-gbps", type=float, default=12.5, help="GB/s of a slow link (100 Gbit/s Ethernet: %(default)s)"
+        "--slow-gbps", type=float, default=12.5, help="GB/s of a slow link (default: %(default)s, 100 Gbit/s Ethernet)"
     )
     parser.add_argument(
         "--tokens-per-gpu", type=float, default=16384, help="tokens per GPU per step, for the compute column"

@@ -175,8 +175,8 @@ def estimate_table(estimates: Sequence[Estimate], gpu_bytes: float) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+def add_job_flags(parser: argparse.ArgumentParser) -> None:
+    """The model and the job, as this estimator and common.estimate_communication both take them."""
     parser.add_argument(
         "--params",
         type=float,
@@ -185,19 +185,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="parameters in the model, e.g. 7e9 (several: one row each)",
     )
     parser.add_argument("--world-size", type=int, required=True, help="GPUs in the job")
-    parser.add_argument("--gpu-memory", type=float, required=True, help="memory of one GPU in GiB, e.g. 80")
     parser.add_argument(
         "--shard-group-size",
         type=int,
-        help="hybrid_shard: GPUs that share one sharded copy, usually one machine's (default: gcd(world size, 8))",
+        help="GPUs per machine: hybrid_shard's group sharing one sharded copy (default: gcd(world size, 8))",
     )
-    parser.add_argument("--precision", choices=sorted(COMPUTE_BYTES), default="fp32", help="compute precision")
+    parser.add_argument(
+        "--precision", choices=sorted(COMPUTE_BYTES), default="fp32", help="dtype FSDP gathers and computes in"
+    )
     parser.add_argument(
         "--layers",
         type=int,
         default=32,
         help="FSDP units (transformer blocks); one unit is params / layers (default: %(default)s)",
     )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    add_job_flags(parser)
+    parser.add_argument("--gpu-memory", type=float, required=True, help="memory of one GPU in GiB, e.g. 80")
     args = parser.parse_args(argv)
     if min(args.params) <= 0 or args.world_size < 1 or args.gpu_memory <= 0 or args.layers < 1:
         parser.error("--params, --world-size, --gpu-memory and --layers must be positive")

@@ -8,7 +8,14 @@ from collections.abc import Callable
 
 import pytest
 
-from common import benchmark, compare_runs, compare_strategies, estimate_memory, export_checkpoint
+from common import (
+    benchmark,
+    compare_runs,
+    compare_strategies,
+    estimate_communication,
+    estimate_memory,
+    export_checkpoint,
+)
 from tests.conftest import REPO
 
 SCRIPTS = ["ddp/train_mnist.py", "ddp/train_transformer.py", "fsdp/train_mnist.py", "fsdp/train_transformer.py"]
@@ -17,6 +24,7 @@ COMMANDS: dict[str, Callable[[list[str]], object]] = {
     "common.benchmark": benchmark.main,
     "common.compare_runs": compare_runs.main,
     "common.compare_strategies": compare_strategies.main,
+    "common.estimate_communication": estimate_communication.main,
     "common.estimate_memory": estimate_memory.main,
     "common.export_checkpoint": export_checkpoint.main,
 }
