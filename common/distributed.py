@@ -198,13 +198,6 @@ def all_ranks_agree(ok: bool, ctx: DistContext) -> bool:
     return bool(flag.item())
 
 
-def sum_over_ranks(values: list[float], ctx: DistContext) -> list[float]:
-    """Sum numbers held on the host across ranks, in float64 so that counts stay exact."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ctx.host_group)
-    return tensor.tolist()
-
-
 def max_over_ranks(values: list[float], ctx: DistContext) -> list[float]:
     """The largest of each number held on the host, over the ranks."""
     tensor = torch.tensor(values, dtype=torch.float64)
