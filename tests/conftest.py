@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,10 +130,6 @@ def launcher_prefix(nproc: int | None) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
-def script_command(script: str, args: list[str], run_dir: Path, nproc: int | None, wrapper: list[str]) -> list[str]:
-    return [*launcher_prefix(nproc), *script_invocation(script, args, run_dir, wrapper)]
-
-
 def start(command: list[str], env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.Popen:
     # Its own session, so that a hang can be killed whole: torchrun and every worker.
     return subprocess.Popen(
@@ -231,32 +226,6 @@ def kill_all(pid: int) -> None:
 
 
 PROGRESS_LINE = re.compile(r"^step +(\d+)/")
-
-
-def run_watching(
-    command: list[str], run_dir: Path, at_step: int, action: Callable[[subprocess.Popen], None], **options: Any
-) -> Run:
-    """Run ``command``, reading its output as it comes, and call ``action(process)`` once when the
-    progress line reports step ``at_step``. ``options``: ``env``, ``timeout`` (seconds, 240)."""
-    timeout = options.get("timeout", 240)
-    process = start(command, options.get("env"))
-    deadline = threading.Timer(timeout, kill_all, (process.pid,))
-    deadline.start()
-    lines: list[str] = []
-    try:
-        for line in process.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            match = PROGRESS_LINE.match(line)
-            if match and int(match.group(1)) == at_step:
-                action(process)
-        process.wait()
-    finally:
-        timed_out = not deadline.is_alive()
-        deadline.cancel()
-    output = "".join(lines)
-    if timed_out:
-        pytest.fail(f"timed out after {timeout} s\n$ {' '.join(command)}\n--- output ---\n{output}")
-    return Run(command, process.returncode, output, run_dir)
 
 
 def run_until_stopped(
