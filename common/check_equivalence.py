@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cli import HelpFormatter, positive_int
-from common.compare_runs import NOISE_FACTOR, compare_with_noise, print_noise_verdict
+from common.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
 
 DEFAULT_STEPS = 20
 MAX_TWINS = 6
@@ -173,7 +173,7 @@ def check(
         print(f"{run.name:<10} {how:<12} {time.perf_counter() - started:6.1f} s")
     twins = [runs_dir / run.name for run in planned if run.name.startswith("twin-")]
     verdict = compare_with_noise(runs_dir / "reference", runs_dir / "candidate", twins, factor)
-    print_noise_verdict(verdict)
+    print(noise_report(verdict))
     return SAME if verdict.same else DIFFERENT
 
 

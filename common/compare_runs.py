@@ -185,8 +185,7 @@ def step_drifts(
     return drifts
 
 
-def tensor_drifts(reference: Path, candidate: Path, twins: list[Path]) -> list[Drift]:
-    expected = load_parameters(reference)
+def tensor_drifts(expected: dict[str, torch.Tensor], candidate: Path, twins: list[Path]) -> list[Drift]:
     found = parameter_drifts(expected, load_parameters(candidate))
     twin_drifts = [parameter_drifts(expected, load_parameters(twin)) for twin in twins]
     drifts = []
@@ -219,10 +218,11 @@ def compare_with_noise(
     missing = [str(run) for run in runs if not (run / "model.pt").exists()]
     if missing:
         raise ValueError(f"no model.pt in {', '.join(missing)}: the final parameters cannot be compared")
-    largest = max(tensor.numel() for tensor in load_parameters(reference).values())
+    expected = load_parameters(reference)
+    largest = max(tensor.numel() for tensor in expected.values())
     drifts = step_drifts("loss", "loss", steps, records[0], records[1], records[2:])
     drifts += step_drifts("gradient norm", "grad_norm", steps, *records[:2], records[2:], norm_rounding(largest))
-    drifts += tensor_drifts(reference, candidate, twins)
+    drifts += tensor_drifts(expected, candidate, twins)
     drifts += eval_drift(reference, candidate, twins)
     return NoiseVerdict(len(steps), len(twins), factor, drifts)
 
@@ -230,17 +230,22 @@ def compare_with_noise(
 QUANTITIES = ("loss", "gradient norm", "parameters", "eval loss")
 
 
-def print_noise_verdict(verdict: NoiseVerdict) -> None:
-    print(f"{verdict.steps} steps compared; noise floor from {verdict.twins} twin run(s)")
-    print(f"{'quantity':<14} {'candidate':>10} {'twins':>10} {'ratio':>9}  where (the largest ratio)")
+def noise_report(verdict: NoiseVerdict) -> str:
+    """The table of drifts and the verdict, SAME or DIFFERENT, as its last line."""
+    lines = [
+        f"{verdict.steps} steps compared; noise floor from {verdict.twins} twin run(s)",
+        f"{'quantity':<14} {'candidate':>10} {'twins':>10} {'ratio':>9}  where (the largest ratio)",
+    ]
     for quantity in QUANTITIES:
         worst = verdict.worst(quantity)
         if worst is not None:
-            print(f"{quantity:<14} {worst.drift:10.3e} {worst.noise:10.3e} {worst.ratio:9.2f}  {worst.where}")
+            lines.append(f"{quantity:<14} {worst.drift:10.3e} {worst.noise:10.3e} {worst.ratio:9.2f}  {worst.where}")
     beyond = verdict.beyond()
     if not beyond:
-        print(f"SAME: every drift within {verdict.factor:g}x the twins' (largest ratio {verdict.largest_ratio:.2f})")
-        return
+        lines.append(
+            f"SAME: every drift within {verdict.factor:g}x the twins' (largest ratio {verdict.largest_ratio:.2f})"
+        )
+        return "\n".join(lines)
     first_step = next((drift for drift in beyond if drift.where.startswith("step ")), None)
     parameters = [drift for drift in beyond if drift.quantity == "parameters"]
     places = []
@@ -250,7 +255,8 @@ def print_noise_verdict(verdict: NoiseVerdict) -> None:
         worst = max(parameters, key=lambda drift: drift.ratio)
         places.append(f"{len(parameters)} parameter tensor(s), most {worst.where} ({worst.ratio:.3g}x)")
     places += [f"eval loss ({drift.ratio:.3g}x)" for drift in beyond if drift.quantity == "eval loss"]
-    print(f"DIFFERENT: beyond {verdict.factor:g}x the twins' drift: {'; '.join(places)}")
+    lines.append(f"DIFFERENT: beyond {verdict.factor:g}x the twins' drift: {'; '.join(places)}")
+    return "\n".join(lines)
 
 
 def print_comparison(result: Comparison) -> None:
@@ -307,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.noise:
-        print_noise_verdict(verdict)
+        print(noise_report(verdict))
         return 0 if verdict.same else 1
     print_comparison(result)
     return tolerance_verdict(result, args)

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from filelock import FileLock
 
 from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, torch_at_least
 from tests import launcher
 from tests.mnist_fixture import write_fake_mnist
+from tests.noise_floor import FAMILIES, NoiseRuns, noise_runs_in, planned_noise_runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -277,6 +279,39 @@ def tiny_mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """640 training and 200 test images: an epoch of 20 steps at a global batch of 32, for runs that need
     several epochs but not a good model."""
     return write_fake_mnist(tmp_path_factory.mktemp("tiny_mnist"), train_count=640, test_count=200)
+
+
+def shared_noise_runs(tmp_path_factory: pytest.TempPathFactory, family: str, data: tuple[str, ...] = ()) -> NoiseRuns:
+    """The one-process reference and its twins for ``family`` (tests/noise_floor.py), made once a session;
+    ``data`` are the flags that say where its data is.
+
+    Under ``pytest -n`` the first worker to take the lock runs them into a folder all workers share.
+    """
+    # getbasetemp() is per worker under xdist, and its parent is this session's, shared by the
+    # workers. Without xdist the parent is shared by every session of this user, other torch
+    # versions' and CPU kernels' too: there the session's own folder is the one to use.
+    session = tmp_path_factory.getbasetemp()
+    root = (session.parent if "PYTEST_XDIST_WORKER" in os.environ else session) / "noise-floor" / family
+    script, flags = FAMILIES[family]
+    flags = [*flags, *data]
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{root}.lock"):
+        if not (root / "done").exists():
+            for name, run_flags in planned_noise_runs(flags):
+                run_script(script, run_flags, root / name).check()
+            (root / "done").touch()
+    return noise_runs_in(root, flags)
+
+
+@pytest.fixture(scope="session")
+def transformer_noise(tmp_path_factory: pytest.TempPathFactory) -> NoiseRuns:
+    return shared_noise_runs(tmp_path_factory, "transformer")
+
+
+@pytest.fixture(scope="session")
+def mnist_noise(tmp_path_factory: pytest.TempPathFactory, tiny_mnist_dir: Path) -> NoiseRuns:
+    # Each xdist worker writes its own copy of the fixture: the same files, from the same seed.
+    return shared_noise_runs(tmp_path_factory, "mnist", ("--data-dir", str(tiny_mnist_dir)))
 
 
 # The order in which pytest-xdist hands tests to its workers is the collection order. The

@@ -20,11 +20,12 @@ from torch.utils.data import DataLoader
 
 from common import export_checkpoint
 from common.checkpoint import checkpoint_step, complete_checkpoints
-from common.compare_runs import compare
 from common.models import GPT, GPTConfig
 from common.tokens import markov_data
 from tests.conftest import NEEDS_FSDP2_ON_CPU, Run, cases, run_script, run_until_stopped
-from tests.test_equivalence import GRAD_NORM_RTOL, LOSS_RTOL, PARAM_ATOL
+from tests.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
+from tests.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
+from tests.noise_floor import NoiseRuns, assert_same_training
 
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
 
@@ -145,29 +146,22 @@ def check_export(run_dir: Path, eval_loss: float) -> None:
 
 # --- a checkpoint saved at 4 processes, resumed at 2 ---------------------------------------------
 
-# The equivalence tests' settings: the same examples in every step at any world size.
-RESHARD_ARGS = [
-    *("--deterministic", "--global-batch-size", "24", "--max-steps", "20", "--log-interval", "1", "--lr", "1e-3"),
-    *("--block-size", "32", "--train-sequences", "600", "--heldout-sequences", "60", "--warmup-steps", "3"),
-    *("--eval-interval", "20"),
-]
 
+def test_sharded_checkpoint_saved_at_4_processes_resumes_at_2(transformer_noise: NoiseRuns, tmp_path: Path) -> None:
+    """Both the uninterrupted 2-process run and the one resharded from 4 are the one-process training.
 
-def test_sharded_checkpoint_saved_at_4_processes_resumes_at_2(tmp_path: Path) -> None:
+    The equivalence tests' settings: the same examples in every step at any world size.
+    """
     script = "fsdp/train_transformer.py"
-    reference = run_script(script, RESHARD_ARGS, tmp_path / "reference", nproc=2, real_launcher=True).check()
+    uninterrupted = run_script(script, EQUIVALENCE_ARGS, tmp_path / "uninterrupted", nproc=2, real_launcher=True)
+    assert_same_training(transformer_noise, uninterrupted.check().run_dir, uninterrupted.describe(), EQUIVALENCE_STEPS)
     run_dir = tmp_path / "resharded"
-    run_until_stopped(script, RESHARD_ARGS, run_dir, nproc=4, stop_after=8).check()
+    run_until_stopped(script, EQUIVALENCE_ARGS, run_dir, nproc=4, stop_after=8).check()
     stopped_at = json.loads((run_dir / "PREEMPTED").read_text())["step"]
-    resumed = run_script(script, [*RESHARD_ARGS, "--resume"], run_dir, nproc=2).check()
+    resumed = run_script(script, [*EQUIVALENCE_ARGS, "--resume"], run_dir, nproc=2).check()
     assert f"at step {stopped_at} (saved by 4 process(es), now 2)" in resumed.output, resumed.describe()
-
     # Up to the checkpoint the run had 4 ranks, so it matches to rounding, not bit for bit.
-    result = compare(run_dir, reference.run_dir)
-    assert result.steps == 20
-    assert result.max_loss_rel_diff <= LOSS_RTOL, result
-    assert result.max_grad_norm_rel_diff <= GRAD_NORM_RTOL, result
-    assert result.max_param_abs_diff is not None and result.max_param_abs_diff <= PARAM_ATOL, result
+    assert_same_training(transformer_noise, run_dir, resumed.describe(), EQUIVALENCE_STEPS)
 
 
 # --- kills and damage: the last good checkpoint survives ------------------------------------------

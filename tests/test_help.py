@@ -10,6 +10,7 @@ import pytest
 
 from common import (
     benchmark,
+    check_equivalence,
     compare_runs,
     compare_strategies,
     estimate_communication,
@@ -22,6 +23,7 @@ SCRIPTS = ["ddp/train_mnist.py", "ddp/train_transformer.py", "fsdp/train_mnist.p
 SCRIPTS += ["fsdp/train_transformer_fsdp2.py"]
 COMMANDS: dict[str, Callable[[list[str]], object]] = {
     "common.benchmark": benchmark.main,
+    "common.check_equivalence": check_equivalence.main,
     "common.compare_runs": compare_runs.main,
     "common.compare_strategies": compare_strategies.main,
     "common.estimate_communication": estimate_communication.main,

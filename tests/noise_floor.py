@@ -1,0 +1,65 @@
+"""The settings every test that compares trainings shares, and the noise floor it is judged against.
+
+A candidate run is the same training as the one-process reference when it drifts from it no more
+than common.compare_runs' factor times the twins do: one-process runs of the same training in K
+micro-steps, the K that common.check_equivalence picks. Made once per session (conftest's
+``noise_runs``), for the transformer and the MNIST CNN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.check_equivalence import plan
+from common.compare_runs import NoiseVerdict, compare_with_noise, noise_report
+
+GLOBAL_BATCH = 24
+COMMON = ["--deterministic", "--global-batch-size", str(GLOBAL_BATCH), "--log-interval", "1"]
+# The transformer at its own lr (1e-2) for 20 steps: where fixed tolerances failed (its parameters
+# drift 3e-5 to 7e-5 from one process, twins and distributed runs alike). 61 held-out sequences:
+# no world size here splits them evenly.
+TRANSFORMER_STEPS = 20
+TRANSFORMER_ARGS = [
+    *COMMON,
+    *("--max-steps", str(TRANSFORMER_STEPS), "--eval-interval", str(TRANSFORMER_STEPS)),
+    *("--block-size", "32", "--train-sequences", "600", "--heldout-sequences", "61", "--warmup-steps", "3"),
+]
+# The CNN on the rendered-digit fixture (conftest's tiny_mnist_dir, given with --data-dir) for 20
+# steps as well. Not on --synthetic: clamping its noisy pixels to 0..255 leaves many near-ties
+# between the max-pool's inputs, and rounding that breaks one tie differently moves the run 1e-3 at
+# once; over 20 steps one run in nine broke one that its six twins had not (README, "Is it the
+# same training?"). The fixture's 200 test images also evaluate ten times faster than 2000.
+MNIST_STEPS = 20
+MNIST_ARGS = [*COMMON, "--max-steps", str(MNIST_STEPS)]
+FAMILIES = {"transformer": ("ddp/train_transformer.py", TRANSFORMER_ARGS), "mnist": ("ddp/train_mnist.py", MNIST_ARGS)}
+# A broken copy must not only leave the band: it must leave it by this much, so that the band is
+# known to be far tighter than the bugs it is there to catch.
+BROKEN_MARGIN = 100
+
+
+@dataclass
+class NoiseRuns:
+    reference: Path
+    twins: list[Path]
+
+    def verdict(self, candidate: Path) -> NoiseVerdict:
+        return compare_with_noise(self.reference, candidate, self.twins)
+
+
+def planned_noise_runs(flags: list[str]) -> list[tuple[str, list[str]]]:
+    """The reference and the twins common.check_equivalence would run: (folder name, flags)."""
+    return [(run.name, run.flags) for run in plan(flags, nproc=2) if run.name != "candidate"]
+
+
+def noise_runs_in(root: Path, flags: list[str]) -> NoiseRuns:
+    names = [name for name, _ in planned_noise_runs(flags)]
+    return NoiseRuns(root / names[0], [root / name for name in names[1:]])
+
+
+def assert_same_training(noise: NoiseRuns, candidate: Path, description: str, steps: int) -> NoiseVerdict:
+    verdict = noise.verdict(candidate)
+    report = noise_report(verdict)
+    assert verdict.steps == steps, f"{report}\n{description}"
+    assert verdict.same, f"{report}\n{description}"
+    return verdict
