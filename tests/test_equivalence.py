@@ -267,7 +267,11 @@ def broken_copy(script: str, edits: dict[str, str], folder: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("breakage", sorted(BREAKAGES))
+# The subtle one on the floor torch too.
+BROKEN_CASES = [pytest.param(name, marks=[pytest.mark.floor] if "0.1%" in name else []) for name in sorted(BREAKAGES)]
+
+
+@pytest.mark.parametrize("breakage", BROKEN_CASES)
 def test_broken_copies_leave_the_band_a_hundredfold(
     breakage: str, transformer_noise: NoiseRuns, tmp_path: Path
 ) -> None:
