@@ -28,8 +28,8 @@ TRANSFORMER_ARGS = [
 # The CNN on the rendered-digit fixture (conftest's tiny_mnist_dir, given with --data-dir) for 20
 # steps as well. Not on --synthetic: clamping its noisy pixels to 0..255 leaves many near-ties
 # between the max-pool's inputs, and rounding that breaks one tie differently moves the run 1e-3 at
-# once; over 20 steps one run in nine broke one that its six twins had not (README, "Is it the
-# same training?"). The fixture's 200 test images also evaluate ten times faster than 2000.
+# once; over 20 steps 2 of 15 runs broke one that their six twins had not (README, "Is it the same
+# training?"). The fixture's 200 test images also evaluate ten times faster than 2000.
 MNIST_STEPS = 20
 MNIST_ARGS = [*COMMON, "--max-steps", str(MNIST_STEPS)]
 FAMILIES = {"transformer": ("ddp/train_transformer.py", TRANSFORMER_ARGS), "mnist": ("ddp/train_mnist.py", MNIST_ARGS)}
