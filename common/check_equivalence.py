@@ -13,9 +13,11 @@ Then it compares them with common.compare_runs --noise and prints the verdict: e
 1 for DIFFERENT, 2 when a run failed or the flags cannot give a fair comparison.
 
 Every run gets --deterministic and, unless the flags say otherwise, --log-interval 1 and
---max-steps 20. --global-batch-size is required: it is what keeps each step's examples the same at
-any world size and any split into micro-steps. The twins are the K that divide it, from 2 up to half
-of it (six at most), and N times the flags' --grad-accum-steps (README, "Is it the same training?").
+--max-steps 20; and one thread per process unless OMP_NUM_THREADS says otherwise (torchrun's
+default: a thread count is an order of summation too). --global-batch-size is required: it is what
+keeps each step's examples the same at any world size and any split into micro-steps. The twins
+are the K that divide it, from 2 up to half of it (six at most), and N times the flags'
+--grad-accum-steps (README, "Is it the same training?").
 """
 
 from __future__ import annotations
@@ -127,6 +129,9 @@ def run_in_subprocess(script: str, flags: list[str], nproc: int | None, run_dir:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     # A check started from inside a job must not join that job's process group.
     env = {key: value for key, value in os.environ.items() if key not in TORCHRUN_VARIABLES}
+    # One thread per process in every run, torchrun's own default for its workers: on the CPU two
+    # threads add a layer's partial sums in another order than one, which the twins would not share.
+    env.setdefault("OMP_NUM_THREADS", "1")
     finished = subprocess.run(
         [*launcher, script, *flags, "--run-dir", str(run_dir)],
         env=env,
@@ -172,7 +177,11 @@ def check(
             return FAILED
         print(f"{run.name:<10} {how:<12} {time.perf_counter() - started:6.1f} s")
     twins = [runs_dir / run.name for run in planned if run.name.startswith("twin-")]
-    verdict = compare_with_noise(runs_dir / "reference", runs_dir / "candidate", twins, factor)
+    try:
+        verdict = compare_with_noise(runs_dir / "reference", runs_dir / "candidate", twins, factor)
+    except (OSError, ValueError, KeyError) as err:  # e.g. --max-steps 0: no step to compare
+        print(f"error: the runs cannot be compared: {err}", file=sys.stderr)
+        return FAILED
     print(noise_report(verdict))
     return SAME if verdict.same else DIFFERENT
 

@@ -400,3 +400,27 @@ def test_check_equivalence_keeps_an_earlier_check(tmp_path: Path, capsys: pytest
     assert "holds an earlier check's runs (reference)" in capsys.readouterr().err
     assert (tmp_path / "reference" / "metrics.jsonl").read_text() == "kept\n"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["reference"]
+
+
+def runner_that(trains: bool, exit_code: int = 0) -> check_equivalence.Runner:
+    """A stand-in for python/torchrun: writes what a run of 0 steps (or 1) would, and exits as told."""
+
+    def run(script: str, flags: list[str], nproc: int | None, run_dir: Path) -> tuple[int, str]:
+        write_run(run_dir, [2.0] if trains else [])
+        return exit_code, f"ran {script} with {nproc or 1} process(es)\nlast line of {run_dir.name}"
+
+    return run
+
+
+def test_check_equivalence_reports_a_failed_run_and_stops(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--global-batch-size", "24"]
+    assert check_equivalence.check("x.py", flags, 2, tmp_path, runner=runner_that(True, 1)) == 2
+    error = capsys.readouterr().err
+    assert "reference (1 process) failed with exit code 1" in error and "last line of reference" in error, error
+    assert (tmp_path / "reference.log").exists() and not (tmp_path / "twin-2").exists()
+
+
+def test_check_equivalence_without_steps_to_compare_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert check_equivalence.check("x.py", ["--global-batch-size", "4"], 2, tmp_path, runner=runner_that(False)) == 2
+    error = capsys.readouterr().err
+    assert error.count("error:") == 1 and "no logged training step in common" in error, error
