@@ -318,7 +318,9 @@ def mnist_noise(tmp_path_factory: pytest.TempPathFactory, tiny_mnist_dir: Path) 
 # longest tests go first, so that both workers stay busy to the end instead of one of them
 # finishing a long test alone. Measured with `pytest -n auto --durations=0`; earlier wins.
 LONGEST_FIRST = (
+    "tests/test_start_from_a_copy.py",
     "tests/test_slurm.py",
+    "tests/test_equivalence.py::test_check_equivalence_says_same",
     "tests/test_checkpoint.py",
     "tests/test_failures.py",
     "tests/test_ddp.py",
