@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.cli import HelpFormatter, positive_int
+from common.cli import HelpFormatter, positive_float, positive_int
 from common.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
 
 DEFAULT_STEPS = 20
@@ -195,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         help="where the runs go, one folder each (default: runs/equivalence/SCRIPT-NAME-NPROC)",
     )
     parser.add_argument(
-        "--noise-factor", type=float, default=NOISE_FACTOR, help="how many times the twins' drift is still SAME"
+        "--noise-factor",
+        type=positive_float,
+        default=NOISE_FACTOR,
+        help="how many times the twins' drift is still SAME",
     )
     parser.add_argument("script", help="the training script: this repository's or your copy")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="the script's flags, as you would give them")

@@ -7,6 +7,7 @@ first, and a mistake is reported once (by rank 0) with exit code 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import IO
@@ -58,17 +59,35 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def finite_float(text: str) -> float:
+    """A number; inf, nan and what overflows to them (1e400) are refused: no flag means them."""
     value = float(text)
-    if not value > 0:  # also refuses nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = finite_float(text)
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    value = float(text)
+    value = finite_float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be zero or a positive number, got {text}")
+    return value
+
+
+SEED_LIMIT = 2**32  # numpy's range, and far from the 64 bits torch's generators take with the epoch added
+
+
+def seed_value(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {SEED_LIMIT - 1}, got {text}")
     return value
 
 
@@ -98,7 +117,7 @@ def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> 
     )
     run.add_argument(
         "--seed",
-        type=int,
+        type=seed_value,
         default=1,
         help="seeds the initial weights, the data order and dropout, the same on every rank",
     )

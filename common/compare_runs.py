@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.cli import HelpFormatter
+from common.cli import HelpFormatter, non_negative_float, positive_float
 
 # How far beyond the twins' drift a candidate may go and still be the same training. Measured on
 # both torch ends and three CPU kernels: healthy runs reached 3.7x, broken copies 2,775x and more
@@ -49,14 +49,23 @@ class Comparison:
     worst_param: str | None
 
 
+def read_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}, line {number}: not a whole record ({err.msg}); was the run cut off?") from None
+    return records
+
+
 def train_records(run_dir: Path) -> dict[int, dict]:
-    records = (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
-    return {record["step"]: record for record in records if record["event"] == "train"}
+    return {record["step"]: record for record in read_records(run_dir) if record["event"] == "train"}
 
 
 def final_eval_loss(run_dir: Path) -> float | None:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    finals = [record for record in records if record["event"] == "final"]
+    finals = [record for record in read_records(run_dir) if record["event"] == "final"]
     return finals[-1].get("eval_loss") if finals else None
 
 
@@ -75,16 +84,29 @@ def parameter_drifts(state_a: dict[str, torch.Tensor], state_b: dict[str, torch.
     return {name: (state_a[name].double() - state_b[name].double()).abs().max().item() for name in state_a}
 
 
-def shared_steps(*runs: dict[int, dict]) -> list[int]:
-    steps = sorted(set.intersection(*(set(records) for records in runs)))
+def shared_steps(runs: dict[Path, dict[int, dict]]) -> list[int]:
+    """The steps every run logged: the same ones, or the runs did not train the same steps."""
+    logged = {run: sorted(records) for run, records in runs.items()}
+    steps = next(iter(logged.values()))
     if not steps:
         raise ValueError("the runs have no logged training step in common")
+    for run, other in logged.items():
+        if other != steps:
+            first = next(iter(logged))
+            raise ValueError(
+                f"{first} logged {describe_steps(steps)} but {run} logged {describe_steps(other)}: "
+                "compare runs of the same steps, with the same --max-steps and --log-interval"
+            )
     return steps
+
+
+def describe_steps(steps: list[int]) -> str:
+    return f"{len(steps)} steps ({steps[0]} to {steps[-1]})" if steps else "no step"
 
 
 def compare(run_a: Path, run_b: Path) -> Comparison:
     records_a, records_b = train_records(run_a), train_records(run_b)
-    shared = shared_steps(records_a, records_b)
+    shared = shared_steps({run_a: records_a, run_b: records_b})
     abs_diff = {step: abs(records_a[step]["loss"] - records_b[step]["loss"]) for step in shared}
     worst_step = max(shared, key=abs_diff.__getitem__)
     rel_diff = max(relative(records_a[step]["loss"], records_b[step]["loss"]) for step in shared)
@@ -214,7 +236,7 @@ def compare_with_noise(
         raise ValueError("the noise floor needs at least one twin run")
     runs = [reference, candidate, *twins]
     records = [train_records(run) for run in runs]
-    steps = shared_steps(*records)
+    steps = shared_steps(dict(zip(runs, records, strict=True)))
     missing = [str(run) for run in runs if not (run / "model.pt").exists()]
     if missing:
         raise ValueError(f"no model.pt in {', '.join(missing)}: the final parameters cannot be compared")
@@ -296,13 +318,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--noise-factor",
-        type=float,
+        type=positive_float,
         default=NOISE_FACTOR,
         help="with --noise: how many times the twins' drift a candidate may reach",
     )
-    parser.add_argument("--loss-rtol", type=float, help="fail if a step's loss differs by more than this, relatively")
-    parser.add_argument("--grad-norm-rtol", type=float, help="fail if a step's gradient norm differs by more than this")
-    parser.add_argument("--param-atol", type=float, help="fail if a final parameter differs by more than this")
+    parser.add_argument(
+        "--loss-rtol", type=non_negative_float, help="fail if a step's loss differs by more than this, relatively"
+    )
+    parser.add_argument(
+        "--grad-norm-rtol", type=non_negative_float, help="fail if a step's gradient norm differs by more than this"
+    )
+    parser.add_argument(
+        "--param-atol", type=non_negative_float, help="fail if a final parameter differs by more than this"
+    )
     args = parser.parse_args(argv)
     try:
         if args.noise:

@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from common.cli import HelpFormatter
+from common.cli import HelpFormatter, positive_float
 from common.estimate_memory import (
     COMPUTE_BYTES,
     GIB,
@@ -406,19 +406,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grad-accum-steps", dest="micro_steps", type=int, default=1, help="K micro-steps per step")
     parser.add_argument(
         "--fast-gbps",
-        type=float,
+        type=positive_float,
         default=450.0,
         help="GB/s per direction of a fast link (default: %(default)s, NVLink 4)",
     )
     parser.add_argument(
-        "--slow-gbps", type=float, default=12.5, help="GB/s of a slow link (default: %(default)s, 100 Gbit/s Ethernet)"
+        "--slow-gbps",
+        type=positive_float,
+        default=12.5,
+        help="GB/s of a slow link (default: %(default)s, 100 Gbit/s Ethernet)",
     )
     parser.add_argument(
-        "--tokens-per-gpu", type=float, default=16384, help="tokens per GPU per step, for the compute column"
+        "--tokens-per-gpu", type=positive_float, default=16384, help="tokens per GPU per step, for the compute column"
     )
     parser.add_argument(
         "--tflops",
-        type=float,
+        type=positive_float,
         default=400.0,
         help="achieved TFLOP/s per GPU, for the compute column (default: "
         "%(default)s, about 40%% of an H100's dense bf16 peak)",

@@ -39,7 +39,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from common.cli import HelpFormatter
+from common.cli import HelpFormatter, positive_float
 
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, both fp32
@@ -179,7 +179,7 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
     """The model and the job, as this estimator and common.estimate_communication both take them."""
     parser.add_argument(
         "--params",
-        type=float,
+        type=positive_float,
         nargs="+",
         required=True,
         help="parameters in the model, e.g. 7e9 (several: one row each)",
@@ -204,7 +204,7 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     add_job_flags(parser)
-    parser.add_argument("--gpu-memory", type=float, required=True, help="memory of one GPU in GiB, e.g. 80")
+    parser.add_argument("--gpu-memory", type=positive_float, required=True, help="memory of one GPU in GiB, e.g. 80")
     args = parser.parse_args(argv)
     if min(args.params) <= 0 or args.world_size < 1 or args.gpu_memory <= 0 or args.layers < 1:
         parser.error("--params, --world-size, --gpu-memory and --layers must be positive")

@@ -36,7 +36,8 @@ class MetricsLog:
     The file is opened on the first record, not when the run starts, so a run
     that fails its checks writes nothing over an earlier run's metrics. A run
     resumed at step N keeps the records up to N and drops the later ones: the
-    steps after the checkpoint are trained again and logged again.
+    steps after the checkpoint are trained again and logged again. A line that
+    is not a whole record (a write cut short) is left out, and said so.
     """
 
     def __init__(self, run_dir: Path, ctx: DistContext, resumed_at: int | None = None) -> None:
@@ -57,11 +58,18 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.resumed_at is None or not self.path.exists():
             return self.path.open("w", encoding="utf-8")
-        kept = [
-            line
-            for line in self.path.read_text(encoding="utf-8").splitlines()
-            if json.loads(line).get("step", math.inf) <= self.resumed_at
-        ]
+        kept, torn = [], []
+        for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # an append that a full disk or a kill cut short
+                torn.append(number)
+                continue
+            if record.get("step", math.inf) <= self.resumed_at:
+                kept.append(line)
+        if torn:
+            lines = ", ".join(map(str, torn))
+            print(f"{self.path}: left out {len(torn)} line(s) cut off mid-write (line {lines})", flush=True)
         # Replaced in one rename, so a kill here cannot lose the earlier history.
         temporary = self.path.with_name(f".{self.path.name}.tmp")
         temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")

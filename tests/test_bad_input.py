@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 from pathlib import Path
@@ -32,6 +33,13 @@ CASES = [
     ("ddp/train_mnist.py", ["--resume", "--resume-from", "x"], "give --resume (the newest checkpoint) or"),
     (FSDP2, ["--resume-from", "runs/none/checkpoints/step-9"], "--resume-from runs/none/checkpoints/step-9: no such"),
     ("ddp/train_mnist.py", ["--resume-from", "common"], "--resume-from common: not a checkpoint"),
+    # Numbers that are not numbers a run can use: inf, nan, what overflows to inf, a seed past 32 bits.
+    ("ddp/train_transformer.py", ["--lr", "inf"], "--lr: must be a finite number, got inf"),
+    ("ddp/train_mnist.py", ["--lr", "1e400"], "--lr: must be a finite number, got 1e400"),
+    ("ddp/train_transformer.py", ["--weight-decay", "nan"], "--weight-decay: must be a finite number, got nan"),
+    ("ddp/train_transformer.py", ["--dist-timeout", "inf"], "--dist-timeout: must be a finite number, got inf"),
+    ("ddp/train_transformer.py", ["--seed", "99999999999999999999999"], "--seed: must be an integer from 0 to"),
+    ("ddp/train_mnist.py", ["--seed", "-1"], "--seed: must be an integer from 0 to 4294967295, got -1"),
     # Found once the data is loaded, inside the process group: still one message and exit code 2.
     ("ddp/train_transformer.py", ["--train-sequences", "10"], "the training set is too small for one optimizer step"),
 ]
@@ -123,3 +131,29 @@ def test_empty_text_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     code, output = run_in_process("ddp/train_transformer.py", ["--text-file", str(text)], tmp_path / "run", capsys)
     assert code == 2, output
     assert f"--text-file {text} has 0 characters" in output, output
+
+
+COMMAND_CASES = [
+    # (command, arguments, text the single message must contain)
+    ("estimate_memory", ["--params", "nan", "--world-size", "8", "--gpu-memory", "80"], "--params: must be a finite"),
+    ("estimate_memory", ["--params", "1e400", "--world-size", "8", "--gpu-memory", "80"], "got 1e400"),
+    ("estimate_communication", ["--params", "7e9", "--world-size", "8", "--tflops", "inf"], "--tflops: must be a"),
+    ("compare_runs", ["a", "b", "--loss-rtol", "nan"], "--loss-rtol: must be a finite number, got nan"),
+    ("compare_runs", ["a", "b", "--param-atol", "inf"], "--param-atol: must be a finite number, got inf"),
+    ("compare_runs", ["a", "b", "--noise", "c", "--noise-factor", "0"], "--noise-factor: must be a positive number"),
+]
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "message"), COMMAND_CASES, ids=[f"{c} {' '.join(a)}" for c, a, _ in COMMAND_CASES]
+)
+def test_bad_number_for_a_command_is_refused(
+    command: str, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main = importlib.import_module(f"common.{command}").main
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    output = capsys.readouterr()
+    assert exit_info.value.code == 2, output
+    assert (output.out + output.err).count(message) == 1, output
+    assert "Traceback" not in output.err

@@ -188,6 +188,22 @@ def names(run_dir: Path) -> list[str]:
     return [path.name for path in complete_checkpoints(run_dir)]
 
 
+def test_resume_after_a_torn_metrics_line(tmp_path: Path) -> None:
+    """A disk that filled during an append leaves half a line; --resume leaves it out and goes on."""
+    run_dir = tmp_path / "run"
+    run_script("ddp/train_transformer.py", SHORT_ARGS, run_dir).check()
+    whole = (run_dir / "metrics.jsonl").read_text()
+    with (run_dir / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"event": "train", "step": 21, "lo')  # no newline: the write stopped there
+    resumed = run_script("ddp/train_transformer.py", [*SHORT_ARGS, "--resume"], run_dir).check()
+    assert resumed.output.count("left out 1 line(s) cut off mid-write") == 1, resumed.describe()
+    records = resumed.metrics()  # every line parses
+    history = [json.loads(line) for line in whole.splitlines()]
+    assert history[-1]["event"] == "final"  # a resumed run writes its own
+    assert records[: len(history) - 1] == history[:-1], resumed.describe()
+    assert [record["event"] for record in records[len(history) - 1 :]] == ["resume", "eval", "final"], records
+
+
 @NEEDS_FSDP2_ON_CPU
 def test_kill_mid_save_and_damaged_checkpoint_lose_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -424,3 +424,22 @@ def test_check_equivalence_without_steps_to_compare_says_so(tmp_path: Path, caps
     assert check_equivalence.check("x.py", ["--global-batch-size", "4"], 2, tmp_path, runner=runner_that(False)) == 2
     error = capsys.readouterr().err
     assert error.count("error:") == 1 and "no logged training step in common" in error, error
+
+
+def test_compare_runs_refuses_runs_of_other_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 10-step run against a 30-step one is no comparison, whatever their first 10 steps say."""
+    short, long = write_run(tmp_path / "short", [2.0] * 10), write_run(tmp_path / "long", [2.0] * 30)
+    for noise in ([], ["--noise", str(long)]):
+        assert compare_runs_main([str(short), str(long), "--loss-rtol", "1e-5", *noise]) == 2
+        error = capsys.readouterr().err
+        assert error.count("error:") == 1, error
+        assert f"{short} logged 10 steps (1 to 10) but {long} logged 30 steps (1 to 30)" in error, error
+
+
+def test_compare_runs_names_a_torn_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first, second = write_run(tmp_path / "a", [2.0, 1.0]), write_run(tmp_path / "b", [2.0, 1.0])
+    with (second / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"event": "tra')
+    assert compare_runs_main([str(first), str(second), "--loss-rtol", "1e-5"]) == 2
+    error = capsys.readouterr().err
+    assert f"{second / 'metrics.jsonl'}, line 3: not a whole record" in error, error
