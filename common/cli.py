@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 from typing import IO
@@ -408,8 +409,21 @@ def add_trust_flag(group: argparse._ActionsContainer) -> None:
     )
 
 
+def check_run_dir(parser: Parser, run_dir: Path) -> None:
+    """A --run-dir the run cannot write is refused now, not after the model is built or trained."""
+    if run_dir.exists() and not run_dir.is_dir():
+        parser.error(f"--run-dir {run_dir} is a file, not a folder")
+    existing = next((folder for folder in (run_dir, *run_dir.parents) if folder.exists()), Path("."))
+    if not existing.is_dir():
+        parser.error(f"--run-dir {run_dir}: {existing} is a file, not a folder")
+    # access() also answers for a read-only file system, and for root.
+    if not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"--run-dir {run_dir}: cannot write in {existing}")
+
+
 def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
     """Refuse a resume that cannot work, and a fresh start that would mix with an earlier run's checkpoints."""
+    check_run_dir(parser, args.run_dir)
     if args.resume and args.resume_from is not None:
         parser.error("give --resume (the newest checkpoint) or --resume-from PATH, not both")
     if args.resume_from is not None:

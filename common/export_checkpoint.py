@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.checkpoint}: not a checkpoint (those are RUN_DIR/checkpoints/step-N or step-N.pt)")
     if args.output.is_dir():
         parser.error(f"{args.output} is a folder; give the path of the file to write")
+    if overwrites_a_checkpoint(args.output, args.checkpoint):
+        parser.error(
+            f"{args.output}: that is where a run keeps its checkpoints, and --resume would take a bare state dict "
+            "there for one; write it beside them, e.g. RUN_DIR/model-step-N.pt"
+        )
     try:
         state = read_model_state(args.checkpoint, trust=args.trust_checkpoint)
     # DCP's CheckpointException is a BaseException, so it is named here.
@@ -91,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     parameters = sum(tensor.numel() for tensor in state.values())
     print(f"wrote {args.output}: {len(state)} tensors, {parameters:,} values")
     return 0
+
+
+def overwrites_a_checkpoint(output: Path, checkpoint: Path) -> bool:
+    """The checkpoint itself, a file inside it (a sharded one is a folder), or anything in a checkpoints/ folder."""
+    output, checkpoint = output.resolve(), checkpoint.resolve()
+    return output == checkpoint or checkpoint in output.parents or output.parent.name == "checkpoints"
 
 
 def fail(message: str) -> int:

@@ -157,3 +157,40 @@ def test_bad_number_for_a_command_is_refused(
     assert exit_info.value.code == 2, output
     assert (output.out + output.err).count(message) == 1, output
     assert "Traceback" not in output.err
+
+
+@pytest.mark.parametrize("where", ["a file", "below a file"])
+def test_a_run_dir_that_cannot_be_a_folder_is_refused_first(
+    where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before any model is built: one message, and the file as it was."""
+    taken = tmp_path / "notes.txt"
+    taken.write_text("the user's notes\n")
+    run_dir = taken if where == "a file" else taken / "run"
+    main = runpy.run_path(str(REPO / "ddp/train_transformer.py"))["main"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cpu", "--run-dir", str(run_dir)])
+    output = capsys.readouterr()
+    assert exit_info.value.code == 2, output
+    assert (output.out + output.err).count(f"{taken} is a file, not a folder") == 1, output
+    assert taken.read_text() == "the user's notes\n"
+
+
+@pytest.mark.parametrize("output", ["checkpoints/step-5.pt", "checkpoints/step-10.pt", "checkpoints/model.pt"])
+def test_export_never_writes_over_a_checkpoint(output: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Onto itself, onto another checkpoint, or among them: refused before anything is read or written."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    for step in (5, 10):
+        (checkpoints / f"step-{step}.pt").write_bytes(f"training checkpoint {step}".encode())
+    export = importlib.import_module("common.export_checkpoint").main
+    with pytest.raises(SystemExit) as exit_info:
+        export([str(checkpoints / "step-5.pt"), str(tmp_path / "run" / output)])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2, error
+    assert error.count("that is where a run keeps its checkpoints") == 1, error
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["step-10.pt", "step-5.pt"]
+    assert [(checkpoints / f"step-{step}.pt").read_bytes() for step in (5, 10)] == [
+        b"training checkpoint 5",
+        b"training checkpoint 10",
+    ]
