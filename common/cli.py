@@ -277,7 +277,32 @@ def check_text_file(parser: Parser, path: Path, block_size: int) -> None:
         )
 
 
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def check_launch_environment(parser: Parser) -> None:
+    """Ranks and a world size without torchrun's rendezvous (MASTER_ADDR) are refused.
+
+    Without it the run would start a world of one, yet take its share of the data as rank RANK of
+    WORLD_SIZE: half the data at WORLD_SIZE=2, and a final record that claims two processes.
+    """
+    if "MASTER_ADDR" in os.environ:
+        return
+    given = {name: os.environ[name] for name in LAUNCH_VARIABLES if name in os.environ}
+    if all(value == ("1" if "WORLD_SIZE" in name else "0") for name, value in given.items()):
+        return  # a world of one, written out
+    shown = " ".join(f"{name}={value}" for name, value in given.items())
+    # Printed whatever RANK says: without a launcher this is the only process.
+    sys.stderr.write(
+        f"{parser.prog}: error: {shown} is set, but not MASTER_ADDR: start the processes with torchrun "
+        f"(torchrun --standalone --nproc_per_node=N {parser.prog} ...), or unset {' and '.join(given)} "
+        "to run one process\n"
+    )
+    sys.exit(2)
+
+
 def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
+    check_launch_environment(parser)
     if args.epochs is None and args.max_steps is None:
         parser.error("give --epochs or --max-steps")
     resolve_batch_size(parser, args)

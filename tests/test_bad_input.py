@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from common.cli import Parser, check_launch_environment
 from tests.conftest import REPO, clean_env, run_script
 
 FSDP1, FSDP2 = "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"
@@ -194,3 +195,34 @@ def test_export_never_writes_over_a_checkpoint(output: str, tmp_path: Path, caps
         b"training checkpoint 5",
         b"training checkpoint 10",
     ]
+
+
+@pytest.mark.parametrize(
+    ("variables", "shown"),
+    [
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2"),
+        ({"RANK": "1"}, "RANK=1"),
+        ({"RANK": "0", "WORLD_SIZE": "4"}, "RANK=0 WORLD_SIZE=4"),
+    ],
+)
+def test_a_world_size_without_torchrun_is_refused(
+    variables: dict[str, str],
+    shown: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Not half the data under a claim of two processes: one message, from the only process there is."""
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    code, output = run_in_process("ddp/train_transformer.py", [], tmp_path / "run", capsys)
+    assert code == 2, output
+    assert output.count(f"{shown} is set, but not MASTER_ADDR: start the processes with torchrun") == 1, output
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_world_of_one_written_out_still_runs_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RANK=0 WORLD_SIZE=1 (as some schedulers export) is one process, as without them."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    check_launch_environment(Parser(prog="train.py"))  # returns; a refusal would exit
