@@ -112,6 +112,64 @@ class Resumed:
     path: Path | None  # None: a fresh start
 
 
+# Entries of a scheduler's state that count where it is, not how it was set up.
+SCHEDULER_COUNTERS = {"last_epoch", "_step_count", "_last_lr", "base_lrs", "_get_lr_called_within_step", "_is_initial"}
+# The flag behind each setting, as the scripts name them.
+SETTING_FLAGS = {"initial_lr": "--lr", "weight_decay": "--weight-decay", "gamma": "--gamma"}
+
+
+@dataclass
+class Settings:
+    """The hyperparameters a run was started with: each optimizer group's (its peak lr as ``initial_lr``,
+    which the scheduler sets) and the schedulers' own (StepLR's ``gamma``).
+
+    A checkpoint holds the values it trained with. A resume that asks for others (a lower ``--lr``
+    after a NaN) gets what it asks for from the checkpoint's step on, and is told so: silently
+    training on with the old values would ignore the flags.
+    """
+
+    groups: list[dict[str, Any]]
+    schedulers: dict[str, dict[str, Any]]
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> Settings:
+        groups = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
+        schedulers = {
+            name: {
+                k: v for k, v in obj.state_dict().items() if isinstance(v, (int, float)) and k not in SCHEDULER_COUNTERS
+            }
+            for name, obj in extra.items()
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
+        }
+        return cls(groups, schedulers)
+
+    def apply(self, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> list[str]:
+        """Put these settings back after a checkpoint's were loaded; ``--flag old -> new`` for each change."""
+        changed: dict[str, str] = {}
+        for wanted, group in zip(self.groups, optimizer.param_groups, strict=True):
+            for key, value in wanted.items():
+                if key in group and plain(group[key]) == plain(value):
+                    group[key] = value  # Adam's betas come back from a checkpoint as a list
+                elif key in group:
+                    if key == "initial_lr":  # the same point of the schedule, from the new peak
+                        group["lr"] *= value / group["initial_lr"]
+                    changed[key] = f"{SETTING_FLAGS.get(key, key)} {group[key]} -> {value}"
+                    group[key] = value
+        for name, wanted in self.schedulers.items():
+            scheduler = extra[name]
+            for key, value in wanted.items():
+                if getattr(scheduler, key) != value:
+                    changed[key] = f"{SETTING_FLAGS.get(key, key)} {getattr(scheduler, key)} -> {value}"
+                    setattr(scheduler, key, value)
+            scheduler.base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+        return list(changed.values())
+
+
+def plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
 class Checkpointer:
     """Saves and restores one run's training state; every rank calls every method together.
 
@@ -251,10 +309,12 @@ class Checkpointer:
         else:
             return Resumed(0, None)
 
+        settings = Settings.of(self.optimizer, self.extra)  # what this run's flags asked for
         with quiet_internal_warnings():
             trainer = self._load(path)
         for name, obj in self.extra.items():
             obj.load_state_dict(trainer["extra"][name])
+        changed = settings.apply(self.optimizer, self.extra)
         restore_rng(trainer["rng"])
         if path.parent == self.folder:
             self.last_saved = path
@@ -262,6 +322,8 @@ class Checkpointer:
             f"resumed from {path} at step {trainer['step']} "
             f"(saved by {trainer['world_size']} process(es), now {self.ctx.world_size})"
         )
+        if changed:
+            print0(f"from step {trainer['step']} on, as the flags ask: {', '.join(changed)}")
         if trainer["global_batch_size"] != self.global_batch_size:
             # The position in the epoch is kept in steps: at another global batch
             # size the rest of this epoch skips or repeats a few examples.

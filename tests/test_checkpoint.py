@@ -264,3 +264,22 @@ def test_full_checkpoint_from_another_run_or_damaged_is_refused_and_an_older_one
     assert [record["step"] for record in recovered.events("resume")] == [15]
     assert names(run_dir) == ["step-15.pt", "step-20.pt"]  # step 20 saved again, whole this time
     torch.load(newest, weights_only=True)
+
+
+def test_resume_applies_the_flags_it_is_given(tmp_path: Path) -> None:
+    """The NaN message's advice: resume from an earlier checkpoint with a lower --lr. The lower lr and the
+    new weight decay are what trains from the checkpoint's step on, and the run says so, once."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    args = [*SHORT_ARGS[2:], "--max-steps", "10", "--log-interval", "1"]  # SHORT_ARGS less its --max-steps
+    run_script("ddp/train_transformer.py", args, first).check()
+    checkpoint = first / "checkpoints" / "step-5.pt"
+    changed = [*args, "--resume-from", str(checkpoint), "--lr", "1e-4", "--weight-decay", "0"]
+    resumed = run_script("ddp/train_transformer.py", changed, second).check()
+    message = "from step 5 on, as the flags ask: --weight-decay 0.1 -> 0.0, --lr 0.01 -> 0.0001"
+    assert resumed.output.count(message) == 1, resumed.describe()
+    before = {r["step"]: r["lr"] for r in Run([], 0, "", first).events("train")}
+    after = {r["step"]: r["lr"] for r in resumed.events("train")}
+    assert sorted(after) == list(range(6, 11)), after
+    assert all(after[step] == pytest.approx(before[step] / 100, rel=1e-12) for step in after), (before, after)
+    unchanged = run_script("ddp/train_transformer.py", [*args, "--resume-from", str(checkpoint)], tmp_path / "same")
+    assert "as the flags ask" not in unchanged.check().output, unchanged.describe()
