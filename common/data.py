@@ -50,25 +50,34 @@ def load_mnist(data_dir: Path, ctx: DistContext) -> tuple[TensorDataset, TensorD
     Only local rank 0 downloads; the others wait at the barrier and then read
     the files it wrote. A failure anywhere stops every rank with one message.
     """
-    ok = True
+    ok, failure = True, ""
+    raw = data_dir / "MNIST" / "raw"
     if ctx.local_rank == 0:
-        created = [
-            folder for folder in (data_dir, data_dir / "MNIST", data_dir / "MNIST" / "raw") if not folder.exists()
-        ]
+        created = [folder for folder in (data_dir, data_dir / "MNIST", raw) if not folder.exists()]
         try:
             _open_mnist(data_dir, download=True)
-        except (RuntimeError, OSError):
-            ok = False
+        # torchvision checks a file's header with assert, and its size when it reads the data.
+        except (RuntimeError, OSError, AssertionError, ValueError) as err:
+            ok, failure = False, str(err) or type(err).__name__
             # A failed download leaves empty folders that look like a data set; remove what it made.
             for folder in reversed(created):
                 if folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
     if not all_ranks_agree(ok, ctx):
+        if all((raw / name).is_file() for name in MNIST_FILES):
+            raise FatalError(
+                f"MNIST is in --data-dir {data_dir}, but its files cannot be read ({failure}): damaged or cut "
+                f"short? Replace the four files in {raw}, or pass --synthetic to train on generated images."
+            )
         raise FatalError(
             f"MNIST is not in --data-dir {data_dir} and could not be downloaded. "
             "Put the four MNIST files in DATA_DIR/MNIST/raw/, or pass --synthetic to train on generated images."
         )
     return _open_mnist(data_dir, download=False)
+
+
+# What torchvision's MNIST reads from DATA_DIR/MNIST/raw/ (unpacked).
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
 def synthetic_mnist(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:

@@ -11,6 +11,7 @@ import pytest
 
 from common.cli import Parser, check_launch_environment
 from tests.conftest import REPO, clean_env, run_script
+from tests.mnist_fixture import write_fake_mnist
 
 FSDP1, FSDP2 = "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"
 CASES = [
@@ -226,3 +227,19 @@ def test_a_world_of_one_written_out_still_runs_as_one(monkeypatch: pytest.Monkey
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)
     check_launch_environment(Parser(prog="train.py"))  # returns; a refusal would exit
+
+
+@pytest.mark.parametrize("damage", ["truncated images", "a wrong header"])
+def test_damaged_mnist_is_named_as_damaged(damage: str, tmp_path: Path) -> None:
+    """Files that are there but cannot be read: one message that says so, not 'not in --data-dir'
+    and not a bare AssertionError; the files as they were."""
+    data = write_fake_mnist(tmp_path / "data", train_count=64, test_count=16)
+    images = data / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    content = images.read_bytes()
+    images.write_bytes(content[: len(content) // 2] if damage == "truncated images" else b"\0\0\0\0" + content[4:])
+    damaged = images.read_bytes()
+    run = run_script("ddp/train_mnist.py", ["--data-dir", str(data)], tmp_path / "run", timeout=90)
+    assert run.returncode == 2, run.describe()
+    lines = [line for line in run.output.splitlines() if "but its files cannot be read" in line]
+    assert len(lines) == 1 and "Traceback" not in run.output, run.describe()
+    assert images.read_bytes() == damaged
