@@ -107,7 +107,8 @@ def test_global_batch_must_divide_over_the_ranks(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # What torchrun --nproc_per_node=2 tells rank 0; the check runs before any process group exists.
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
     code, output = run_in_process("ddp/train_mnist.py", ["--global-batch-size", "25"], tmp_path / "run", capsys)
     assert code == 2, output
     assert output.count("--global-batch-size 25 does not divide into 2 rank(s) x 1 micro-step(s)") == 1, output
