@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.cli import HelpFormatter, positive_float, positive_int
+from common.cli import LAUNCH_VARIABLES, HelpFormatter, positive_float, positive_int
 from common.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
 
 DEFAULT_STEPS = 20
@@ -122,12 +122,15 @@ def plan(flags: list[str], nproc: int) -> list[Planned]:
     ]
 
 
+# What torchrun tells its workers about their job; a check started inside a job must not inherit it.
+TORCHRUN_VARIABLES = {*LAUNCH_VARIABLES, "MASTER_ADDR", "MASTER_PORT"}
+
+
 def run_in_subprocess(script: str, flags: list[str], nproc: int | None, run_dir: Path) -> tuple[int, str]:
     """``python SCRIPT`` or ``torchrun --standalone``, in a clean launcher environment."""
     launcher = [sys.executable]
     if nproc is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    # A check started from inside a job must not join that job's process group.
     env = {key: value for key, value in os.environ.items() if key not in TORCHRUN_VARIABLES}
     # One thread per process in every run, torchrun's own default for its workers: on the CPU two
     # threads add a layer's partial sums in another order than one, which the twins would not share.
@@ -140,9 +143,6 @@ def run_in_subprocess(script: str, flags: list[str], nproc: int | None, run_dir:
         text=True,
     )
     return finished.returncode, finished.stdout
-
-
-TORCHRUN_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
 def check(

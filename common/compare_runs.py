@@ -332,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         "--param-atol", type=non_negative_float, help="fail if a final parameter differs by more than this"
     )
     args = parser.parse_args(argv)
+    tolerances = (args.loss_rtol, args.grad_norm_rtol, args.param_atol)
+    if args.noise and any(tolerance is not None for tolerance in tolerances):
+        parser.error("give --noise or tolerances, not both: with --noise the twins set the band")
     try:
         if args.noise:
             verdict = compare_with_noise(args.run_a, args.run_b, args.noise, args.noise_factor)

@@ -144,6 +144,7 @@ COMMAND_CASES = [
     ("compare_runs", ["a", "b", "--loss-rtol", "nan"], "--loss-rtol: must be a finite number, got nan"),
     ("compare_runs", ["a", "b", "--param-atol", "inf"], "--param-atol: must be a finite number, got inf"),
     ("compare_runs", ["a", "b", "--noise", "c", "--noise-factor", "0"], "--noise-factor: must be a positive number"),
+    ("compare_runs", ["a", "b", "--noise", "c", "--loss-rtol", "1e-5"], "give --noise or tolerances, not both"),
 ]
 
 

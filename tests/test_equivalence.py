@@ -429,8 +429,8 @@ def test_check_equivalence_without_steps_to_compare_says_so(tmp_path: Path, caps
 def test_compare_runs_refuses_runs_of_other_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A 10-step run against a 30-step one is no comparison, whatever their first 10 steps say."""
     short, long = write_run(tmp_path / "short", [2.0] * 10), write_run(tmp_path / "long", [2.0] * 30)
-    for noise in ([], ["--noise", str(long)]):
-        assert compare_runs_main([str(short), str(long), "--loss-rtol", "1e-5", *noise]) == 2
+    for verdict_by in (["--loss-rtol", "1e-5"], ["--noise", str(long)]):
+        assert compare_runs_main([str(short), str(long), *verdict_by]) == 2
         error = capsys.readouterr().err
         assert error.count("error:") == 1, error
         assert f"{short} logged 10 steps (1 to 10) but {long} logged 30 steps (1 to 30)" in error, error
