@@ -324,6 +324,7 @@ class Checkpointer:
         )
         if changed:
             print0(f"from step {trainer['step']} on, as the flags ask: {', '.join(changed)}")
+        self._set_aside_newer_than(path)
         if trainer["global_batch_size"] != self.global_batch_size:
             # The position in the epoch is kept in steps: at another global batch
             # size the rest of this epoch skips or repeats a few examples.
@@ -332,6 +333,29 @@ class Checkpointer:
                 f"{self.global_batch_size}; keep it (--global-batch-size) to continue exactly"
             )
         return Resumed(trainer["step"], path)
+
+    def _set_aside_newer_than(self, resumed: Path) -> None:
+        """Resuming from an older checkpoint of this run starts another branch; the newer checkpoints
+        belong to the one left behind. They move to RUN_DIR/abandoned/, never deleted, so that neither
+        a later --resume nor pruning takes them for this branch's."""
+        if resumed.resolve().parent != self.folder.resolve():
+            return
+        step = checkpoint_step(resumed)
+        newer = [path for path in complete_checkpoints(self.folder.parent) if checkpoint_step(path) > step]  # type: ignore[operator]
+        if newer and self.ctx.is_main:
+            aside = self.folder.parent / "abandoned" / f"after-step-{step}"
+            tries = 1
+            while aside.exists():
+                tries += 1
+                aside = aside.with_name(f"after-step-{step}-{tries}")
+            aside.mkdir(parents=True)
+            for path in newer:
+                os.replace(path, aside / path.name)
+            print0(
+                f"{', '.join(path.name for path in newer)} went further than {resumed.name}: moved to {aside} "
+                "(kept; --resume-from there goes back to that run)"
+            )
+        dist.barrier()  # no rank looks for checkpoints before they have moved
 
     def _load(self, path: Path) -> dict[str, Any]:
         """Load ``path`` into model, optimizer and ``extra``; every rank fails together, with one message."""

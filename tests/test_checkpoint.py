@@ -283,3 +283,22 @@ def test_resume_applies_the_flags_it_is_given(tmp_path: Path) -> None:
     assert all(after[step] == pytest.approx(before[step] / 100, rel=1e-12) for step in after), (before, after)
     unchanged = run_script("ddp/train_transformer.py", [*args, "--resume-from", str(checkpoint)], tmp_path / "same")
     assert "as the flags ask" not in unchanged.check().output, unchanged.describe()
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path: Path) -> None:
+    """A run saved step-5 and step-10; resumed from step-5 to step 8, it saves step-8. The next plain
+    --resume (what STOP, PREEMPTED and every requeue use) must continue step-8, and step-10 must survive."""
+    run_dir = tmp_path / "run"
+    first = [*SHORT_ARGS[2:], "--max-steps", "10"]  # checkpoints every 5 steps
+    run_script("ddp/train_transformer.py", first, run_dir).check()
+    step_10 = (run_dir / "checkpoints" / "step-10.pt").read_bytes()
+    again = [*SHORT_ARGS[2:], "--max-steps", "8", "--checkpoint-interval", "4"]
+    rolled_back = run_script(
+        "ddp/train_transformer.py", [*again, "--resume-from", str(run_dir / "checkpoints" / "step-5.pt")], run_dir
+    ).check()
+    aside = run_dir / "abandoned" / "after-step-5"
+    assert rolled_back.output.count(f"step-10.pt went further than step-5.pt: moved to {aside}") == 1
+    assert names(run_dir) == ["step-5.pt", "step-8.pt"], rolled_back.describe()
+    assert (aside / "step-10.pt").read_bytes() == step_10
+    resumed = run_script("ddp/train_transformer.py", [*again, "--resume"], run_dir).check()
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-8.pt'} at step 8" in resumed.output, resumed.describe()
