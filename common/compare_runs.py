@@ -87,12 +87,11 @@ def parameter_drifts(state_a: dict[str, torch.Tensor], state_b: dict[str, torch.
 def shared_steps(runs: dict[Path, dict[int, dict]]) -> list[int]:
     """The steps every run logged: the same ones, or the runs did not train the same steps."""
     logged = {run: sorted(records) for run, records in runs.items()}
-    steps = next(iter(logged.values()))
+    first, steps = next(iter(logged.items()))
     if not steps:
         raise ValueError("the runs have no logged training step in common")
     for run, other in logged.items():
         if other != steps:
-            first = next(iter(logged))
             raise ValueError(
                 f"{first} logged {describe_steps(steps)} but {run} logged {describe_steps(other)}: "
                 "compare runs of the same steps, with the same --max-steps and --log-interval"

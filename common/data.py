@@ -24,6 +24,10 @@ MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 SYNTHETIC_TRAIN_SIZE, SYNTHETIC_TEST_SIZE = 10_000, 2_000
 
 
+# What torchvision's MNIST reads from DATA_DIR/MNIST/raw/ (unpacked).
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
 def _open_mnist(data_dir: Path, download: bool) -> tuple[TensorDataset, TensorDataset]:
     # Imported here: torchvision takes seconds to import, and the transformer
     # scripts, which share this module's loaders, never need it.
@@ -74,10 +78,6 @@ def load_mnist(data_dir: Path, ctx: DistContext) -> tuple[TensorDataset, TensorD
             "Put the four MNIST files in DATA_DIR/MNIST/raw/, or pass --synthetic to train on generated images."
         )
     return _open_mnist(data_dir, download=False)
-
-
-# What torchvision's MNIST reads from DATA_DIR/MNIST/raw/ (unpacked).
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
 def synthetic_mnist(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:

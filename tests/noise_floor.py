@@ -2,8 +2,8 @@
 
 A candidate run is the same training as the one-process reference when it drifts from it no more
 than common.compare_runs' factor times the twins do: one-process runs of the same training in K
-micro-steps, the K that common.check_equivalence picks. Made once per session (conftest's
-``noise_runs``), for the transformer and the MNIST CNN.
+micro-steps, the K that common.check_equivalence picks. Made once per session by conftest's
+``transformer_noise`` and ``mnist_noise`` fixtures.
 """
 
 from __future__ import annotations
