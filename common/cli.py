@@ -82,6 +82,36 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+# The optimizers compute in float32, and Adam's first step divides the lr by 1 - beta1 = 0.1: a larger
+# lr overflows inside AdamW.step (a RuntimeError in torch 2.14, found with --lr 1e38).
+LR_LIMIT = 3.4028234663852886e38 / 10
+
+
+def learning_rate(text: str) -> float:
+    value = positive_float(text)
+    if value > LR_LIMIT:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {LR_LIMIT:.3g}: the optimizer's float32 arithmetic overflows, got {text}"
+        )
+    return value
+
+
+# Below this, ordinary waits fail a healthy run: ranks start seconds apart, and all of them wait
+# while rank 0 writes a checkpoint. Above it, gloo's clock overflows (1e13 s fails in torch 2.14).
+DIST_TIMEOUT_RANGE_S = (10, 7 * 24 * 3600)
+
+
+def timeout_seconds(text: str) -> float:
+    value = finite_float(text)
+    low, high = DIST_TIMEOUT_RANGE_S
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(
+            f"must be from {low} to {high} seconds (a week), got {text}: ranks start seconds apart and wait "
+            "while rank 0 saves, so a shorter limit fails a healthy run"
+        )
+    return value
+
+
 SEED_LIMIT = 2**32  # numpy's range, and far from the 64 bits torch's generators take with the epoch added
 
 
@@ -111,7 +141,7 @@ def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> 
     )
     run.add_argument(
         "--dist-timeout",
-        type=positive_float,
+        type=timeout_seconds,
         default=600.0,
         metavar="SECONDS",
         help="how long a collective waits for the other ranks before failing (default: %(default)s)",
@@ -167,7 +197,7 @@ def add_training_flags(
         default=1,
         help="micro-steps per optimizer step; gradients sync only on the last one",
     )
-    group.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate (default: %(default)s)")
+    group.add_argument("--lr", type=learning_rate, default=lr, help="peak learning rate (default: %(default)s)")
     group.add_argument(
         "--epochs", type=positive_int, default=epochs, help="passes over the training set (default: %(default)s)"
     )
@@ -277,6 +307,7 @@ def check_text_file(parser: Parser, path: Path, block_size: int) -> None:
         )
 
 
+RUN_RESULTS = ("metrics.jsonl", "model.pt")  # what a run leaves in its run dir besides checkpoints
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 
@@ -447,7 +478,7 @@ def check_run_dir(parser: Parser, run_dir: Path) -> None:
 
 
 def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
-    """Refuse a resume that cannot work, and a fresh start that would mix with an earlier run's checkpoints."""
+    """Refuse a resume that cannot work, and a start that would replace or mix with an earlier run's files."""
     check_run_dir(parser, args.run_dir)
     if args.resume and args.resume_from is not None:
         parser.error("give --resume (the newest checkpoint) or --resume-from PATH, not both")
@@ -456,10 +487,29 @@ def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
             parser.error(f"--resume-from {args.resume_from}: no such checkpoint")
         if checkpoint_step(args.resume_from) is None:
             parser.error(f"--resume-from {args.resume_from}: not a checkpoint (those are named step-N or step-N.pt)")
-    elif not args.resume:
-        existing = complete_checkpoints(args.run_dir)
-        if existing:
-            parser.error(
-                f"--run-dir {args.run_dir} already holds checkpoints of an earlier run (newest: {existing[-1].name}); "
-                "pass --resume to continue it, or choose another --run-dir"
-            )
+        if args.run_dir.resolve() in args.resume_from.resolve().parents:
+            return  # back to an earlier point of this run (its own checkpoints, or abandoned/)
+    existing = complete_checkpoints(args.run_dir)
+    if args.resume_from is not None and (existing or any((args.run_dir / name).exists() for name in RUN_RESULTS)):
+        parser.error(
+            f"--resume-from {args.resume_from} is another run's checkpoint, and --run-dir {args.run_dir} already "
+            "holds a run of its own; continuing there would mix the two. Choose a new --run-dir"
+        )
+    if not args.resume and existing:
+        parser.error(
+            f"--run-dir {args.run_dir} already holds checkpoints of an earlier run (newest: {existing[-1].name}); "
+            "pass --resume to continue it, or choose another --run-dir"
+        )
+    # A run without checkpoints (the default --checkpoint-interval 0) leaves only these; a fresh
+    # run would replace them, and one that then failed would leave neither run's record.
+    results = [name for name in RUN_RESULTS if (args.run_dir / name).exists()]
+    if not existing and results and not args.resume:
+        parser.error(
+            f"--run-dir {args.run_dir} already holds an earlier run ({', '.join(results)}); a fresh run would replace "
+            "it. Choose another --run-dir, or delete those files to start over"
+        )
+    if not existing and "model.pt" in results:
+        parser.error(
+            f"--resume: {args.run_dir} holds a finished run's model.pt and no checkpoint to continue from; "
+            "starting over would replace it. Choose another --run-dir, or delete model.pt to start over"
+        )

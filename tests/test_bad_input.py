@@ -38,8 +38,11 @@ CASES = [
     # Numbers that are not numbers a run can use: inf, nan, what overflows to inf, a seed past 32 bits.
     ("ddp/train_transformer.py", ["--lr", "inf"], "--lr: must be a finite number, got inf"),
     ("ddp/train_mnist.py", ["--lr", "1e400"], "--lr: must be a finite number, got 1e400"),
+    ("ddp/train_transformer.py", ["--lr", "1e38"], "--lr: must be at most 3.4e+37: the optimizer's float32"),
     ("ddp/train_transformer.py", ["--weight-decay", "nan"], "--weight-decay: must be a finite number, got nan"),
     ("ddp/train_transformer.py", ["--dist-timeout", "inf"], "--dist-timeout: must be a finite number, got inf"),
+    ("ddp/train_transformer.py", ["--dist-timeout", "0.001"], "--dist-timeout: must be from 10 to 604800 seconds"),
+    ("fsdp/train_mnist.py", ["--dist-timeout", "1e13"], "--dist-timeout: must be from 10 to 604800 seconds"),
     ("ddp/train_transformer.py", ["--seed", "99999999999999999999999"], "--seed: must be an integer from 0 to"),
     ("ddp/train_mnist.py", ["--seed", "-1"], "--seed: must be an integer from 0 to 4294967295, got -1"),
     # Found once the data is loaded, inside the process group: still one message and exit code 2.
@@ -75,7 +78,7 @@ def test_bad_flag_is_refused(
 
 
 # Under torchrun every rank parses the flags; the point is that two ranks print one message.
-TORCHRUN_CASES = [CASES[0]]
+TORCHRUN_CASES = [CASES[0], *(case for case in CASES if "0.001" in case[1])]
 
 
 @pytest.mark.parametrize(
