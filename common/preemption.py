@@ -33,10 +33,10 @@ class StopRequest:
         for number in STOP_SIGNALS:
             signal.signal(number, self._on_signal)
         if ctx.is_main:
-            # A request meant for the run this one continues (or one that came
-            # after it had finished) must not stop this run at its first step.
-            for stale in (self.stop_file, self.marker):
-                stale.unlink(missing_ok=True)
+            # The marker describes the run this one continues. A STOP file stays: it may have come
+            # while this run was starting, and then it is meant for this run. The launchers in slurm/
+            # clear a stale one before they start a job, since only they know where a job begins.
+            self.marker.unlink(missing_ok=True)
 
     def _on_signal(self, number: int, frame: object) -> None:
         # Only a flag. Checkpointing inside the handler would run in the middle of

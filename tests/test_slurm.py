@@ -364,7 +364,10 @@ class TestOnARealCluster:
         assert (checkout / marker["checkpoint"]).exists()
         assert "not requeueing" in first.output() and REQUEUE not in first.output(), first.describe()
 
-        # The user submits again with the same run directory: it resumes there.
+        # The user submits again with the same run directory: it resumes there. A STOP left from before
+        # (one that came too late, or that a killed run never read) is the launcher's to clear, not a
+        # request to this job: the trainers no longer delete a STOP at startup.
+        (first.run_dir / "STOP").touch()
         run_dir = str(first.run_dir.relative_to(checkout))
         second = submit(slurm_cluster, checkout, "slurm/ddp.sbatch", args, 2, RUN_DIR=run_dir)
         ended = second.wait_until_ended(START_S)
