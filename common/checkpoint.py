@@ -47,9 +47,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from common.compat import full_state_dict_options
-from common.distributed import DistContext, FatalError, all_ranks_agree, print0
+from common.distributed import DistContext, FatalError, all_ranks_agree, max_over_ranks, print0
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
 TEMPORARY_PREFIX = ".tmp-"
@@ -65,11 +66,69 @@ def save_atomic(obj: Any, path: Path) -> None:
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.name}")
-    with temporary.open("wb") as file:
-        torch.save(obj, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    try:
+        with temporary.open("wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a half-written file holds disk space and nothing else
+        raise
+
+
+def write_failure(write: Callable[[], None]) -> str | None:
+    """Run ``write``; None if it worked, else one line on why it did not (a full disk, a lost mount)."""
+    try:
+        write()
+    # DCP's CheckpointException is a BaseException, so it is named here.
+    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - the caller reports it, once
+        return describe_write_failure(err)
+    return None
+
+
+def describe_write_failure(err: BaseException) -> str:
+    """The operating system's reason where there is one: torch wraps it in a RuntimeError of its own."""
+    seen: BaseException | None = root_failure(err)
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return f"{seen.strerror} (errno {seen.errno})"
+        seen = seen.__cause__ or seen.__context__
+    return describe_failure(err)
+
+
+def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the tensors that hold a NaN or an infinity."""
+    return [name for name, tensor in tensors.items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+
+
+def save_model_file(state: dict[str, torch.Tensor] | None, path: Path, ctx: DistContext) -> None:
+    """Rank 0 writes the full state dict ``state`` to ``path``, atomically; other ranks' ``state`` is not read.
+
+    Weights that are not finite are not written. Every rank stops together, with one
+    message, if rank 0 cannot write: the job does not hang on the ranks that could.
+    """
+    problem = None
+    if ctx.is_main:
+        assert state is not None, "rank 0 writes the model; give it the full state dict"
+        broken = non_finite_tensors(state)
+        if broken:
+            problem = (
+                f"the final weights are not finite ({', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}): "
+                f"the last update overflowed. {path} was not written. Lower --lr, or resume from an earlier checkpoint"
+            )
+        else:
+            failure = write_failure(lambda: save_atomic(state, path))
+            problem = failure and f"could not write {path}: {failure}. {what_is_kept(path.parent)}"
+    if not all_ranks_agree(problem is None, ctx):
+        raise FatalError(problem or "rank 0 could not write the model", exit_code=1)
+
+
+def what_is_kept(run_dir: Path) -> str:
+    """What a user can still resume from after a failed write, for its message."""
+    kept = complete_checkpoints(run_dir)
+    newest = f"the newest complete checkpoint, {kept[-1]}, is intact" if kept else "this run has saved no checkpoint"
+    return f"Nothing saved before was touched: {newest}"
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -211,6 +270,33 @@ class Checkpointer:
         self.trust = trust
         self.check_before_save = check_before_save
         self.last_saved: Path | None = None
+        self._check_room()
+
+    def _check_room(self) -> None:
+        """Refuse to start when the disk cannot hold what the run must write: the checkpoints it keeps
+        (one more while the newest is written) and model.pt. Found now, not after hours of training.
+
+        Adam and Adadelta keep two tensors per parameter, so a checkpoint is about three times model.pt.
+        Space that others fill during the run is not foreseen; that failure still gets one message.
+        """
+        from common.metrics import local_state_bytes, shard_group_size  # metrics imports this module
+
+        (largest_shard,) = max_over_ranks([float(local_state_bytes(self.model, self.optimizer)["params"])], self.ctx)
+        model_bytes = int(largest_shard) * shard_group_size(self.model)
+        held = len(complete_checkpoints(self.folder.parent))
+        # Without an interval a stop request still writes one checkpoint.
+        to_write = max(1, self.keep + 1 - held) if self.interval > 0 else 1
+        needed = model_bytes + to_write * 3 * model_bytes
+        existing = next(folder for folder in (self.folder, *self.folder.parents) if folder.exists())
+        free = shutil.disk_usage(existing).free
+        if not all_ranks_agree(free >= needed or not self.ctx.is_main, self.ctx):
+            mib = 2**20
+            raise FatalError(
+                f"--run-dir {self.folder.parent} has {free / mib:.1f} MiB free; this run needs about "
+                f"{needed / mib:.1f} MiB ({to_write} checkpoint(s) of {3 * model_bytes / mib:.1f} MiB and model.pt "
+                f"of {model_bytes / mib:.1f} MiB). Free some space, choose another --run-dir, or keep fewer "
+                "checkpoints (--keep-checkpoints)"
+            )
 
     def due(self, step: int) -> bool:
         """Whether --checkpoint-interval asks for a checkpoint after ``step`` steps (and none exists yet)."""
@@ -227,6 +313,7 @@ class Checkpointer:
             self.check_before_save(step)
         if self._saved(step):  # e.g. asked to stop right after resuming: that checkpoint is this state
             return self.last_saved  # type: ignore[return-value]
+        self._check_weights_finite(step)
         with quiet_internal_warnings():
             path = self._save(step)
         self.last_saved = path
@@ -235,6 +322,29 @@ class Checkpointer:
         dist.barrier()  # nobody runs ahead and reads a folder that rank 0 is still pruning
         print0(f"checkpoint: {path}")
         return path
+
+    def _check_weights_finite(self, step: int) -> None:
+        """A finite loss does not make the update after it finite: check the weights themselves."""
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
+        finite = bool(torch.stack([torch.isfinite(p).all() for p in local]).all()) if local else True
+        if not all_ranks_agree(finite, self.ctx):
+            raise FatalError(
+                f"the weights after step {step} are not finite: the last update overflowed, though the loss "
+                "before it was finite. No checkpoint was written for that step. Lower --lr, or resume from an "
+                "earlier checkpoint with --resume-from",
+                exit_code=1,
+            )
+
+    def _written_everywhere(self, path: Path, failure: str | None, temporary: Path | None = None) -> None:
+        """Stop every rank together if any rank could not write its part of ``path`` (in ``temporary``)."""
+        if not all_ranks_agree(failure is None, self.ctx):
+            if temporary is not None and self.ctx.is_main:
+                shutil.rmtree(temporary, ignore_errors=True)
+            raise FatalError(
+                f"could not write checkpoint {path}: {failure or 'it failed on another rank'}. "
+                f"{what_is_kept(self.folder.parent)}. Free some space, then continue with --resume",
+                exit_code=1,
+            )
 
     def _save(self, step: int) -> Path:
         trainer = {
@@ -254,24 +364,31 @@ class Checkpointer:
         options = full_state_dict_options(self.ctx.device)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
         path = self.folder / f"step-{step}.pt"
+        failure = None
         if self.ctx.is_main:
-            save_atomic({"model": model_state, "optimizer": optimizer_state, "trainer": trainer}, path)
+            checkpoint = {"model": model_state, "optimizer": optimizer_state, "trainer": trainer}
+            failure = write_failure(lambda: save_atomic(checkpoint, path))
+        self._written_everywhere(path, failure)
         return path
 
     def _save_sharded(self, step: int, trainer: dict[str, Any]) -> Path:
         path = self.folder / f"step-{step}"
         temporary = self.folder / f"{TEMPORARY_PREFIX}step-{step}"
+        failure = None
         if self.ctx.is_main:
             shutil.rmtree(temporary, ignore_errors=True)  # left behind by a save that was killed
-            temporary.mkdir(parents=True)
-        dist.barrier()
+            failure = write_failure(lambda: temporary.mkdir(parents=True))
+        self._written_everywhere(path, failure)
         # DISTRIBUTED: each rank writes only its own shards; DCP writes the
-        # metadata (which rank holds which slice) last, from rank 0.
+        # metadata (which rank holds which slice) last, from rank 0. A rank that
+        # fails to write makes dcp.save fail on every rank.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary)
-        if self.ctx.is_main:
-            save_atomic(trainer, temporary / TRAINER_FILE)
-        dist.barrier()  # every shard is on disk before the folder gets its final name
+        state = {"model": model_state, "optimizer": optimizer_state}
+        failure = write_failure(lambda: dcp.save(state, checkpoint_id=temporary))
+        if self.ctx.is_main and failure is None:
+            failure = write_failure(lambda: save_atomic(trainer, temporary / TRAINER_FILE))
+        # Agreed before the rename: every shard is on disk before the folder gets its final name.
+        self._written_everywhere(path, failure, temporary)
         if self.ctx.is_main:
             if path.exists():  # from an abandoned run that went further; this one replaces it
                 shutil.rmtree(path)

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common.distributed import DistContext, max_over_ranks
+from common.checkpoint import what_is_kept, write_failure
+from common.distributed import DistContext, FatalError, all_ranks_agree, max_over_ranks
 from common.models import GPT
 
 # Dense bf16 tensor-core peaks from NVIDIA's data sheets (half the "with sparsity" figure), per GPU,
@@ -42,16 +43,24 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, ctx: DistContext, resumed_at: int | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self.enabled = ctx.is_main
+        self.ctx = ctx
         self.resumed_at = resumed_at
         self._file = None
 
     def write(self, event: str, **fields: Any) -> None:
-        if not self.enabled:
-            return
+        """Append one record. Every rank calls it at the same point; if rank 0 cannot write, all stop."""
+        failure = write_failure(lambda: self._append({"event": event, **fields})) if self.ctx.is_main else None
+        if not all_ranks_agree(failure is None, self.ctx):
+            raise FatalError(
+                f"could not write {self.path}: {failure}. {what_is_kept(self.path.parent)}. "
+                "Free some space, then continue with --resume",
+                exit_code=1,
+            )
+
+    def _append(self, record: dict[str, Any]) -> None:
         if self._file is None:
             self._file = self._open()
-        self._file.write(json.dumps({"event": event, **fields}) + "\n")
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def _open(self) -> IO[str]:

@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import StepLR
 
-from common.checkpoint import Checkpointer, save_atomic
+from common.checkpoint import Checkpointer, save_model_file
 from common.cli import (
     add_checkpoint_flags,
     add_mnist_flags,
@@ -44,6 +44,7 @@ from common.evaluation import evaluate_classifier
 from common.metrics import MetricsLog
 from common.models import MnistNet
 from common.preemption import StopRequest
+from common.run_lock import RunDirLock
 from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps
 
 
@@ -162,9 +163,9 @@ def train(args, ctx: DistContext) -> None:
         log.write("eval", step=step, **result)
 
     # DISTRIBUTED: every copy is identical, so rank 0 saves the inner module
-    # (no "module." prefix) and the others have nothing to do.
-    if ctx.is_main:
-        save_atomic({k: v.cpu() for k, v in model.module.state_dict().items()}, args.run_dir / "model.pt")
+    # (no "module." prefix); the others only learn whether that worked.
+    state = {k: v.cpu() for k, v in model.module.state_dict().items()} if ctx.is_main else None
+    save_model_file(state, args.run_dir / "model.pt", ctx)
     finish_run(
         log,
         ctx,
@@ -187,7 +188,8 @@ def train(args, ctx: DistContext) -> None:
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with distributed(args.device, args.dist_timeout) as ctx:
+    # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
+    with distributed(args.device, args.dist_timeout) as ctx, RunDirLock(args.run_dir, ctx):
         train(args, ctx)
 
 

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from torch.optim.lr_scheduler import StepLR
 
-from common.checkpoint import Checkpointer, save_atomic
+from common.checkpoint import Checkpointer, save_model_file
 from common.cli import (
     add_checkpoint_flags,
     add_mnist_flags,
@@ -56,6 +56,7 @@ from common.evaluation import evaluate_classifier
 from common.metrics import MetricsLog
 from common.models import MnistNet
 from common.preemption import StopRequest
+from common.run_lock import RunDirLock
 from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps
 
 
@@ -193,8 +194,7 @@ def train(args, ctx: DistContext) -> None:
     # gathering it; rank 0 receives plain CPU tensors under the original names
     # and saves them.
     state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
-    if ctx.is_main:
-        save_atomic(state, args.run_dir / "model.pt")
+    save_model_file(state, args.run_dir / "model.pt", ctx)
     finish_run(
         log,
         ctx,
@@ -217,7 +217,8 @@ def train(args, ctx: DistContext) -> None:
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with distributed(args.device, args.dist_timeout) as ctx:
+    # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
+    with distributed(args.device, args.dist_timeout) as ctx, RunDirLock(args.run_dir, ctx):
         train(args, ctx)
 
 

@@ -42,7 +42,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from common.checkpoint import Checkpointer, save_atomic
+from common.checkpoint import Checkpointer, save_model_file
 from common.cli import (
     add_checkpoint_flags,
     add_compute_flags,
@@ -71,6 +71,7 @@ from common.models import (
     init_parameters,
 )
 from common.preemption import StopRequest
+from common.run_lock import RunDirLock
 from common.tokens import markov_data, text_data
 from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps, warmup_cosine
 
@@ -308,8 +309,7 @@ def train(args, ctx: DistContext) -> None:
     # gathering it; rank 0 receives plain CPU tensors under the original names
     # and saves them.
     state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
-    if ctx.is_main:
-        save_atomic(state, args.run_dir / "model.pt")
+    save_model_file(state, args.run_dir / "model.pt", ctx)
     finish_run(
         log,
         ctx,
@@ -333,7 +333,8 @@ def train(args, ctx: DistContext) -> None:
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with distributed(args.device, args.dist_timeout) as ctx:
+    # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
+    with distributed(args.device, args.dist_timeout) as ctx, RunDirLock(args.run_dir, ctx):
         train(args, ctx)
 
 

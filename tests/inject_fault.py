@@ -8,16 +8,25 @@ FAULT is one of:
   raise          an exception at optimizer step 3 (a bug that only one rank hits)
   sigkill        SIGKILL at optimizer step 3 (a process the kernel kills)
   nan            a NaN loss at step 3 (a diverging run)
-Ranks other than 1 run the script untouched.
+  overflow       an infinite weight right after optimizer step 3 (an update that overflowed: the
+                 loss of step 3, computed before it, is still finite)
+  fill-disk@S[,leave=K]
+                 rank 0 fills the file system of --run-dir after optimizer step S, leaving K KiB
+                 free (default 0): every later write meets the kernel's own ENOSPC. Refused on a
+                 file system over 1 GiB, so that it only ever fills the small tmpfs a test mounts.
+Ranks other than 1 (0 for fill-disk) run the script untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import runpy
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,14 +58,68 @@ def fail(_: object) -> None:
     raise RuntimeError(f"injected failure on rank {FAULTY_RANK} at step {FAULTY_STEP}")
 
 
+SMALL_DISK = 2**30
+FILL_DISK = re.compile(r"^fill-disk@(\d+)(?:,leave=(\d+))?$")
+
+
+def fill_disk(folder: Path, leave_bytes: int) -> None:
+    """Write zeros beside ``folder`` until its file system is full, then give back ``leave_bytes``."""
+    stats = os.statvfs(folder)
+    if stats.f_blocks * stats.f_frsize > SMALL_DISK:
+        raise SystemExit(f"fill-disk: {folder} is on a file system over 1 GiB; not filling it")
+    filler = folder.parent / "filler"
+    with filler.open("wb") as file:
+        chunk = bytes(2**16)
+        try:
+            while True:
+                file.write(chunk)
+                file.flush()
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+    os.truncate(filler, max(0, filler.stat().st_size - leave_bytes))
+
+
+def run_dir_of(argv: list[str]) -> Path:
+    return Path(argv[argv.index("--run-dir") + 1])
+
+
+def overflow_after(step: Callable[..., Any], call: int) -> Callable[..., Any]:
+    """``optimizer.step``, except that its ``call``-th call leaves the first weight this rank holds infinite."""
+    calls = 0
+
+    def wrapper(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        result = step(optimizer, *args, **kwargs)
+        if calls == call:
+            weight = next(p for group in optimizer.param_groups for p in group["params"] if p.numel() > 0)
+            with torch.no_grad():
+                weight.view(-1)[0] = float("inf")
+        return result
+
+    return wrapper
+
+
 def main() -> None:
     fault, script = sys.argv[1], sys.argv[2]
-    if os.environ.get("RANK") == FAULTY_RANK:
+    disk = FILL_DISK.match(fault)
+    if disk and os.environ.get("RANK", "0") == "0":
+        step, leave_kib = int(disk.group(1)), int(disk.group(2) or 0)
+        folder = run_dir_of(sys.argv)
+        folder.mkdir(parents=True, exist_ok=True)
+        for optimizer in (torch.optim.AdamW, torch.optim.Adadelta):
+            optimizer.step = on_call(optimizer.step, step, lambda _: fill_disk(folder, leave_kib * 1024))
+    elif disk:
+        pass
+    elif os.environ.get("RANK") == FAULTY_RANK:
         if fault == "kill-mid-save":
             dcp.save = on_call(dcp.save, 2, die)
         elif fault in ("raise", "sigkill"):
             # The optimizer's step is where every script ends a training step.
             torch.optim.AdamW.step = on_call(torch.optim.AdamW.step, FAULTY_STEP, fail if fault == "raise" else die)
+        elif fault == "overflow":
+            torch.optim.AdamW.step = overflow_after(torch.optim.AdamW.step, FAULTY_STEP)
         elif fault == "nan":
             F.cross_entropy = on_call(F.cross_entropy, FAULTY_STEP, lambda loss: loss * float("nan"))
         else:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from common import export_checkpoint
 from common.checkpoint import checkpoint_step, complete_checkpoints
 from common.models import GPT, GPTConfig
+from common.run_lock import LOCK_FILE
 from common.tokens import markov_data
 from tests.conftest import NEEDS_FSDP2_ON_CPU, Run, cases, run_script, run_until_stopped
 from tests.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
@@ -173,10 +174,11 @@ SHORT_ARGS = [
 
 
 def file_digests(folder: Path) -> dict[str, str]:
+    """What every file of the run holds, but the lock file's note of its latest holder (no state of the run)."""
     return {
         str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
         for path in sorted(folder.rglob("*"))
-        if path.is_file()
+        if path.is_file() and path.name != LOCK_FILE
     }
 
 

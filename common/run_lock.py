@@ -1,0 +1,110 @@
+"""One run at a time in a run directory.
+
+Two runs writing one folder interleave their metrics.jsonl, prune each other's
+checkpoints and replace each other's model.pt. Rank 0 holds an exclusive lock
+on ``RUN_DIR/.lock`` for as long as the run lives. The kernel drops the lock
+when the process ends, however it ends (SIGKILL and the OOM killer included),
+so a killed run never leaves the folder locked and nobody deletes a lock file
+by hand. A requeued or restarted job takes the lock again.
+
+flock() works across machines on NFS (Linux emulates it with POSIX locks) and
+on Lustre mounted with ``-o flock``. Where the file system has no locks at all,
+the run says so once and goes on unguarded rather than refusing to train.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+from types import TracebackType
+
+from common.distributed import DistContext, FatalError, all_ranks_agree, print0
+
+LOCK_FILE = ".lock"
+# What a file system without locks answers (Lustre without -o flock, some FUSE mounts).
+NO_LOCKS_HERE = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}
+
+
+def holder_description() -> str:
+    """Who holds the lock, for the message a second run prints."""
+    job = os.environ.get("SLURM_JOB_ID")
+    where = f"pid {os.getpid()} on {socket.gethostname()}" + (f", SLURM job {job}" if job else "")
+    return f"{where}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+
+
+class RunDirLock:
+    """``with RunDirLock(run_dir, ctx):`` refuses to run while another run holds ``run_dir``.
+
+    Every rank enters it together: rank 0 tries the lock and all ranks agree on the answer,
+    so a refusal is one message and the same exit on every rank.
+    """
+
+    def __init__(self, run_dir: Path, ctx: DistContext) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / LOCK_FILE
+        self.ctx = ctx
+        self.created_run_dir = False
+        self.fd: int | None = None
+
+    def __enter__(self) -> RunDirLock:
+        holder = self._acquire() if self.ctx.is_main else None
+        if not all_ranks_agree(holder is None, self.ctx):
+            raise FatalError(
+                f"--run-dir {self.run_dir} is in use by another run ({holder or 'see rank 0'}): one run at a time "
+                "writes a run directory. Wait for it to end, or choose another --run-dir"
+            )
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self.fd is None:
+            return
+        # A run that wrote nothing leaves nothing, not even the folder it made for the lock.
+        # Unlinked before the lock goes: a run that opens the old file in between finds it
+        # replaced after locking it and tries again (_acquire).
+        if [entry.name for entry in self.run_dir.iterdir()] == [LOCK_FILE]:
+            self.path.unlink()
+            if self.created_run_dir:
+                self.run_dir.rmdir()
+        os.close(self.fd)
+        self.fd = None
+
+    def _acquire(self) -> str | None:
+        """Take the lock; None when taken, else what the file says of the run that holds it."""
+        self.created_run_dir = not self.run_dir.exists()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 4096).decode(errors="replace").strip() or "it has not said who it is yet"
+                os.close(fd)
+                return holder
+            except OSError as err:
+                os.close(fd)
+                if err.errno not in NO_LOCKS_HERE:
+                    raise
+                print0(
+                    f"warning: {self.run_dir} is on a file system without locks ({err.strerror}); nothing "
+                    "stops a second run from writing into it at the same time"
+                )
+                return None
+            if self._still_the_lock_file(fd):
+                break
+            os.close(fd)  # locked a file that its holder had just removed; take the new one
+        os.ftruncate(fd, 0)
+        os.write(fd, (holder_description() + "\n").encode())
+        self.fd = fd
+        return None
+
+    def _still_the_lock_file(self, fd: int) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
