@@ -58,6 +58,13 @@ class MetricsLog:
             )
 
     def _append(self, record: dict[str, Any]) -> None:
+        if self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0:
+            # Deleted under the run (a cleanup job, an rm -rf of the run dir): appending to the
+            # open file would lose every record without a word.
+            print(f"warning: {self.path} was deleted while this run wrote it; a new one starts here", flush=True)
+            self._file.close()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("w", encoding="utf-8")
         if self._file is None:
             self._file = self._open()
         self._file.write(json.dumps(record) + "\n")

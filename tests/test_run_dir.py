@@ -9,10 +9,12 @@ filled by tests/inject_fault.py until the kernel answers ENOSPC.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +24,8 @@ import pytest
 import torch
 
 from common.checkpoint import checkpoint_step, complete_checkpoints
+from common.distributed import distributed
+from common.metrics import MetricsLog
 from tests.conftest import (
     REPO,
     Run,
@@ -238,3 +242,18 @@ def test_a_read_only_run_dir_is_refused_first(tmp_path: Path) -> None:
     run = run_on_a_small_disk(tmp_path, on_disk(tmp_path, SCRIPT, SMALL, None), read_only=True)
     one_message(run, f"--run-dir {tmp_path}/disk/run: cannot write in")
     assert "model:" not in run.output, "refused before the model was built"
+
+
+def test_metrics_deleted_under_a_run_start_again_and_it_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An rm -rf of the run dir mid-run: appending to the deleted file would lose every record in silence."""
+    run_dir = tmp_path / "run"
+    with distributed("cpu", 60) as ctx:
+        log = MetricsLog(run_dir, ctx)
+        log.write("train", step=1)
+        shutil.rmtree(run_dir)
+        log.write("train", step=2)
+        log.close()
+    assert capsys.readouterr().out.count("metrics.jsonl was deleted while this run wrote it") == 1
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2]
