@@ -74,7 +74,7 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.resumed_at is None or not self.path.exists():
             return self.path.open("w", encoding="utf-8")
-        kept, torn = [], []
+        kept, torn, replaced = [], [], 0
         for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
             try:
                 record = json.loads(line)
@@ -83,6 +83,14 @@ class MetricsLog:
                 continue
             if record.get("step", math.inf) <= self.resumed_at:
                 kept.append(line)
+            else:
+                replaced += 1
+        if replaced:
+            print(
+                f"{self.path}: {replaced} record(s) after step {self.resumed_at} are replaced by this run, "
+                "which trains those steps again",
+                flush=True,
+            )
         if torn:
             lines = ", ".join(map(str, torn))
             print(f"{self.path}: left out {len(torn)} line(s) cut off mid-write (line {lines})", flush=True)

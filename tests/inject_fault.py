@@ -7,6 +7,8 @@ FAULT is one of:
                  before the checkpoint is complete (a node failure or an OOM kill mid-save)
   raise          an exception at optimizer step 3 (a bug that only one rank hits)
   sigkill        SIGKILL at optimizer step 3 (a process the kernel kills)
+  sigkill-once   the same, in the first generation of workers only: torchrun --max-restarts
+                 starts a second one (TORCHELASTIC_RESTART_COUNT=1) that runs untouched
   nan            a NaN loss at step 3 (a diverging run)
   overflow       an infinite weight right after optimizer step 3 (an update that overflowed: the
                  loss of step 3, computed before it, is still finite)
@@ -115,7 +117,9 @@ def main() -> None:
     elif os.environ.get("RANK") == FAULTY_RANK:
         if fault == "kill-mid-save":
             dcp.save = on_call(dcp.save, 2, die)
-        elif fault in ("raise", "sigkill"):
+        elif fault == "sigkill-once" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            pass
+        elif fault in ("raise", "sigkill", "sigkill-once"):
             # The optimizer's step is where every script ends a training step.
             torch.optim.AdamW.step = on_call(torch.optim.AdamW.step, FAULTY_STEP, fail if fault == "raise" else die)
         elif fault == "overflow":

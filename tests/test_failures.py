@@ -7,6 +7,7 @@ SIGKILL at step 3 (the other rank would otherwise wait in a collective until
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from common.checkpoint import complete_checkpoints
 from common.compat import torch_at_least
 from common.distributed import FatalError, distributed
 from common.models import GPT, GPTConfig
-from tests.conftest import run_script
+from tests.conftest import FSDP2_SCRIPT, cases, run_command, run_script, script_invocation
 
 SCRIPT = "ddp/train_transformer.py"
 ARGS = [
@@ -52,6 +53,35 @@ def test_a_failing_rank_ends_the_job_within_a_minute_and_is_named(fault: str, tm
         assert "RuntimeError: injected failure on rank 1 at step 3" in root_cause, run.describe()
     else:
         assert "Signal 9 (SIGKILL)" in root_cause, run.describe()
+
+
+RESTARTED = [
+    ("ddp", "ddp/train_transformer.py"),
+    ("fsdp1", "fsdp/train_transformer.py"),
+    ("fsdp2", FSDP2_SCRIPT),
+]
+RESTART_ARGS = [*ARGS[2:], "--max-steps", "8", "--resume"]
+
+
+@pytest.mark.parametrize("script", cases(RESTARTED, keep_id=False))
+def test_a_worker_killed_once_is_restarted_by_torchrun_and_the_run_is_the_same(script: str, tmp_path: Path) -> None:
+    """torchrun --max-restarts=1, and rank 1 SIGKILLed at step 3 in the first generation only.
+
+    The second generation meets in torchrun's store, where the first one left its addresses; it must
+    start cleanly, resume from step 2 and end where a run that was never killed ends, bit for bit.
+    """
+    run_dir = tmp_path / "restarted"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    invocation = script_invocation(script, RESTART_ARGS, run_dir, ["tests/inject_fault.py", "sigkill-once"])
+    restarted = run_command([*torchrun, *invocation], run_dir, timeout=150)
+    assert restarted.returncode == 0, restarted.describe()
+    assert [record["step"] for record in restarted.events("resume")] == [2], restarted.describe()
+    assert [record["step"] for record in restarted.events("train")] == list(range(1, 9)), "every step once"
+
+    uninterrupted = run_script(script, RESTART_ARGS, tmp_path / "uninterrupted", nproc=2).check()
+    ours, theirs = (torch.load(run.run_dir / "model.pt", weights_only=True) for run in (restarted, uninterrupted))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours), "not the same training"
 
 
 def test_non_finite_loss_stops_before_the_step_and_keeps_the_checkpoint(tmp_path: Path) -> None:
