@@ -78,7 +78,7 @@ def test_bad_flag_is_refused(
 
 
 # Under torchrun every rank parses the flags; the point is that two ranks print one message.
-TORCHRUN_CASES = [CASES[0], *(case for case in CASES if "0.001" in case[1])]
+TORCHRUN_CASES = [CASES[0]]
 
 
 @pytest.mark.parametrize(
