@@ -1,4 +1,5 @@
-"""When a rank fails mid-training, the job ends fast, says which rank, and keeps the last checkpoint.
+"""When a rank fails mid-training, the job ends fast, says which rank, and keeps the last checkpoint;
+under torchrun --max-restarts a killed rank is restarted and the run goes on.
 
 Faults are injected into rank 1 by tests/inject_fault.py: an exception and a
 SIGKILL at step 3 (the other rank would otherwise wait in a collective until
@@ -33,15 +34,15 @@ ARGS = [
 FAILED_RANK_LINE = "rank      : 1 (local_rank: 1)"
 
 
-@pytest.mark.parametrize("fault", ["raise", "sigkill"])
-def test_a_failing_rank_ends_the_job_within_a_minute_and_is_named(fault: str, tmp_path: Path) -> None:
+def test_a_failing_rank_ends_the_job_within_a_minute_and_is_named(tmp_path: Path) -> None:
+    """An exception in rank 1 at step 3. (A SIGKILLed rank is the restart test's first generation, below.)"""
     began = time.monotonic()
     run = run_script(
         SCRIPT,
         ARGS,
         tmp_path / "run",
         nproc=2,
-        wrapper=["tests/inject_fault.py", fault],
+        wrapper=["tests/inject_fault.py", "raise"],
         timeout=120,
         real_launcher=True,
     )
@@ -52,10 +53,7 @@ def test_a_failing_rank_ends_the_job_within_a_minute_and_is_named(fault: str, tm
     assert "Root Cause (first observed failure)" in run.output, run.describe()
     root_cause = run.output.split("Root Cause (first observed failure)")[1]
     assert FAILED_RANK_LINE in root_cause, run.describe()
-    if fault == "raise":
-        assert "RuntimeError: injected failure on rank 1 at step 3" in root_cause, run.describe()
-    else:
-        assert "Signal 9 (SIGKILL)" in root_cause, run.describe()
+    assert "RuntimeError: injected failure on rank 1 at step 3" in root_cause, run.describe()
 
 
 RESTARTED = [
