@@ -50,7 +50,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from common.compat import full_state_dict_options
-from common.distributed import DistContext, FatalError, all_ranks_agree, max_over_ranks, print0
+from common.distributed import (
+    DistContext,
+    FatalError,
+    all_ranks_agree,
+    local_state_bytes,
+    max_over_ranks,
+    print0,
+    shard_group_size,
+)
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
 TEMPORARY_PREFIX = ".tmp-"
@@ -279,8 +287,6 @@ class Checkpointer:
         Adam and Adadelta keep two tensors per parameter, so a checkpoint is about three times model.pt.
         Space that others fill during the run is not foreseen; that failure still gets one message.
         """
-        from common.metrics import local_state_bytes, shard_group_size  # metrics imports this module
-
         (largest_shard,) = max_over_ranks([float(local_state_bytes(self.model, self.optimizer)["params"])], self.ctx)
         model_bytes = int(largest_shard) * shard_group_size(self.model)
         held = len(complete_checkpoints(self.folder.parent))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import math
 import os
 import random
 import signal
@@ -22,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from common.compat import destroy_process_group
 
@@ -232,3 +234,39 @@ def env_num_nodes() -> int:
     """Machines in the job, from torchrun's environment: one torchrun (LOCAL_WORLD_SIZE workers) per node."""
     world_size = env_world_size()
     return max(1, world_size // int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    # FSDP2 parameters are DTensors: count only the shard this rank stores.
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state that this rank holds."""
+    params = list(model.parameters())
+    optimizer_tensors = [
+        value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)
+    ]
+    return {
+        "params": sum(_local_bytes(p) for p in params),
+        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(_local_bytes(t) for t in optimizer_tensors),
+    }
+
+
+def shard_group_size(model: nn.Module) -> int:
+    """Ranks that share one copy of the model state: 1 when every rank holds all of it (DDP, no_shard)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    if isinstance(model, FullyShardedDataParallel):
+        if model.sharding_strategy == ShardingStrategy.NO_SHARD:
+            return 1
+        # For hybrid_shard this is the group inside one replica, not the world.
+        return dist.get_world_size(model.process_group)
+    for param in model.parameters():
+        placements = getattr(param, "placements", None)  # FSDP2: a DTensor on a 1-D or 2-D (HSDP) mesh
+        if placements is not None:
+            sizes = param.device_mesh.mesh.shape
+            return math.prod(size for size, placement in zip(sizes, placements, strict=True) if placement.is_shard())
+    return 1

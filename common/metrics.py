@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from common.checkpoint import what_is_kept, write_failure
-from common.distributed import DistContext, FatalError, all_ranks_agree, max_over_ranks
+from common.distributed import DistContext, FatalError, all_ranks_agree, local_state_bytes, max_over_ranks
 from common.models import GPT
 
 # Dense bf16 tensor-core peaks from NVIDIA's data sheets (half the "with sparsity" figure), per GPU,
@@ -129,47 +128,11 @@ def peak_memory_bytes(device: torch.device) -> int:
     return peak_rss if sys.platform == "darwin" else peak_rss * 1024  # Linux reports KiB
 
 
-def _local_bytes(tensor: torch.Tensor) -> int:
-    # FSDP2 parameters are DTensors: count only the shard this rank stores.
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
-def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state that this rank holds."""
-    params = list(model.parameters())
-    optimizer_tensors = [
-        value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)
-    ]
-    return {
-        "params": sum(_local_bytes(p) for p in params),
-        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(_local_bytes(t) for t in optimizer_tensors),
-    }
-
-
 def max_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, int]:
     """``local_state_bytes`` of the rank that holds the most, per kind."""
     local = local_state_bytes(model, optimizer)
     largest = max_over_ranks([float(v) for v in local.values()], ctx)
     return {key: int(value) for key, value in zip(local, largest, strict=True)}
-
-
-def shard_group_size(model: nn.Module) -> int:
-    """Ranks that share one copy of the model state: 1 when every rank holds all of it (DDP, no_shard)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-
-    if isinstance(model, FullyShardedDataParallel):
-        if model.sharding_strategy == ShardingStrategy.NO_SHARD:
-            return 1
-        # For hybrid_shard this is the group inside one replica, not the world.
-        return dist.get_world_size(model.process_group)
-    for param in model.parameters():
-        placements = getattr(param, "placements", None)  # FSDP2: a DTensor on a 1-D or 2-D (HSDP) mesh
-        if placements is not None:
-            sizes = param.device_mesh.mesh.shape
-            return math.prod(size for size, placement in zip(sizes, placements, strict=True) if placement.is_shard())
-    return 1
 
 
 def transformer_flops_per_token(model: nn.Module) -> float | None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from common.distributed import DistContext, FatalError, max_over_ranks, print0
+from common.distributed import DistContext, FatalError, max_over_ranks, print0, shard_group_size
 from common.metrics import (
     MetricsLog,
     max_state_bytes,
@@ -22,7 +22,6 @@ from common.metrics import (
     peak_memory_bytes,
     progress_line,
     reset_peak_memory,
-    shard_group_size,
     transformer_flops_per_token,
 )
 

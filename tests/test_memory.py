@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common.compare_strategies import STRATEGIES, markdown_table, parse_args
+from common.distributed import local_state_bytes
 from common.estimate_memory import (
     GIB,
     between_steps,
@@ -22,7 +23,7 @@ from common.estimate_memory import (
     largest_shard_numel,
     main,
 )
-from common.metrics import local_state_bytes, model_flops_utilization, peak_flops, transformer_flops_per_token
+from common.metrics import model_flops_utilization, peak_flops, transformer_flops_per_token
 from common.models import GPT, GPTConfig
 
 TINY = GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64)
