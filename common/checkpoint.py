@@ -47,13 +47,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from common.compat import full_state_dict_options
 from common.distributed import (
     DistContext,
     FatalError,
     all_ranks_agree,
+    local_part,
     local_state_bytes,
     max_over_ranks,
     print0,
@@ -130,6 +130,11 @@ def save_model_file(state: dict[str, torch.Tensor] | None, path: Path, ctx: Dist
             problem = failure and f"could not write {path}: {failure}. {what_is_kept(path.parent)}"
     if not all_ranks_agree(problem is None, ctx):
         raise FatalError(problem or "rank 0 could not write the model", exit_code=1)
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or the closest of its parents that exists: where a folder not made yet would go."""
+    return next((folder for folder in (path, *path.parents) if folder.exists()), Path("."))
 
 
 def what_is_kept(run_dir: Path) -> str:
@@ -293,8 +298,7 @@ class Checkpointer:
         # Without an interval a stop request still writes one checkpoint.
         to_write = max(1, self.keep + 1 - held) if self.interval > 0 else 1
         needed = model_bytes + to_write * 3 * model_bytes
-        existing = next(folder for folder in (self.folder, *self.folder.parents) if folder.exists())
-        free = shutil.disk_usage(existing).free
+        free = shutil.disk_usage(nearest_existing(self.folder)).free
         if not all_ranks_agree(free >= needed or not self.ctx.is_main, self.ctx):
             mib = 2**20
             raise FatalError(
@@ -331,7 +335,7 @@ class Checkpointer:
 
     def _check_weights_finite(self, step: int) -> None:
         """A finite loss does not make the update after it finite: check the weights themselves."""
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
+        local = [local_part(p) for p in self.model.parameters()]
         finite = bool(torch.stack([torch.isfinite(p).all() for p in local]).all()) if local else True
         if not all_ranks_agree(finite, self.ctx):
             raise FatalError(

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from common.checkpoint import checkpoint_step, complete_checkpoints
+from common.checkpoint import checkpoint_step, complete_checkpoints, nearest_existing
 from common.distributed import env_rank, env_world_size, wants_cuda
 from common.models import GPT_PRESETS, GPTConfig
 
@@ -469,7 +469,7 @@ def check_run_dir(parser: Parser, run_dir: Path) -> None:
     """A --run-dir the run cannot write is refused now, not after the model is built or trained."""
     if run_dir.exists() and not run_dir.is_dir():
         parser.error(f"--run-dir {run_dir} is a file, not a folder")
-    existing = next((folder for folder in (run_dir, *run_dir.parents) if folder.exists()), Path("."))
+    existing = nearest_existing(run_dir)
     if not existing.is_dir():
         parser.error(f"--run-dir {run_dir}: {existing} is a file, not a folder")
     # access() also answers for a read-only file system, and for root.
@@ -490,7 +490,8 @@ def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
         if args.run_dir.resolve() in args.resume_from.resolve().parents:
             return  # back to an earlier point of this run (its own checkpoints, or abandoned/)
     existing = complete_checkpoints(args.run_dir)
-    if args.resume_from is not None and (existing or any((args.run_dir / name).exists() for name in RUN_RESULTS)):
+    results = [name for name in RUN_RESULTS if (args.run_dir / name).exists()]
+    if args.resume_from is not None and (existing or results):
         parser.error(
             f"--resume-from {args.resume_from} is another run's checkpoint, and --run-dir {args.run_dir} already "
             "holds a run of its own; continuing there would mix the two. Choose a new --run-dir"
@@ -502,7 +503,6 @@ def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
         )
     # A run without checkpoints (the default --checkpoint-interval 0) leaves only these; a fresh
     # run would replace them, and one that then failed would leave neither run's record.
-    results = [name for name in RUN_RESULTS if (args.run_dir / name).exists()]
     if not existing and results and not args.resume:
         parser.error(
             f"--run-dir {args.run_dir} already holds an earlier run ({', '.join(results)}); a fresh run would replace "

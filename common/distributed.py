@@ -236,9 +236,13 @@ def env_num_nodes() -> int:
     return max(1, world_size // int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of ``tensor``: the shard of an FSDP2 parameter (a DTensor), else all of it."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def _local_bytes(tensor: torch.Tensor) -> int:
-    # FSDP2 parameters are DTensors: count only the shard this rank stores.
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = local_part(tensor)
     return local.numel() * local.element_size()
 
 

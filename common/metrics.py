@@ -62,8 +62,7 @@ class MetricsLog:
             # open file would lose every record without a word.
             print(f"warning: {self.path} was deleted while this run wrote it; a new one starts here", flush=True)
             self._file.close()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("w", encoding="utf-8")
+            self._file = None  # _open makes the folder again and, the file being gone, starts a new one
         if self._file is None:
             self._file = self._open()
         self._file.write(json.dumps(record) + "\n")
