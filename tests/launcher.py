@@ -100,7 +100,7 @@ def torchrun_env(base: dict[str, str], rank: int, world_size: int, port: int, ru
     }
 
 
-def _run_rank(program: str, argv: list[str], env: dict[str, str], output: Connection) -> None:
+def _run_rank(program: str, argv: list[str], env: dict[str, str], output: Connection, cwd: Path) -> None:
     """The body of one rank, in a fork of the server."""
     os.setsid()  # a process group of its own, so that a timeout kills whatever it started too
     for stream in (1, 2):
@@ -108,9 +108,28 @@ def _run_rank(program: str, argv: list[str], env: dict[str, str], output: Connec
     output.close()
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(REPO)
+    os.chdir(cwd)
+    if cwd != REPO:
+        _forget_this_repository(program)
     sys.argv = [program, *argv]
     runpy.run_path(program, run_name="__main__")
+
+
+def _forget_this_repository(program: str) -> None:
+    """Make this rank what ``python PROGRAM`` started elsewhere would be: a script of another project
+    (a copy of one of ours) imports its own ``common``, never the one the server preloaded.
+
+    Drops every module loaded from this repository (the virtual environment's aside), and makes
+    sys.path what python gives a script: its folder, then PYTHONPATH, then the installation's.
+    """
+    installation = Path(sys.prefix).resolve()
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and REPO in Path(file).resolve().parents and installation not in Path(file).resolve().parents:
+            del sys.modules[name]
+    pythonpath = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    rest = [entry for entry in sys.path if entry and Path(entry).resolve() != REPO and entry not in pythonpath]
+    sys.path[:] = [str(Path(program).resolve().parent), *pythonpath, *rest]
 
 
 def launch(
@@ -120,11 +139,14 @@ def launch(
     nproc: int | None,
     timeout: float,
     on_line: Callable[[str], None] | None = None,
+    cwd: Path = REPO,
 ) -> Finished:
-    """Run ``program argv`` as ``python`` (``nproc`` None) or ``torchrun --nproc_per_node=nproc`` would.
+    """Run ``program argv`` as ``python`` (``nproc`` None) or ``torchrun --nproc_per_node=nproc`` would,
+    started in ``cwd``.
 
     ``on_line`` sees each line of output as it arrives. When ``timeout`` runs out, every rank is
-    killed and ``timed_out`` is set.
+    killed and ``timed_out`` is set. A ``cwd`` outside this repository runs a script of another
+    project: its ranks see none of this repository's modules (``_forget_this_repository``).
     """
     server = fork_server(env)
     reader, writer = server.Pipe(duplex=False)
@@ -138,7 +160,7 @@ def launch(
         store = dist.TCPStore("127.0.0.1", 0, nproc, True, timedelta(seconds=timeout), wait_for_workers=False)
         run_id = uuid.uuid4().hex
         rank_envs = [torchrun_env(env, rank, nproc, store.port, run_id) for rank in range(nproc)]
-    ranks = [server.Process(target=_run_rank, args=(program, argv, rank_env, writer)) for rank_env in rank_envs]
+    ranks = [server.Process(target=_run_rank, args=(program, argv, rank_env, writer, cwd)) for rank_env in rank_envs]
     for rank in ranks:
         rank.start()
     writer.close()  # the ranks hold the only write ends now: end of file means all of them are gone

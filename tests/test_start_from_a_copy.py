@@ -5,8 +5,12 @@ that is not this repository's at the places the script marks (YOUR MODEL, YOUR L
 CHECKPOINT IDENTITY), checks with common.check_equivalence that two processes train the copy as
 one does, at the copy's natural settings, and loads model.pt into the new model.
 
-The copies run with python and torchrun themselves, from their own folder: the test launcher's
-warm processes have this repository's common/ loaded already, and the copy must stand alone.
+The copies run from their own folder and must stand alone: nothing of this repository may be
+importable in their processes. The transformer copy runs the README's command itself, with
+python and torchrun. The ResNet copy runs through check_equivalence's own check, with its ranks
+forked from the test launcher's warm processes, started in the copy's folder with this
+repository's modules dropped (tests/launcher.py): a ResNet run pays seconds of CPU to import
+torch and torchvision, and the check starts seven such processes.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
+from common import check_equivalence
+from tests import launcher
 from tests.conftest import NEEDS_FSDP2_ON_CPU, REPO, Run, clean_env, run_command
 
 # Step 2 of the README, the model in a file of its own beside the script.
@@ -103,6 +110,26 @@ def check_the_copy(project: Path, args: list[str]) -> Run:
     return check
 
 
+def check_the_copy_warm(project: Path, args: list[str], capsys: pytest.CaptureFixture[str]) -> Run:
+    """Step 3 as ``check_the_copy``, with the runs' ranks forked from the warm launcher in the copy's folder."""
+
+    def run_in_the_copy(script: str, flags: list[str], nproc: int | None, run_dir: Path) -> tuple[int, str]:
+        program, argv = str(project / script), [*flags, "--run-dir", str(run_dir)]
+        finished = launcher.launch(program, argv, project_env(project), nproc, timeout=300, cwd=project)
+        if finished.timed_out:
+            pytest.fail(f"timed out after 300 s: {script} {' '.join(argv)}\n{finished.output}")
+        return finished.returncode, finished.output
+
+    runs_dir = project / "runs" / "equivalence" / "train-2"
+    code = check_equivalence.check("train/train.py", ["--device", "cpu", *args], 2, runs_dir, run_in_the_copy)
+    output = capsys.readouterr()
+    check = Run(["check_equivalence.check", "train/train.py", *args], code, output.out + output.err,
+                runs_dir / "candidate", warm=True)  # fmt: skip
+    assert code == check_equivalence.SAME, check.describe()
+    assert output.out.splitlines()[-1].startswith("SAME:"), check.describe()
+    return check
+
+
 def load(path: Path) -> ModuleType:
     """A module of the copy, from its file: each test's copy has its own, under a name of its own."""
     spec = importlib.util.spec_from_file_location(f"copy_{path.stem}_{id(path)}", path)
@@ -118,7 +145,7 @@ def project_env(project: Path) -> dict[str, str]:
     return env
 
 
-def test_the_fsdp1_cnn_script_trains_a_torchvision_resnet(tmp_path: Path) -> None:
+def test_the_fsdp1_cnn_script_trains_a_torchvision_resnet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     project = tmp_path / "project"
     train_py = copy_project("fsdp/train_mnist.py", project)
     model_line = "    model = MnistNet(dropout=not args.deterministic).to(ctx.device)  # YOUR MODEL"
@@ -135,7 +162,8 @@ def test_the_fsdp1_cnn_script_trains_a_torchvision_resnet(tmp_path: Path) -> Non
     )
     # lr 0.05, 12 steps: where fixed tolerances had failed. A global batch of 16 has three twins (2, 4 and 8
     # micro-steps): each run here evaluates 2,000 images on a ResNet-18, and 24 would take two runs more.
-    check = check_the_copy(project, ["--synthetic", "--lr", "0.05", "--global-batch-size", "16", "--max-steps", "12"])
+    flags = ["--synthetic", "--lr", "0.05", "--global-batch-size", "16", "--max-steps", "12"]
+    check = check_the_copy_warm(project, flags, capsys)
     assert "12 steps compared" in check.output, check.describe()
     two = check.final()
     assert two["world_size"] == 2 and two["strategy"] == "fsdp1_full_shard"
