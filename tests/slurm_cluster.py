@@ -64,8 +64,13 @@ ReturnToService=2
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 {nodes}
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=OFF
+PartitionName=scavenger Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=60
+PartitionName=scavenger-nograce Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=0
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """
 NODE_LINE = "NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={cpus} State=UNKNOWN"
 
@@ -160,17 +165,20 @@ class SlurmCluster:
             )
             log.close()
         try:
-            self.wait_until(lambda: self._node_states() == ["idle"] * len(NODES), timeout, "the nodes to be idle")
+            self.wait_until(
+                lambda: self._node_states() == dict.fromkeys(NODES, "idle"), timeout, "the nodes to be idle"
+            )
         except TimeoutError:
             self.stop()
             raise
 
-    def _node_states(self) -> list[str]:
+    def _node_states(self) -> dict[str, str]:
+        """Each node's state; sinfo lists a node once per partition that has it."""
         for daemon in self.daemons:
             if daemon.poll() is not None:
                 raise RuntimeError(f"{daemon.args[0]} exited with {daemon.returncode}; see {self.root}")
-        result = self.command("sinfo", "--noheader", "--Node", "--format=%t", check=False)
-        return result.stdout.split() if result.returncode == 0 else []
+        result = self.command("sinfo", "--noheader", "--Node", "--format=%N %t", check=False)
+        return dict(line.split() for line in result.stdout.splitlines()) if result.returncode == 0 else {}
 
     def command(self, *args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
         """A Slurm client command against this cluster."""

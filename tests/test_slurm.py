@@ -58,6 +58,8 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 STEP = r"^step +(\d+)/"
 WARNING = "SLURM says the job ends soon"
 REQUEUE = "stopped with a checkpoint: requeueing job"
+REQUEUED_BY_THE_LAUNCHER = "requeueing job"  # after a warning, or a preemption within its GraceTime
+TERMINATED = "SLURM sent SIGTERM (scancel, the time limit or a preemption)"
 # Slurm's KillWait (its default, which the local cluster keeps): SIGTERM, then SIGKILL this much later.
 KILL_WAIT_S = 30
 # Startup of torchrun and its processes on this shared 2-core machine, with room for its load.
@@ -238,7 +240,8 @@ def report(case: str, **seconds: float) -> None:
 # limits every 30 s, so USR1 reaches the batch script 45 to 75 s before the end, that is 45 to 75 s
 # after the start. Each run of the job gets that window; the resumed run has a few steps left and
 # usually ends before it. If it does not, the job is warned and requeued again, which is as right.
-TIME_LIMIT_OPTIONS = ("--time=2", "--signal=B:USR1@45")
+# On node1: the preemption case takes all of node2, and an urgent job there must find no job it cannot preempt.
+TIME_LIMIT_OPTIONS = ("--time=2", "--signal=B:USR1@45", "--nodelist=node1")
 TIME_LIMIT_STEPS = 30
 PAUSE_AT_STEP = 5
 
@@ -290,8 +293,16 @@ def follow_time_limit_job(job: Job) -> dict[str, float]:
     return times
 
 
+# The preemption case: a job in each preemptible partition, with each launcher.
+PREEMPTIBLE = [
+    ("scavenger", "ddp", "ddp/train_transformer.py"),
+    ("scavenger-nograce", "fsdp", "fsdp/train_transformer.py"),
+]
+PREEMPTED_STEPS = 40
+
+
 class TestOnARealCluster:
-    """The five cases of issue 13. The time-limit job is submitted first and checked last."""
+    """Issue 13's five cases, and issue 26's preemption. The time-limit job is submitted first and checked last."""
 
     @pytest.fixture(autouse=True)
     def _start_time_limit_job(self, time_limit_job: TimeLimitRun) -> None:
@@ -362,7 +373,7 @@ class TestOnARealCluster:
         marker = json.loads((first.run_dir / "PREEMPTED").read_text())
         assert marker["step"] >= 5 and marker["reason"] == "SIGTERM", marker
         assert (checkout / marker["checkpoint"]).exists()
-        assert "not requeueing" in first.output() and REQUEUE not in first.output(), first.describe()
+        assert TERMINATED in first.output() and REQUEUED_BY_THE_LAUNCHER not in first.output(), first.describe()
 
         # The user submits again with the same run directory: it resumes there. A STOP left from before
         # (one that came too late, or that a killed run never read) is the launcher's to clear, not a
@@ -393,9 +404,69 @@ class TestOnARealCluster:
         ended = job.wait_until_ended(60)
         failed_in = time.monotonic() - killed
         assert ended["JobState"] == "FAILED" and ended["ExitCode"] != "0:0", job.describe()
-        assert ended["Restarts"] == "0" and REQUEUE not in job.output(), "a failure is not a preemption"
+        assert ended["Restarts"] == "0" and REQUEUED_BY_THE_LAUNCHER not in job.output(), (
+            "a failure is not a preemption"
+        )
         job.wait(job.has_no_processes, 10, "every process of the job, on both nodes, to be gone")
         report("a node's torchrun killed", **{"kill to FAILED": failed_in})
+
+    def test_a_preempted_job_comes_back_by_itself_and_trains_every_step_once(
+        self, slurm_cluster: SlurmCluster, checkout: Path
+    ) -> None:
+        """PreemptMode=REQUEUE, as scavenger partitions have it (tests/slurm_cluster.py): a job in a partition
+        with GraceTime=60 and one in a partition with none share node2, and one job of a higher PriorityTier
+        asks for all of node2's CPUs. Slurm preempts both."""
+        args = [*TRANSFORMER_ARGS, "--max-steps", str(PREEMPTED_STEPS), "--checkpoint-interval", "10"]
+        jobs = {
+            partition: submit(
+                slurm_cluster,
+                checkout,
+                f"slurm/{launcher}.sbatch",
+                [script, *args],
+                1,
+                (f"--partition={partition}", "--nodelist=node2", "--cpus-per-task=2"),
+            )  # fmt: skip
+            for partition, launcher, script in PREEMPTIBLE
+        }
+        for job in jobs.values():
+            job.wait_for_output(r"^step +5/", START_S)
+        # Held still until Slurm preempts them (it sends SIGCONT before SIGTERM), so that they are
+        # preempted mid-run however fast the steps go, and waiting for the urgent job costs no work.
+        paused = [pid for job in jobs.values() for pid in job.trainers()]
+        assert len(paused) == 2, [job.processes() for job in jobs.values()]
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
+        urgent_at = time.monotonic()
+        try:
+            urgent = slurm_cluster.command(
+                "sbatch", "--parsable", "--partition=urgent", "--nodelist=node2", "--cpus-per-task=4",
+                "--output=/dev/null", "--wrap", "sleep 1",
+            ).stdout.strip()  # fmt: skip
+            for job in jobs.values():
+                job.wait(lambda job=job: job.state().get("PreemptTime", "None") != "None" or job.is_running_again(), 60,
+                         "Slurm to preempt the job")  # fmt: skip
+        finally:
+            for pid in paused:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        assert slurm_cluster.job(int(urgent))["Partition"] == "urgent"
+        times = {}
+        for partition, job in jobs.items():
+            ended = job.wait_until_ended(START_S + 60)
+            times[f"{partition}: preemption to COMPLETED"] = time.monotonic() - urgent_at
+            assert (ended["JobState"], ended["ExitCode"]) == ("COMPLETED", "0:0"), job.describe()
+            assert int(ended["Restarts"]) >= 1, job.describe()
+            records = job.metrics()
+            (resume,) = [record for record in records if record["event"] == "resume"]
+            assert 0 < resume["step"] < PREEMPTED_STEPS, job.describe()
+            assert steps_of(records) == list(range(1, PREEMPTED_STEPS + 1)), "every step once"
+            assert not (job.run_dir / "PREEMPTED").exists()
+        # GraceTime=60: the trainers save and end within it, and the job would end FAILED, never requeued;
+        # the launcher reads the preemption in PreemptTime and requeues it. GraceTime=0: Slurm requeues it.
+        assert "preempted (PreemptTime=" in jobs["scavenger"].output(), jobs["scavenger"].describe()
+        assert REQUEUED_BY_THE_LAUNCHER not in jobs["scavenger-nograce"].output(), jobs["scavenger-nograce"].describe()
+        assert "DUE TO PREEMPTION" in jobs["scavenger-nograce"].output(), jobs["scavenger-nograce"].describe()
+        report("preempted under PreemptMode=REQUEUE", **times)
 
     def test_slurm_warns_before_the_time_limit_requeues_and_the_job_resumes(self, time_limit_job: TimeLimitRun) -> None:
         job = time_limit_job.job
