@@ -5,6 +5,8 @@ Imported there and nowhere else: a rank forked from that server finds these modu
 fork of a process with a running OpenMP pool or CUDA context can hang or fail.
 """
 
+import gc
+
 import torch  # noqa: F401
 import torch.distributed.algorithms._checkpoint.checkpoint_wrapper  # noqa: F401
 import torch.distributed.checkpoint  # noqa: F401
@@ -30,3 +32,9 @@ import common.models  # noqa: F401
 import common.preemption  # noqa: F401
 import common.tokens  # noqa: F401
 import common.training  # noqa: F401
+
+# Every rank is a fork of this process and shares its memory until it writes to it. Python's garbage
+# collector writes to every object it examines, so each rank's first full collection copied the pages
+# of all the objects imported above. Frozen, the collector leaves them alone: measured, a fifth less
+# CPU for the warm runs of test_equivalence.py's transformer cases (47 s -> 37-39 s, twice each).
+gc.freeze()
