@@ -1,5 +1,6 @@
 """When a rank fails mid-training, the job ends fast, says which rank, and keeps the last checkpoint;
-under torchrun --max-restarts a killed rank is restarted and the run goes on.
+under torchrun --max-restarts a killed rank is restarted and the run goes on; under an elastic
+rendezvous a lost node leaves the others to go on in a smaller world.
 
 Faults are injected into rank 1 by tests/inject_fault.py: an exception and a
 SIGKILL at step 3 (the other rank would otherwise wait in a collective until
@@ -8,6 +9,12 @@ SIGKILL at step 3 (the other rank would otherwise wait in a collective until
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +27,7 @@ from common.checkpoint import complete_checkpoints
 from common.compat import torch_at_least
 from common.distributed import FatalError, distributed
 from common.models import GPT, GPTConfig
-from tests.conftest import FSDP2_SCRIPT, cases, run_command, run_script, script_invocation
+from tests.conftest import FSDP2_SCRIPT, cases, descendants, kill_all, run_command, run_script, script_invocation, start
 from tests.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
 from tests.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
 from tests.noise_floor import NoiseRuns, assert_same_training
@@ -82,6 +89,107 @@ def test_a_worker_killed_once_is_restarted_by_torchrun_and_the_run_is_the_same(
     assert [record["step"] for record in restarted.events("resume")] == [2], restarted.describe()
     assert [record["step"] for record in restarted.events("train")] == list(range(1, EQUIVALENCE_STEPS + 1))
     assert_same_training(transformer_noise, run_dir, restarted.describe(), EQUIVALENCE_STEPS)
+
+
+# Rendezvous ports for the two-agent case: out of the kernel's ephemeral range (32768 and up), where
+# --standalone's and the test launcher's stores get theirs.
+PORT_BAND = range(29500, 30500)
+
+
+def port_in_band() -> int:
+    """A port of PORT_BAND that nothing listens on now, tried from a random place in the band."""
+    start = random.randrange(len(PORT_BAND))
+    for offset in range(len(PORT_BAND)):
+        port = PORT_BAND[(start + offset) % len(PORT_BAND)]
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORT_BAND}")
+
+
+def wait_until_listening(port: int, agent: subprocess.Popen, timeout: float) -> bool:
+    """Whether something listens on ``port`` within ``timeout`` while ``agent`` runs."""
+    deadline = time.monotonic() + timeout
+    while agent.poll() is None and time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.1)
+    return False
+
+
+def train_steps_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return max((json.loads(line)["step"] for line in lines if '"train"' in line), default=0)
+
+
+def lose_the_node(agent: subprocess.Popen) -> None:
+    """What a machine that goes down does to its torchrun and its workers: all of them end at once.
+
+    The agent is held still first: a worker whose torchrun dies before it would get SIGTERM
+    (PR_SET_PDEATHSIG) and ask the others to stop with a checkpoint, which a dead machine never does.
+    """
+    workers = descendants(agent.pid)
+    os.kill(agent.pid, signal.SIGSTOP)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    kill_all(agent.pid)
+
+
+def test_a_node_lost_the_other_continues_alone_and_the_run_is_the_same(
+    transformer_noise: NoiseRuns, tmp_path: Path
+) -> None:
+    """Two torchrun agents, a "node" of one process each, in an elastic rendezvous (--nnodes=1:2). At step 6
+    the second node is lost. The first node's worker fails in its next collective; its torchrun starts it
+    again in a rendezvous of the one node left, and it resumes from the newest checkpoint at world size 1.
+    --global-batch-size keeps each step's batch, so the run is still the same training.
+
+    The second agent is the one lost: the first hosts the rendezvous store (the endpoint's port), which
+    must outlive any node that can be lost (README, "Which layer recovers from what").
+    """
+    run_dir = tmp_path / "run"
+    port = port_in_band()
+    elastic = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1"),
+        *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={tmp_path.name}"),
+        # Once a node has gone, how long the survivors wait for it to come back before going on without it.
+        "--rdzv-conf=last_call_timeout=5",
+    ]
+    args = [*EQUIVALENCE_ARGS, "--checkpoint-interval", "2", "--resume"]
+    command = [*elastic, *script_invocation("ddp/train_transformer.py", args, run_dir, [])]
+    survivor = start(command)
+    # Both agents are on this machine, so either could host the store: the first to listen on the port.
+    # The survivor must: a store whose node is lost is gone, and the survivors with it (measured).
+    hosting = wait_until_listening(port, survivor, 60)
+    lost = start(command)
+    survived = None
+    try:
+        assert hosting, "the first torchrun never listened on the rendezvous port"
+        deadline = time.monotonic() + 120
+        while train_steps_logged(run_dir) < 6 and survivor.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # polls the run's own record of its progress, up to the deadline
+        lose_the_node(lost)
+        survived = survivor.communicate(timeout=150)[0]
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for agent in (survivor, lost):
+            kill_all(agent.pid)
+    outputs = [survived if survived is not None else survivor.communicate()[0], lost.communicate()[0]]
+    describe = "\n".join([f"$ {' '.join(command)}  (twice)", "--- the node that stays ---", outputs[0],
+                          "--- the node lost ---", outputs[1]])  # fmt: skip
+    assert survived is not None, f"the node that stays did not finish within 150 s\n{describe}"
+    assert survivor.returncode == 0, describe
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (resume,) = [record for record in records if record["event"] == "resume"]
+    # The newest checkpoint when the node went: step 4 or later (one every 2 steps, the loss at step 6).
+    assert resume["world_size"] == 1 and resume["step"] >= 4, describe
+    assert [record["step"] for record in records if record["event"] == "train"] == list(range(1, EQUIVALENCE_STEPS + 1))
+    assert_same_training(transformer_noise, run_dir, describe, EQUIVALENCE_STEPS)
 
 
 def test_non_finite_loss_stops_before_the_step_and_keeps_the_checkpoint(tmp_path: Path) -> None:
