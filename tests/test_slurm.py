@@ -298,7 +298,10 @@ PREEMPTIBLE = [
     ("scavenger", "ddp", "ddp/train_transformer.py"),
     ("scavenger-nograce", "fsdp", "fsdp/train_transformer.py"),
 ]
-PREEMPTED_STEPS = 40
+# Enough steps that a run is still training when the test, having seen step 5, holds it still: one
+# process of the tiny transformer runs 40 steps in well under a second. The steps after the preemption
+# cost a few seconds of CPU in all.
+PREEMPTED_STEPS = 200
 
 
 class TestOnARealCluster:
@@ -416,7 +419,7 @@ class TestOnARealCluster:
         """PreemptMode=REQUEUE, as scavenger partitions have it (tests/slurm_cluster.py): a job in a partition
         with GraceTime=60 and one in a partition with none share node2, and one job of a higher PriorityTier
         asks for all of node2's CPUs. Slurm preempts both."""
-        args = [*TRANSFORMER_ARGS, "--max-steps", str(PREEMPTED_STEPS), "--checkpoint-interval", "10"]
+        args = [*TRANSFORMER_ARGS, "--max-steps", str(PREEMPTED_STEPS), "--checkpoint-interval", "20"]
         jobs = {
             partition: submit(
                 slurm_cluster,
