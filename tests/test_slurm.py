@@ -419,7 +419,9 @@ class TestOnARealCluster:
         """PreemptMode=REQUEUE, as scavenger partitions have it (tests/slurm_cluster.py): a job in a partition
         with GraceTime=60 and one in a partition with none share node2, and one job of a higher PriorityTier
         asks for all of node2's CPUs. Slurm preempts both."""
-        args = [*TRANSFORMER_ARGS, "--max-steps", str(PREEMPTED_STEPS), "--checkpoint-interval", "20"]
+        # A global batch of 4 (the last --global-batch-size wins): 200 steps at a quarter of the cost.
+        args = [*TRANSFORMER_ARGS, "--global-batch-size", "4", "--max-steps", str(PREEMPTED_STEPS),
+                "--checkpoint-interval", "20"]  # fmt: skip
         jobs = {
             partition: submit(
                 slurm_cluster,
