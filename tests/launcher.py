@@ -125,7 +125,8 @@ def _forget_this_repository(program: str) -> None:
     installation = Path(sys.prefix).resolve()
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if file and REPO in Path(file).resolve().parents and installation not in Path(file).resolve().parents:
+        folders = Path(file).resolve().parents if file else []
+        if REPO in folders and installation not in folders:
             del sys.modules[name]
     pythonpath = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     rest = [entry for entry in sys.path if entry and Path(entry).resolve() != REPO and entry not in pythonpath]
