@@ -16,7 +16,6 @@ the README's command itself, with python and torchrun, at a size that costs litt
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -223,6 +222,5 @@ def test_the_readme_command_runs_the_copy_with_python_and_torchrun(tmp_path: Pat
     runs = project / "runs" / "equivalence" / "train-2"
     assert sorted(path.name for path in runs.iterdir() if path.is_dir()) == ["candidate", "reference", "twin-2"]
     for run in ("reference", "twin-2", "candidate"):
-        (final,) = [json.loads(line) for line in (runs / run / "metrics.jsonl").read_text().splitlines()
-                    if '"final"' in line]  # fmt: skip
+        final = Run(check.command, check.returncode, check.output, runs / run).final()
         assert final["world_size"] == (2 if run == "candidate" else 1), check.describe()
