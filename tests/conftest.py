@@ -175,10 +175,12 @@ def run_warm(
     nproc: int | None,
     timeout: float,
     on_line: Callable[[str], None] | None = None,
+    namespaces_of: int | None = None,
 ) -> Run:
-    """``invocation`` (a ``script_invocation``) with its ranks forked from the warm server."""
+    """``invocation`` (a ``script_invocation``) with its ranks forked from the warm server; in the user and
+    mount namespaces of process ``namespaces_of`` if given."""
     program, *argv = invocation
-    finished = launcher.launch(program, argv, clean_env(), nproc, timeout, on_line)
+    finished = launcher.launch(program, argv, clean_env(), nproc, timeout, on_line, namespaces_of=namespaces_of)
     run = Run([*launcher_prefix(nproc), *invocation], finished.returncode, finished.output, run_dir, warm=True)
     if finished.timed_out:
         pytest.fail(f"timed out after {timeout} s\n{run.describe()}")

@@ -27,6 +27,7 @@ interpreter shutdown. Shutdown-time faults show only under real launchers, which
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -100,7 +101,9 @@ def torchrun_env(base: dict[str, str], rank: int, world_size: int, port: int, ru
     }
 
 
-def _run_rank(program: str, argv: list[str], env: dict[str, str], output: Connection, cwd: Path) -> None:
+def _run_rank(
+    program: str, argv: list[str], env: dict[str, str], output: Connection, cwd: Path, namespaces_of: int | None
+) -> None:
     """The body of one rank, in a fork of the server."""
     os.setsid()  # a process group of its own, so that a timeout kills whatever it started too
     for stream in (1, 2):
@@ -108,11 +111,34 @@ def _run_rank(program: str, argv: list[str], env: dict[str, str], output: Connec
     output.close()
     os.environ.clear()
     os.environ.update(env)
+    if namespaces_of is not None:
+        _join_namespaces(namespaces_of)
     os.chdir(cwd)
     if cwd != REPO:
         _forget_this_repository(program)
     sys.argv = [program, *argv]
     runpy.run_path(program, run_name="__main__")
+
+
+# setns(2)'s flags for the two kinds of namespace a rank can join (linux/sched.h).
+CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
+
+
+def _join_namespaces(pid: int) -> None:
+    """Enter the user and mount namespaces of process ``pid``: the rank sees the file systems mounted there.
+
+    The user namespace first: it gives the rights to enter the mount namespace it owns. Joining a user
+    namespace needs a process of one thread, which a fresh fork of the server is.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind, flag in (("user", CLONE_NEWUSER), ("mnt", CLONE_NEWNS)):
+        descriptor = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
+        try:
+            if libc.setns(descriptor, flag) != 0:
+                error = ctypes.get_errno()
+                raise OSError(error, f"cannot join the {kind} namespace of process {pid}: {os.strerror(error)}")
+        finally:
+            os.close(descriptor)
 
 
 def _forget_this_repository(program: str) -> None:
@@ -141,13 +167,16 @@ def launch(
     timeout: float,
     on_line: Callable[[str], None] | None = None,
     cwd: Path = REPO,
+    namespaces_of: int | None = None,
 ) -> Finished:
     """Run ``program argv`` as ``python`` (``nproc`` None) or ``torchrun --nproc_per_node=nproc`` would,
     started in ``cwd``.
 
     ``on_line`` sees each line of output as it arrives. When ``timeout`` runs out, every rank is
     killed and ``timed_out`` is set. A ``cwd`` outside this repository runs a script of another
-    project: its ranks see none of this repository's modules (``_forget_this_repository``).
+    project: its ranks see none of this repository's modules (``_forget_this_repository``). With
+    ``namespaces_of``, a process's id, the ranks run in its user and mount namespaces, as a command
+    that ``unshare`` starts would (``_join_namespaces``).
     """
     server = fork_server(env)
     reader, writer = server.Pipe(duplex=False)
@@ -161,7 +190,10 @@ def launch(
         store = dist.TCPStore("127.0.0.1", 0, nproc, True, timedelta(seconds=timeout), wait_for_workers=False)
         run_id = uuid.uuid4().hex
         rank_envs = [torchrun_env(env, rank, nproc, store.port, run_id) for rank in range(nproc)]
-    ranks = [server.Process(target=_run_rank, args=(program, argv, rank_env, writer, cwd)) for rank_env in rank_envs]
+    ranks = [
+        server.Process(target=_run_rank, args=(program, argv, rank_env, writer, cwd, namespaces_of))
+        for rank_env in rank_envs
+    ]
     for rank in ranks:
         rank.start()
     writer.close()  # the ranks hold the only write ends now: end of file means all of them are gone

@@ -4,7 +4,8 @@ Tried from the user's side: a second run on the same folder, a fresh run over a
 finished one, a killed run, a stop request during startup, weights that
 overflow, a disk that fills mid-run and one that is read-only. The disks are
 real: a tmpfs of a few MiB in a mount namespace of the test's own (``unshare``),
-filled by tests/inject_fault.py until the kernel answers ENOSPC.
+which the runs' ranks join, filled by tests/inject_fault.py until the kernel
+answers ENOSPC.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import json
 import os
 import re
 import select
-import shlex
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,8 @@ def one_message(run: Run, text: str) -> None:
     assert run.output.count(text) == 1, run.describe()
     assert run.output.count("error:") == 1, run.describe()
     assert not OUR_TRACEBACK.search(run.output), run.describe()
+    # What a real interpreter prints when a finalizer fails at exit (a __del__, a thread): a second message.
+    assert "Exception ignored" not in run.output, run.describe()
 
 
 def tree(folder: Path) -> dict[str, bytes]:
@@ -170,22 +174,57 @@ def test_weights_that_overflow_are_never_saved(script: str, args: list[str], mes
 # -- real disks: full, and read-only -----------------------------------------------------------
 
 
-def run_on_a_small_disk(tmp_path: Path, command: list[str], size: str = "64m", read_only: bool = False) -> Run:
-    """``command`` with RUN_DIR (tmp_path/disk/run) on a tmpfs of ``size``; what it left is then in tmp_path/kept."""
+@contextmanager
+def small_disk(tmp_path: Path, size: str, read_only: bool) -> Iterator[int]:
+    """A tmpfs of ``size`` at tmp_path/disk, in a user and mount namespace of its own; yields the id of the
+    shell that holds them, whose namespaces the runs join. On exit what the disk holds is copied to tmp_path/kept.
+
+    The tmpfs is gone with the shell, whatever happens to the test; only processes in its namespace see it.
+    """
     disk, kept = tmp_path / "disk", tmp_path / "kept"
     disk.mkdir()
     kept.mkdir()
     mount = f"mount -t tmpfs -o size={size} tmpfs {disk}"
     if read_only:
         mount += f" && mkdir {disk}/run && mount -o remount,ro {disk}"
-    shell = f"{mount} && {shlex.join(command)}; code=$?; cp -a {disk}/. {kept}/; exit $code"
-    # A mount namespace of its own: the tmpfs is gone with the command, whatever happens to the test.
-    return run_command(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", shell], kept / "run", 150)
+    shell = f"{mount} && echo mounted && read done; cp -a {disk}/. {kept}/"
+    holder = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", shell],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        said = holder.stdout.readline()  # type: ignore[union-attr]
+        assert said == "mounted\n", f"no tmpfs: {said}{holder.communicate(timeout=30)[0]}"
+        yield holder.pid
+        holder.communicate("\n", timeout=60)
+    finally:
+        kill_all(holder.pid)
 
 
-def on_disk(tmp_path: Path, script: str, args: list[str], nproc: int | None, fault: str | None = None) -> list[str]:
+def run_on_a_small_disk(
+    tmp_path: Path,
+    script: str,
+    args: list[str],
+    nproc: int | None,
+    fault: str | None = None,
+    size: str = "64m",
+    read_only: bool = False,
+    real_launcher: bool = False,
+) -> Run:
+    """``script``, its run dir (tmp_path/disk/run) on a ``small_disk``; what it left is then in tmp_path/kept/run.
+
+    ``real_launcher``: python or torchrun itself, started in the disk's namespaces by ``nsenter``, for what
+    only a real interpreter's shutdown would show: the warm launcher's ranks end with ``os._exit``, which
+    runs no finalizer, so none can print an error there.
+    """
     wrapper = ["tests/inject_fault.py", fault] if fault else []
-    return [*launcher_prefix(nproc), *script_invocation(script, args, tmp_path / "disk" / "run", wrapper)]
+    invocation = script_invocation(script, args, tmp_path / "disk" / "run", wrapper)
+    kept = tmp_path / "kept" / "run"
+    with small_disk(tmp_path, size, read_only) as holder:
+        if not real_launcher:
+            return run_warm(invocation, kept, nproc, 150, namespaces_of=holder)
+        enter = ["nsenter", f"--target={holder}", "--user", "--mount", f"--wd={REPO}"]
+        return run_command([*enter, *launcher_prefix(nproc), *invocation], kept, 150)
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -202,7 +241,7 @@ CHECKPOINT_ON_FULL_DISK = [*SMALL, "--max-steps", "8", "--checkpoint-interval", 
     ids=["ddp-full", "fsdp-sharded"],
 )
 def test_a_full_disk_at_a_checkpoint_is_one_message_and_keeps_the_last(script: str, saved: str, tmp_path: Path) -> None:
-    run = run_on_a_small_disk(tmp_path, on_disk(tmp_path, script, CHECKPOINT_ON_FULL_DISK, 2, "fill-disk@3"))
+    run = run_on_a_small_disk(tmp_path, script, CHECKPOINT_ON_FULL_DISK, 2, "fill-disk@3")
     one_message(run, "No space left on device")
     assert run.returncode == 1, run.describe()
     step = "step-4.pt" if saved.endswith(".pt") else "step-4"
@@ -224,7 +263,8 @@ def test_a_full_disk_at_a_checkpoint_is_one_message_and_keeps_the_last(script: s
 def test_a_full_disk_without_checkpoints_is_one_message(fault: str, steps: int, unwritten: str, tmp_path: Path) -> None:
     """The default --checkpoint-interval 0: the disk fills before the run's last write."""
     args = [*SMALL, "--max-steps", str(steps), "--log-interval", "1"]
-    run = run_on_a_small_disk(tmp_path, on_disk(tmp_path, SCRIPT, args, None, fault))
+    # One case through a real interpreter: its shutdown after the failure is part of what the user sees.
+    run = run_on_a_small_disk(tmp_path, SCRIPT, args, None, fault, real_launcher=unwritten == "metrics.jsonl")
     one_message(run, f"could not write {tmp_path}/disk/run/{unwritten}: No space left on device")
     assert "this run has saved no checkpoint" in run.output, run.describe()
     assert leftovers(tmp_path / "kept") == [] and not (tmp_path / "kept" / "run" / "model.pt").exists()
@@ -232,14 +272,14 @@ def test_a_full_disk_without_checkpoints_is_one_message(fault: str, steps: int, 
 
 def test_a_disk_too_small_for_the_run_is_refused_before_training(tmp_path: Path) -> None:
     args = [*SMALL, "--max-steps", "4", "--checkpoint-interval", "2"]
-    run = run_on_a_small_disk(tmp_path, on_disk(tmp_path, SCRIPT, args, None), size="2m")
+    run = run_on_a_small_disk(tmp_path, SCRIPT, args, None, size="2m")
     one_message(run, "this run needs about")
     assert "step " not in run.output.split("this run needs about")[0], "refused before the first step"
     assert list((tmp_path / "kept").iterdir()) == [], "a refused run leaves nothing"
 
 
 def test_a_read_only_run_dir_is_refused_first(tmp_path: Path) -> None:
-    run = run_on_a_small_disk(tmp_path, on_disk(tmp_path, SCRIPT, SMALL, None), read_only=True)
+    run = run_on_a_small_disk(tmp_path, SCRIPT, SMALL, None, read_only=True)
     one_message(run, f"--run-dir {tmp_path}/disk/run: cannot write in")
     assert "model:" not in run.output, "refused before the model was built"
 
