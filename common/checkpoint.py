@@ -42,6 +42,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -563,6 +564,63 @@ class Checkpointer:
             else "There is no earlier checkpoint in this run directory"
         )
         return f"checkpoint {path} cannot be loaded ({error}). Nothing was deleted. {advice}."
+
+
+# -- starting from weights: --init-from -------------------------------------------------------------
+
+
+def start_from_weights(model: torch.nn.Module, path: Path, ctx: DistContext) -> None:
+    """--init-from: the weights of a plain state dict (a run's model.pt, common.export_checkpoint's
+    output, any state dict of this model) in the wrapped ``model``, for a new run from step 0.
+
+    DISTRIBUTED: only rank 0 reads the file. set_model_state_dict broadcasts it one tensor at a time
+    and each rank keeps its own part, so no rank holds more than one whole copy, and a GPU holds at
+    most one whole tensor. Keys or shapes that differ stop every rank with one message (exit 2).
+    """
+    # This rank's part of each tensor, under the names a plain model has; size() is the whole tensor's.
+    expected = {name: tuple(tensor.size()) for name, tensor in get_model_state_dict(model).items()}
+    state: dict[str, torch.Tensor] = {}
+    problem = None
+    if ctx.is_main:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any failure to read it is one message, below
+            problem = f"cannot be loaded ({describe_failure(err)})"
+        else:
+            problem = weights_mismatch(state, expected)
+    problem = broadcast_object(problem)
+    if problem is not None:
+        raise FatalError(f"--init-from {path} {problem}")
+    with quiet_internal_warnings():
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    print0(f"weights from {path} ({len(expected)} tensors); a new run: step 0, a fresh optimizer")
+
+
+def weights_mismatch(state: Any, expected: dict[str, tuple[int, ...]]) -> str | None:
+    """Why ``state`` does not fit a model whose state dict has ``expected``'s names and shapes; None if it fits."""
+    if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+        return (
+            "is not a state dict (tensors by name). A checkpoint of a run resumes with --resume-from; "
+            "python -m common.export_checkpoint turns one into a state dict"
+        )
+    missing = [name for name in expected if name not in state]
+    unexpected = [name for name in state if name not in expected]
+    reshaped = [
+        f"{name} is {list(state[name].shape)} there, {list(shape)} here"
+        for name, shape in expected.items()
+        if name in state and tuple(state[name].shape) != shape
+    ]
+    parts = [
+        f"{what}: {first_few(names)}"
+        for what, names in (("missing", missing), ("not in this model", unexpected), ("other shapes", reshaped))
+        if names
+    ]
+    return f"does not fit this model ({'; '.join(parts)})" if parts else None
+
+
+def first_few(items: list[str], shown: int = 3) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def describe_failure(err: BaseException) -> str:

@@ -444,6 +444,14 @@ def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
     group.add_argument(
         "--resume-from", type=Path, metavar="PATH", help="continue from this checkpoint (RUN_DIR/checkpoints/step-N)"
     )
+    group.add_argument(
+        "--init-from",
+        type=Path,
+        metavar="PATH",
+        help="start from these weights: a state dict of this model (a run's model.pt, or python -m "
+        "common.export_checkpoint's output), at step 0 with a fresh optimizer; with --resume, a checkpoint "
+        "in --run-dir comes first",
+    )
     if sharded:
         group.add_argument(
             "--checkpoint-format",
@@ -482,6 +490,16 @@ def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
     check_run_dir(parser, args.run_dir)
     if args.resume and args.resume_from is not None:
         parser.error("give --resume (the newest checkpoint) or --resume-from PATH, not both")
+    if args.init_from is not None:
+        if args.resume_from is not None:
+            parser.error("give --resume-from (continue a run) or --init-from (start one from weights), not both")
+        if args.init_from.is_dir():
+            parser.error(
+                f"--init-from {args.init_from} is a folder, as a sharded checkpoint is; "
+                f"python -m common.export_checkpoint {args.init_from} weights.pt makes a state dict of one"
+            )
+        if not args.init_from.is_file():
+            parser.error(f"--init-from {args.init_from}: no such file")
     if args.resume_from is not None:
         if not args.resume_from.exists():
             parser.error(f"--resume-from {args.resume_from}: no such checkpoint")

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from torch.optim.lr_scheduler import StepLR
 
-from common.checkpoint import Checkpointer, save_model_file
+from common.checkpoint import Checkpointer, save_model_file, start_from_weights
 from common.cli import (
     add_checkpoint_flags,
     add_mnist_flags,
@@ -128,6 +128,8 @@ def train(args, ctx: DistContext) -> None:
         check_before_save=finite_loss.check,  # a non-finite loss never reaches a checkpoint
     )
     resumed = checkpoints.resume(args.resume, args.resume_from)
+    if args.init_from is not None and not resumed.path:  # a checkpoint of this run, when resumed, comes first
+        start_from_weights(model, args.init_from, ctx)  # YOUR WEIGHTS: a state dict of this model
     stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
     observer = StepObserver(args.run_dir, ctx, args.profile)  # what one step sends; --profile's trace
 
