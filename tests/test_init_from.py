@@ -44,7 +44,7 @@ def same_tensors(path_a: Path, path_b: Path) -> bool:
         "ddp/train_mnist.py",
         "fsdp/train_mnist.py",
         "ddp/train_transformer.py",
-        "fsdp/train_transformer.py",
+        pytest.param("fsdp/train_transformer.py", marks=pytest.mark.floor),  # FSDP1's loading differs by release
         pytest.param(FSDP2_SCRIPT, marks=NEEDS_FSDP2_ON_CPU),
     ],
 )
