@@ -263,6 +263,12 @@ def add_transformer_flags(parser: Parser) -> None:
         help="synthetic held-out sequences (default: %(default)s)",
     )
     group.add_argument(
+        "--variable-length",
+        action="store_true",
+        help="cut each synthetic sequence to 1 to --block-size tokens, drawn from the data's seed, and pad the "
+        "rest (ignore_index), as real text of uneven lengths is; each token still weighs the same in the loss",
+    )
+    group.add_argument(
         "--warmup-steps", type=non_negative_int, default=30, help="steps of linear warm-up to the peak lr"
     )
     group.add_argument(
@@ -288,6 +294,8 @@ def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     if args.text_file is not None:
         check_text_file(parser, args.text_file, args.block_size)
+        if args.variable_length:
+            parser.error("--variable-length cuts the synthetic sequences; --text-file windows are whole")
 
 
 def check_text_file(parser: Parser, path: Path, block_size: int) -> None:

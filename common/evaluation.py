@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from common.distributed import DistContext, FatalError, max_over_ranks
+from common.tokens import IGNORE_INDEX
 
 
 def _lockstep_batches(loader: DataLoader, ctx: DistContext) -> Iterator[tuple[Any, bool]]:
@@ -93,8 +94,9 @@ def evaluate_language_model(
         with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
             logits = model(inputs)
         if counts:
+            # Padding (IGNORE_INDEX) adds nothing to the sum and is not counted.
             loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-            tokens += targets.numel()
+            tokens += (targets != IGNORE_INDEX).sum()
             sequences += targets.shape[0]
     model.train()
     loss_sum, tokens, sequences = _sum_over_ranks(torch.stack([loss_sum, tokens, sequences]))

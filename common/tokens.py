@@ -18,6 +18,8 @@ from torch.utils.data import Dataset, TensorDataset
 # The source is part of the task, not of the run: a fixed seed keeps it the same
 # whatever --seed the training uses, so runs with different seeds are comparable.
 MARKOV_SEED = 1234
+# A target that counts for nothing (padding): F.cross_entropy's default ignore_index.
+IGNORE_INDEX = -100
 
 
 @dataclass
@@ -100,24 +102,47 @@ class MarkovSource:
         return tokens
 
 
-def _pairs(sequences: torch.Tensor) -> TensorDataset:
-    """Next-token prediction: the target is the input shifted by one."""
-    return TensorDataset(sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous())
+def _pairs(sequences: torch.Tensor, lengths: torch.Tensor | None = None) -> TensorDataset:
+    """Next-token prediction: the target is the input shifted by one.
+
+    With ``lengths``, sequence i keeps its first lengths[i] targets; the rest are padding, IGNORE_INDEX
+    as targets and 0 as inputs, which a causal model reads only for the padded positions' own predictions.
+    """
+    inputs, targets = sequences[:, :-1].clone(), sequences[:, 1:].clone()
+    if lengths is not None:
+        padding = torch.arange(targets.shape[1]) >= lengths[:, None]
+        inputs[padding], targets[padding] = 0, IGNORE_INDEX
+    return TensorDataset(inputs, targets)
 
 
-def markov_data(block_size: int, train_sequences: int, heldout_sequences: int) -> TokenData:
+def markov_data(
+    block_size: int, train_sequences: int, heldout_sequences: int, variable_length: bool = False
+) -> TokenData:
+    """``variable_length``: each sequence cut to 1 to block_size tokens, drawn from the data's seed, and padded."""
     source = MarkovSource()
     generator = torch.Generator().manual_seed(MARKOV_SEED + 1)
-    sequences = source.sample(train_sequences + heldout_sequences, block_size + 1, generator)
-    floor = source.loss_floor(block_size)
+    count = train_sequences + heldout_sequences
+    sequences = source.sample(count, block_size + 1, generator)
+    lengths = torch.randint(1, block_size + 1, (count,), generator=generator) if variable_length else None
+    if lengths is None:
+        floor = source.loss_floor(block_size)
+        shape = f"loss floor {floor:.4f} at block size {block_size}"
+    else:
+        # The held-out loss is a mean over tokens: each sequence's floor weighs by its length.
+        heldout = lengths[train_sequences:].tolist()
+        floor = sum(length * source.loss_floor(length) for length in heldout) / sum(heldout)
+        shape = f"lengths 1 to {block_size} (padded), held-out loss floor {floor:.4f}"
     description = (
         f"synthetic Markov tokens: vocab {source.vocab_size}, order {source.order}, "
         f"{train_sequences} train / {heldout_sequences} held-out sequences; "
-        f"entropy rate {source.entropy_rate():.4f} nats/token, loss floor {floor:.4f} at block size {block_size}"
+        f"entropy rate {source.entropy_rate():.4f} nats/token, {shape}"
+    )
+    train_lengths, heldout_lengths = (
+        (None, None) if lengths is None else lengths.split([train_sequences, heldout_sequences])
     )
     return TokenData(
-        _pairs(sequences[:train_sequences]),
-        _pairs(sequences[train_sequences:]),
+        _pairs(sequences[:train_sequences], train_lengths),
+        _pairs(sequences[train_sequences:], heldout_lengths),
         source.vocab_size,
         floor,
         description,

@@ -24,6 +24,7 @@ from common.metrics import (
     reset_peak_memory,
     transformer_flops_per_token,
 )
+from common.tokens import IGNORE_INDEX
 
 
 def plan_total_steps(steps_per_epoch: int, epochs: int | None, max_steps: int | None) -> int:
@@ -93,6 +94,20 @@ class FiniteLossCheck:
             "gradients (--grad-clip), or resume from an earlier checkpoint with --resume-from",
             exit_code=1,
         )
+
+
+def global_token_count(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], ctx: DistContext) -> torch.Tensor:
+    """The targets that count in one optimizer step, over all its micro-batches and every rank: what
+    the step's summed loss is divided by, so that every token weighs the same wherever it falls.
+
+    Counted where the batches were loaded (on the host), then added up over the ranks on the device:
+    the step never waits to read it. A mean per micro-batch would instead weigh a token by how many
+    others share its micro-batch, which changes with the world size and the accumulation split.
+    """
+    local = sum((targets != IGNORE_INDEX).sum() for _, targets in micro_batches)
+    count = local.to(ctx.device, non_blocking=True)
+    dist.all_reduce(count)
+    return count
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:

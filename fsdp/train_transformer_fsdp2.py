@@ -61,7 +61,14 @@ from common.models import GPT, checkpoint_activations, compile_layers, count_par
 from common.preemption import StopRequest
 from common.run_lock import RunDirLock
 from common.tokens import markov_data, text_data
-from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps, warmup_cosine
+from common.training import (
+    FiniteLossCheck,
+    ProgressReporter,
+    finish_run,
+    global_token_count,
+    plan_total_steps,
+    warmup_cosine,
+)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -100,7 +107,7 @@ def train(args, ctx: DistContext) -> None:
     if args.text_file is not None:
         data = text_data(args.text_file, args.block_size)
     else:
-        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences)
+        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
     print0(f"data: {data.description}")
     loader = train_loader(data.train, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
     heldout_loader = eval_loader(data.heldout, args.eval_batch_size, ctx)
@@ -217,11 +224,15 @@ def train(args, ctx: DistContext) -> None:
                     checkpoints.save(step)
             # Only steps that log read values from the device: the others never make the host wait for it.
             logs = (step + 1) % args.log_interval == 0 or step + 1 == total_steps
+            micro_batches = [next(batches) for _ in range(args.grad_accum_steps)]
+            # DISTRIBUTED: the tokens that count in this step, on every rank; each micro-step's loss is its
+            # sum divided by them, so a token weighs the same at any world size and accumulation split.
+            # Counted before the measured step, as the stop agreement is: bookkeeping, not the strategy's.
+            tokens = global_token_count(micro_batches, ctx)
             observer.begin_step(step)  # from here to end_step: one optimizer step, nothing else
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)
-            for micro_step in range(args.grad_accum_steps):
-                inputs, targets = next(batches)
+            for micro_step, (inputs, targets) in enumerate(micro_batches):
                 inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
                 # DISTRIBUTED: skip the gradient reduce-scatter on all but the last
                 # micro-step (FSDP2's no_sync); unsharded gradients add up locally until then.
@@ -229,7 +240,9 @@ def train(args, ctx: DistContext) -> None:
                 model.set_requires_gradient_sync(last_micro_step)
                 logits = model(inputs)
                 # YOUR LOSS. In fp32 whatever the compute dtype: a bf16 softmax is too coarse.
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps
+                # DISTRIBUTED: times the world size, since the gradient reduction averages over ranks.
+                summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+                loss = summed * ctx.world_size / tokens
                 loss.backward()
                 step_loss += loss.detach()
             finite_loss.watch(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none

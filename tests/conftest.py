@@ -311,6 +311,11 @@ def transformer_noise(tmp_path_factory: pytest.TempPathFactory) -> NoiseRuns:
 
 
 @pytest.fixture(scope="session")
+def variable_length_noise(tmp_path_factory: pytest.TempPathFactory) -> NoiseRuns:
+    return shared_noise_runs(tmp_path_factory, "variable-length")
+
+
+@pytest.fixture(scope="session")
 def mnist_noise(tmp_path_factory: pytest.TempPathFactory, tiny_mnist_dir: Path) -> NoiseRuns:
     # Each xdist worker writes its own copy of the fixture: the same files, from the same seed.
     return shared_noise_runs(tmp_path_factory, "mnist", ("--data-dir", str(tiny_mnist_dir)))

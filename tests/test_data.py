@@ -8,7 +8,7 @@ import torch
 
 from common.data import eval_shard
 from common.distributed import DistContext
-from common.tokens import MarkovSource, markov_data
+from common.tokens import IGNORE_INDEX, MarkovSource, markov_data
 
 
 def context(rank: int, world_size: int) -> DistContext:
@@ -62,3 +62,18 @@ def test_markov_data_is_the_same_whatever_the_training_seed() -> None:
     second = markov_data(16, 10, 5)
     assert torch.equal(first.train.tensors[0], second.train.tensors[0])
     assert first.entropy_floor == second.entropy_floor
+
+
+def test_variable_lengths_pad_each_sequence_after_its_own_length() -> None:
+    block = 16
+    fixed, cut = markov_data(block, 200, 50), markov_data(block, 200, 50, variable_length=True)
+    inputs, targets = cut.train.tensors
+    valid = targets != IGNORE_INDEX
+    lengths = valid.sum(dim=1)
+    assert lengths.min() >= 1 and lengths.max() <= block and len(set(lengths.tolist())) > block // 2
+    assert torch.equal(valid, torch.arange(block) < lengths[:, None]), "the valid targets are a prefix"
+    # The same source tokens where they are kept; padding (0) where not.
+    assert torch.equal(targets[valid], fixed.train.tensors[1][valid])
+    assert torch.equal(inputs[valid], fixed.train.tensors[0][valid]) and not inputs[~valid].any()
+    # Short sequences weigh their first tokens, which have less context, more: a higher floor.
+    assert cut.entropy_floor > fixed.entropy_floor

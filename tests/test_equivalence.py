@@ -34,6 +34,7 @@ from tests.noise_floor import (
     MNIST_STEPS,
     TRANSFORMER_ARGS,
     TRANSFORMER_STEPS,
+    VARIABLE_LENGTH_ARGS,
     NoiseRuns,
     assert_same_training,
 )
@@ -279,6 +280,46 @@ def test_broken_copies_leave_the_band_a_hundredfold(
     script, edits = BREAKAGES[breakage]
     run = run_script(str(broken_copy(script, edits, tmp_path)), TRANSFORMER_ARGS, tmp_path / "run", nproc=3).check()
     verdict = transformer_noise.verdict(tmp_path / "run")
+    assert not verdict.same, run.describe()
+    assert verdict.largest_ratio >= BROKEN_MARGIN, (verdict.largest_ratio, run.describe())
+
+
+# --variable-length: every token weighs the same only if a step's loss is divided by the tokens of the
+# whole global batch. (id, script, processes, accumulation steps): 2 and 3 ranks, with accumulation.
+VARIABLE_LENGTH_CASES = [
+    ("ddp-3x2-accum", "ddp/train_transformer.py", 3, 2),
+    ("fsdp1-2x3-accum", "fsdp/train_transformer.py", 2, 3),
+    ("fsdp2-3x2-accum", "fsdp/train_transformer_fsdp2.py", 3, 2),
+]
+
+
+@pytest.mark.parametrize(("case", "script", "nproc", "accumulation"), cases(VARIABLE_LENGTH_CASES))
+def test_variable_lengths_match_one_process(
+    case: str, script: str, nproc: int, accumulation: int, variable_length_noise: NoiseRuns, tmp_path: Path
+) -> None:
+    flags = [*VARIABLE_LENGTH_ARGS, "--grad-accum-steps", str(accumulation)]
+    run = run_script(script, flags, tmp_path, nproc=nproc).check()
+    assert_same_training(variable_length_noise, tmp_path, run.describe(), TRANSFORMER_STEPS)
+    assert_evaluated_alike(variable_length_noise.reference, tmp_path, run.describe())
+
+
+# What the scripts did before: each micro-step's mean over its own tokens, divided by the micro-steps.
+MEAN_PER_MICRO_BATCH = {
+    "loss = summed * ctx.world_size / tokens": (
+        "loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum_steps"
+    )
+}
+
+
+def test_a_mean_per_micro_batch_trains_differently_on_variable_lengths(
+    variable_length_noise: NoiseRuns, tmp_path: Path
+) -> None:
+    """Why the loss is summed and divided by the global batch's tokens: the old loss, at 3 ranks in 2
+    micro-steps, leaves the noise floor a hundredfold (the reference and twins weigh every token once)."""
+    broken = broken_copy("ddp/train_transformer.py", MEAN_PER_MICRO_BATCH, tmp_path)
+    flags = [*VARIABLE_LENGTH_ARGS, "--grad-accum-steps", "2"]
+    run = run_script(str(broken), flags, tmp_path / "run", nproc=3).check()
+    verdict = variable_length_noise.verdict(tmp_path / "run")
     assert not verdict.same, run.describe()
     assert verdict.largest_ratio >= BROKEN_MARGIN, (verdict.largest_ratio, run.describe())
 
