@@ -16,6 +16,7 @@ from typing import IO
 from common.checkpoint import checkpoint_step, complete_checkpoints, nearest_existing
 from common.distributed import env_rank, env_world_size, wants_cuda
 from common.models import GPT_PRESETS, GPTConfig
+from common.tokens import read_token_metadata
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -251,6 +252,13 @@ def add_transformer_flags(parser: Parser) -> None:
         "--text-file", type=Path, help="train character-level on this UTF-8 file instead of the synthetic Markov tokens"
     )
     group.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="TOKENS",
+        help="train on a file of token ids that python -m common.prepare_tokens wrote, memory-mapped: a corpus "
+        "of any size; its last 10%% is held out",
+    )
+    group.add_argument(
         "--train-sequences",
         type=positive_int,
         default=20_000,
@@ -260,7 +268,8 @@ def add_transformer_flags(parser: Parser) -> None:
         "--heldout-sequences",
         type=positive_int,
         default=1_000,
-        help="synthetic held-out sequences (default: %(default)s)",
+        help="held-out sequences: synthetic ones, or the last windows of a --token-file, at most a tenth of it "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--variable-length",
@@ -292,10 +301,14 @@ def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("--deterministic needs --dropout 0: dropout masks differ with the world size")
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
+    if args.text_file is not None and args.token_file is not None:
+        parser.error("give --text-file or --token-file, not both")
     if args.text_file is not None:
         check_text_file(parser, args.text_file, args.block_size)
-        if args.variable_length:
-            parser.error("--variable-length cuts the synthetic sequences; --text-file windows are whole")
+    if args.token_file is not None:
+        check_token_file(parser, args.token_file, args.block_size)
+    if args.variable_length and (args.text_file or args.token_file):
+        parser.error("--variable-length cuts the synthetic sequences; the windows of a text or token file are whole")
 
 
 def check_text_file(parser: Parser, path: Path, block_size: int) -> None:
@@ -313,6 +326,22 @@ def check_text_file(parser: Parser, path: Path, block_size: int) -> None:
         parser.error(
             f"--text-file {path} has {len(text)} characters; at --block-size {block_size} it needs at least {needed}"
         )
+
+
+def check_token_file(parser: Parser, path: Path, block_size: int) -> None:
+    if not path.is_file():
+        parser.error(f"--token-file {path}: no such file")
+    try:
+        metadata = read_token_metadata(path)
+        tokens = int(metadata["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        parser.error(f"--token-file {path}: no readable {path.name}.json beside it; common.prepare_tokens writes both")
+    if path.stat().st_size != 2 * tokens:
+        parser.error(f"--token-file {path} holds {path.stat().st_size} bytes; its .json says {tokens} uint16 tokens")
+    # 90% trains and 10% is held out; each part needs at least one window.
+    needed = 10 * (block_size + 2)
+    if tokens < needed:
+        parser.error(f"--token-file {path} has {tokens} tokens; --block-size {block_size} needs at least {needed}")
 
 
 RUN_RESULTS = ("metrics.jsonl", "model.pt")  # what a run leaves in its run dir besides checkpoints

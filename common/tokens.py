@@ -3,15 +3,19 @@
 By default the tokens come from a fixed random Markov source. Because we know
 its transition probabilities, we know the lowest loss any model can reach on
 it, and a run can say how close it got. ``--text-file`` trains character-level
-on any text instead.
+on any text instead, held in memory; ``--token-file`` trains on a file of token
+ids (common.prepare_tokens) of any size, memory-mapped.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
@@ -29,6 +33,8 @@ class TokenData:
     vocab_size: int
     entropy_floor: float | None  # nats per token; None for real text
     description: str
+    # How common.sample turns ids back into text: {"characters": "..."} or {"tokenizer": "bytes"}; {} for ids only.
+    decoding: dict[str, Any] = field(default_factory=dict)
 
 
 def _entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -168,4 +174,54 @@ def text_data(path: Path, block_size: int, heldout_fraction: float = 0.1) -> Tok
         f"characters of {path}: vocab {len(vocab)}, {len(train)} train / {len(heldout)} held-out windows "
         f"(a uniform guess costs {math.log(len(vocab)):.3f} nats/token)"
     )
-    return TokenData(train, heldout, len(vocab), None, description)
+    return TokenData(train, heldout, len(vocab), None, description, {"characters": "".join(vocab)})
+
+
+class TokenWindows(Dataset):
+    """(input, target) pairs of ``block_size`` + 1 consecutive ids of a token file, from token ``first``
+    on, one window every ``block_size`` tokens: each token is a target once.
+
+    The file is memory-mapped, and opened in each process on first use: a window is read when it is
+    asked for, so a rank's memory holds the windows it trains on, never the corpus.
+    """
+
+    def __init__(self, path: Path, first: int, count: int, block_size: int) -> None:
+        self.path, self.first, self.count, self.block_size = path, first, count, block_size
+        self._tokens: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype="<u2", mode="r")
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        start = self.first + index * self.block_size
+        window = torch.from_numpy(self._tokens[start : start + self.block_size + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None}  # a DataLoader worker maps the file itself
+
+
+def read_token_metadata(path: Path) -> dict[str, Any]:
+    """What common.prepare_tokens wrote beside a token file (TOKENS.json)."""
+    return json.loads(path.with_name(path.name + ".json").read_text(encoding="utf-8"))
+
+
+def token_file_data(path: Path, block_size: int, heldout_windows: int) -> TokenData:
+    """A token file's last ``heldout_windows`` windows held out (at most a tenth of it), which never
+    train; every window before them trains. A fixed held-out count keeps an evaluation's cost the same
+    whatever the corpus's size."""
+    metadata = read_token_metadata(path)
+    total = metadata["tokens"]
+    held = max(1, min(heldout_windows, total // 10 // block_size))
+    split = total - held * block_size - 1
+    train = TokenWindows(path, 0, (split - 1) // block_size, block_size)
+    heldout = TokenWindows(path, split, held, block_size)
+    description = (
+        f"{total:,} {metadata['tokenizer']} tokens of {path} (vocab {metadata['vocab_size']}), memory-mapped: "
+        f"{len(train):,} train / {len(heldout):,} held-out windows"
+    )
+    return TokenData(train, heldout, metadata["vocab_size"], None, description, {"tokenizer": metadata["tokenizer"]})

@@ -50,7 +50,7 @@ from common.metrics import MetricsLog
 from common.models import COMPUTE_DTYPES, GPT, checkpoint_activations, compile_layers, count_parameters
 from common.preemption import StopRequest
 from common.run_lock import RunDirLock
-from common.tokens import markov_data, text_data
+from common.tokens import markov_data, text_data, token_file_data
 from common.training import (
     FiniteLossCheck,
     ProgressReporter,
@@ -80,6 +80,8 @@ def train(args, ctx: DistContext) -> None:
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     if args.text_file is not None:
         data = text_data(args.text_file, args.block_size)
+    elif args.token_file is not None:
+        data = token_file_data(args.token_file, args.block_size, args.heldout_sequences)
     else:
         data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
     print0(f"data: {data.description}")
@@ -225,6 +227,8 @@ def train(args, ctx: DistContext) -> None:
         eval_loss=result["loss"],
         eval_samples=result["samples"],
         entropy_floor=data.entropy_floor,
+        model_config=config.shape(),  # with decoding, what common.sample needs to rebuild the model and read it
+        decoding=data.decoding,
         wall_s=time.perf_counter() - start,
         **observer.record(),
     )

@@ -11,6 +11,8 @@ WHAT is one of:
   build-memory  the peak of this process's resident memory from the moment the model's class
               is called until the first training step begins (building, wrapping, sharding,
               initialising), above what it held when building began; Linux only
+  private-memory  the largest private resident memory (RssAnon: not the pages of a mapped file,
+              which the kernel can drop and read again) at the start of any training step; Linux only
 
 Each rank writes RUN_DIR/observed-WHAT-rank{RANK}.json when the script ends, however it ends.
 """
@@ -45,6 +47,7 @@ class Steps:
     def __init__(self) -> None:
         self.current = 0
         self.on_first_step: list[Any] = []
+        self.on_every_step: list[Any] = []
         original = torch.optim.Optimizer.zero_grad
 
         def zero_grad(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -52,6 +55,8 @@ class Steps:
             if self.current == 1:
                 for callback in self.on_first_step:
                     callback()
+            for callback in self.on_every_step:
+                callback()
             return original(optimizer, *args, **kwargs)
 
         torch.optim.Optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
@@ -125,7 +130,7 @@ def watch_grad_dtypes(built: list[torch.nn.Module], record: dict[str, Any]) -> N
 
 
 def resident_kib(field: str) -> int:
-    """VmRSS (now) or VmHWM (the peak since the last reset) of this process, in KiB."""
+    """VmRSS (now), VmHWM (the peak since the last reset) or RssAnon (private, now) of this process, in KiB."""
     status = Path("/proc/self/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith(f"{field}:")))
 
@@ -145,6 +150,16 @@ def watch_build_memory(steps: Steps, before_build: list[Any], record: dict[str, 
     steps.on_first_step.append(stop)
 
 
+def watch_private_memory(steps: Steps, record: dict[str, Any]) -> None:
+    record["largest_private_bytes"] = 0
+
+    def note() -> None:
+        private = 1024 * resident_kib("RssAnon")
+        record["largest_private_bytes"] = max(record["largest_private_bytes"], private)
+
+    steps.on_every_step.append(note)
+
+
 def main() -> None:
     what, script, *flags = sys.argv[1:]
     run_dir = Path(flags[flags.index("--run-dir") + 1])
@@ -158,6 +173,8 @@ def main() -> None:
         watch_grad_dtypes(built, record)
     elif what == "build-memory":
         watch_build_memory(steps, before_build, record)
+    elif what == "private-memory":
+        watch_private_memory(steps, record)
     else:
         raise SystemExit(f"unknown observation {what!r}")
     sys.argv = [script, *flags]

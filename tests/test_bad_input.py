@@ -37,6 +37,9 @@ CASES = [
     ("ddp/train_mnist.py", ["--resume-from", "common"], "--resume-from common: not a checkpoint"),
     ("fsdp/train_mnist.py", ["--init-from", "runs/none/model.pt"], "--init-from runs/none/model.pt: no such file"),
     ("ddp/train_transformer.py", ["--text-file", "README.md", "--variable-length"], "--variable-length cuts the"),
+    ("ddp/train_transformer.py", ["--token-file", "runs/none.tokens"], "--token-file runs/none.tokens: no such file"),
+    ("fsdp/train_transformer.py", ["--token-file", "README.md"], "no readable README.md.json beside it"),
+    (FSDP2, ["--text-file", "README.md", "--token-file", "README.md"], "give --text-file or --token-file, not both"),
     ("ddp/train_transformer.py", ["--init-from", "README.md", "--resume-from", "x"], "give --resume-from (continue"),
     # Numbers that are not numbers a run can use: inf, nan, what overflows to inf, a seed past 32 bits.
     ("ddp/train_transformer.py", ["--lr", "inf"], "--lr: must be a finite number, got inf"),

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.data import DistributedSampler
 
-from common.data import eval_shard
+from common.data import CompactDistributedSampler, eval_shard
 from common.distributed import DistContext
 from common.tokens import IGNORE_INDEX, MarkovSource, markov_data
 
@@ -77,3 +78,16 @@ def test_variable_lengths_pad_each_sequence_after_its_own_length() -> None:
     assert torch.equal(inputs[valid], fixed.train.tensors[0][valid]) and not inputs[~valid].any()
     # Short sequences weigh their first tokens, which have less context, more: a higher floor.
     assert cut.entropy_floor > fixed.entropy_floor
+
+
+def test_the_compact_sampler_gives_torchs_order() -> None:
+    """The same examples, in the same order, as DistributedSampler(shuffle=True, drop_last=True)."""
+    for size, world_size in ((10_000, 1), (9_999, 3), (20_001, 4)):
+        dataset = range(size)
+        for rank in range(world_size):
+            ours = CompactDistributedSampler(dataset, world_size, rank, seed=7)  # type: ignore[arg-type]
+            torchs = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=7, drop_last=True)  # type: ignore[arg-type]
+            for epoch in (0, 3):
+                ours.set_epoch(epoch)
+                torchs.set_epoch(epoch)
+                assert list(ours) == list(torchs) and len(ours) == len(torchs)

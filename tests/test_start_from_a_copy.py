@@ -176,7 +176,7 @@ def tiny_lm_copy(project: Path) -> Path:
     train_py = copy_project("fsdp/train_transformer_fsdp2.py", project)
     layers_line = "    layers = model.blocks  # YOUR LAYERS: the ones that repeat; each becomes one FSDP unit"
     identity = '"script": "fsdp/train_transformer_fsdp2.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY'
-    imports = "from common.tokens import markov_data, text_data\n"
+    imports = "from common.tokens import markov_data, text_data, token_file_data\n"
     put_in(
         train_py,
         LANGUAGE_MODEL,

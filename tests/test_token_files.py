@@ -1,0 +1,128 @@
+"""Your own text: common.prepare_tokens, --token-file (memory-mapped) and common.sample.
+
+The corpora are generated here: random letters, spaces and newlines, 4 and 40 MB of them, written
+as byte tokens by common.prepare_tokens itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common import prepare_tokens, sample
+from tests.conftest import Run, run_script, run_until_stopped
+
+ALPHABET = b"etaoinshrdlu cmfwypvbgkjqxz\n"
+SMALL = ["--block-size", "32", "--heldout-sequences", "20"]
+# The issue's bound for a corpus ten times larger: the private memory a rank may grow by.
+GROWTH_BOUND = 64 * 2**20
+
+
+def write_text(path: Path, size: int, seed: int = 0) -> Path:
+    letters = np.frombuffer(ALPHABET, dtype=np.uint8)
+    np.random.default_rng(seed).choice(letters, size).tofile(path)
+    return path
+
+
+def prepare(text: Path, tokens: Path) -> Path:
+    assert prepare_tokens.main([str(text), "--output", str(tokens)]) == 0
+    return tokens
+
+
+def test_prepare_tokens_writes_the_bytes_and_never_replaces_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("héllo\n", encoding="utf-8")
+    second.write_text("wörld", encoding="utf-8")
+    tokens = tmp_path / "data" / "both.tokens"
+    assert prepare_tokens.main([str(first), str(second), "--output", str(tokens)]) == 0
+    expected = list("héllo\nwörld".encode())
+    assert np.fromfile(tokens, dtype="<u2").tolist() == expected
+    metadata = json.loads((tmp_path / "data" / "both.tokens.json").read_text())
+    assert (metadata["tokenizer"], metadata["vocab_size"], metadata["tokens"]) == ("bytes", 256, len(expected))
+    written = tokens.read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        prepare_tokens.main([str(first), "--output", str(tokens)])
+    assert refused.value.code == 2 and capsys.readouterr().err.count("exists; choose another name") == 1
+    assert tokens.read_bytes() == written
+    assert sorted(path.name for path in tokens.parent.iterdir()) == ["both.tokens", "both.tokens.json"]
+
+
+def private_memory(run: Run) -> int:
+    """The most private memory any rank held at the start of a step (tests/observe.py private-memory)."""
+    assert run.returncode == 0, run.describe()
+    return max(
+        json.loads((run.run_dir / f"observed-private-memory-rank{rank}.json").read_text())["largest_private_bytes"]
+        for rank in (0, 1)
+    )
+
+
+def test_a_corpus_ten_times_larger_costs_a_rank_no_more_memory(tmp_path: Path) -> None:
+    """Private memory, not the mapped file's pages: those are the kernel's to drop and read again."""
+    held = {}
+    for name, size in (("4MB", 4_000_000), ("40MB", 40_000_000)):
+        tokens = prepare(write_text(tmp_path / f"{name}.txt", size), tmp_path / f"{name}.tokens")
+        args = ["--token-file", str(tokens), "--max-steps", "5", "--heldout-sequences", "50"]
+        wrapper = ["tests/observe.py", "private-memory"]
+        run = run_script("ddp/train_transformer.py", args, tmp_path / name, nproc=2, wrapper=wrapper)
+        assert f"{size:,} bytes tokens of {tokens}" in run.output, run.describe()
+        held[name] = private_memory(run)
+    assert held["40MB"] - held["4MB"] < GROWTH_BOUND, held
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("token_file")
+    return prepare(write_text(folder / "text.txt", 60_000), folder / "text.tokens")
+
+
+def history(run: Run) -> list[tuple]:
+    return [(record["step"], record["loss"], record["grad_norm"]) for record in run.events("train")]
+
+
+def test_a_run_on_a_token_file_resumes_exactly_mid_epoch(token_file: Path, tmp_path: Path) -> None:
+    """FSDP1 at 2 processes, sharded checkpoints: stopped at a step inside the first epoch (185 steps)."""
+    script = "fsdp/train_transformer.py"
+    args = [*SMALL, "--token-file", str(token_file), "--max-steps", "16", "--global-batch-size", "10",
+            "--log-interval", "1"]  # fmt: skip
+    reference = run_script(script, args, tmp_path / "reference", nproc=2).check()
+    assert "1,854 train / 20 held-out windows" in reference.output, reference.describe()
+    stopped = run_until_stopped(script, args, tmp_path / "stopped", nproc=2, stop_after=6).check()
+    assert "stopped at step" in stopped.output, stopped.describe()
+    resumed = run_script(script, [*args, "--resume"], tmp_path / "stopped", nproc=2).check()
+    assert history(resumed) == history(reference)
+    assert resumed.final()["eval_loss"] == reference.final()["eval_loss"]
+    state, expected = (torch.load(run.run_dir / "model.pt", weights_only=True) for run in (resumed, reference))
+    assert all(torch.equal(state[name], expected[name]) for name in expected)
+
+
+@pytest.mark.parametrize("data", ["text-file", "token-file"])
+def test_sample_continues_a_prompt_in_the_runs_own_text(
+    data: str, token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = token_file.with_name("text.txt")
+    flags = ["--text-file", str(text)] if data == "text-file" else ["--token-file", str(token_file)]
+    run_script("ddp/train_transformer.py", [*SMALL, *flags, "--max-steps", "3"], tmp_path).check()
+    capsys.readouterr()
+    assert sample.main([str(tmp_path), "--prompt", "the ", "--tokens", "40"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("the ") and printed.endswith("\n") and len(printed) > 5, printed
+    if data == "text-file":
+        # Characters of the training text, one per token.
+        continuation = printed[4:-1]
+        assert len(continuation) == 40 and set(continuation.encode()) <= set(ALPHABET), printed
+        with pytest.raises(SystemExit) as refused:
+            sample.main([str(tmp_path), "--prompt", "THE"])
+        assert refused.value.code == 2
+        assert capsys.readouterr().err.count("--prompt: characters the training text never had: 'EHT'") == 1
+    else:
+        # Bytes: any text goes in, and what comes out is the UTF-8 its ids spell.
+        decoding = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["decoding"]
+        assert decoding == {"tokenizer": "bytes"}
+        assert sample.decode(sample.encode("héllo, wörld", decoding), decoding) == "héllo, wörld"
