@@ -34,6 +34,7 @@ HOST_SIDE = (
     "common/distributed.py:all_ranks_agree",  # the stop agreement: CPU tensors on the gloo host group
     "torch/optim/optimizer.py:_get_value",  # the optimizer's step counters, which torch keeps on the host
     "torch/utils/data/",  # the sampler's indices and the loader's seeds, drawn on the host
+    "common/data.py:__iter__",  # CompactDistributedSampler's order, a host tensor read in chunks
 )
 
 
