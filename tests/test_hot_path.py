@@ -136,15 +136,18 @@ def test_fsdp1_accumulates_gradients_in_fp32_under_mixed_precision(tmp_path: Pat
 
 def test_throughput_leaves_out_evaluation(tmp_path: Path) -> None:
     """An evaluation every second step (of many sequences) takes far longer than the steps between;
-    the throughput must still be that of training."""
-    common = [*SHORT_TRANSFORMER[:4], "--heldout-sequences", "2000", "--max-steps", "24", "--log-interval", "4"]
-    evaluating = run_script("ddp/train_transformer.py", [*common, "--eval-interval", "2"], tmp_path / "a").check()
-    training = run_script("ddp/train_transformer.py", [*common, "--eval-interval", "1000"], tmp_path / "b").check()
-    with_evals, without = evaluating.final(), training.final()
-    # The evaluations make the run several times longer, so including them would show.
-    assert with_evals["wall_s"] > 2 * without["wall_s"], (with_evals["wall_s"], without["wall_s"])
-    ratio = with_evals["tokens_per_s"] / without["tokens_per_s"]
-    assert 0.5 < ratio < 2, (with_evals["tokens_per_s"], without["tokens_per_s"])
+    the throughput must still be that of training.
+
+    Judged within one run, so that the load of other tests on the machine weighs on both sides alike
+    (two runs compared, one with evaluations and one without, were 2.05 times apart once under load).
+    """
+    args = [*SHORT_TRANSFORMER[:4], "--heldout-sequences", "2000", "--max-steps", "24", "--log-interval", "4",
+            "--eval-interval", "2"]  # fmt: skip
+    final = run_script("ddp/train_transformer.py", args, tmp_path).check().final()
+    tokens = final["steps"] * final["global_batch_size"] * 32
+    # The time the throughput implies: measured 8% of the run's wall time, evaluations being most of the
+    # rest; had they been counted, it would be nearly all of it.
+    assert tokens / final["tokens_per_s"] < 0.5 * final["wall_s"], final
 
 
 @NEEDS_FSDP2_ON_CPU
