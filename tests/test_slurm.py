@@ -243,7 +243,6 @@ def report(case: str, **seconds: float) -> None:
 # On node1: the preemption case takes all of node2, and an urgent job there must find no job it cannot preempt.
 TIME_LIMIT_OPTIONS = ("--time=2", "--signal=B:USR1@45", "--nodelist=node1")
 TIME_LIMIT_STEPS = 30
-PAUSE_AT_STEP = 5
 
 
 @dataclass
@@ -255,7 +254,7 @@ class TimeLimitRun:
 @pytest.fixture(scope="module")
 def time_limit_job(slurm_cluster: SlurmCluster, checkout: Path) -> Iterator[TimeLimitRun]:
     script = "fsdp/train_transformer_fsdp2.py"
-    args = [script, *TRANSFORMER_ARGS, "--max-steps", str(TIME_LIMIT_STEPS)]
+    args = [PAUSE_ONCE, script, *TRANSFORMER_ARGS, "--max-steps", str(TIME_LIMIT_STEPS)]
     job = submit(slurm_cluster, checkout, "slurm/fsdp.sbatch", args, 2, TIME_LIMIT_OPTIONS)
     with ThreadPoolExecutor(max_workers=1) as pool:
         yield TimeLimitRun(job, pool.submit(follow_time_limit_job, job))
@@ -266,21 +265,21 @@ def follow_time_limit_job(job: Job) -> dict[str, float]:
     """Watch the job through Slurm's warning, the requeue and the resumed run; the times of each."""
     job.wait_for_output(STEP, START_S)
     times = {"submit to first step": job.elapsed()}
-    first = job.wait_for_output(rf"^step +{PAUSE_AT_STEP}/|{WARNING}", 120)
-    # Until Slurm's warning comes, hold the training processes still (SIGSTOP), so that waiting for
-    # Slurm's clock costs this machine nothing; they continue (SIGCONT) when it has come.
-    paused = [] if WARNING in first.group(0) else job.trainers()
-    assert WARNING in first.group(0) or len(paused) == 2, f"training processes to pause: {job.processes()}"
-    for pid in paused:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        warning = job.wait_for_output(WARNING, 120)
-    finally:
-        for pid in paused:
+    # Until Slurm's warning comes the trainers hold themselves still after step 5 (tests/pause_once.py),
+    # so that waiting for Slurm's clock costs this machine nothing.
+    warning = job.wait_for_output(WARNING, 180)
+    times["submit to warning"] = job.elapsed()
+    # They continue (SIGCONT) to see the launcher's STOP; one that paused only after the warning came
+    # is continued too, until the job has requeued itself.
+    regex = re.compile(REQUEUE, re.MULTILINE)
+
+    def continued_until_requeued() -> re.Match | None:
+        for pid in stopped(job.trainers()) or []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-    times["submit to warning"] = job.elapsed()
-    requeue = job.wait_for_output(REQUEUE, 60, warning.end())
+        return regex.search(job.output(), warning.end())
+
+    requeue = job.wait(continued_until_requeued, 60, f"{REQUEUE!r} in {job.log.name}")
     requeued_at = time.monotonic()
     times["warning to requeue"] = requeued_at - job.submitted - times["submit to warning"]
     # Slurm holds a requeued job for its requeue delay (cred_expire), then schedules it again.
