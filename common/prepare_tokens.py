@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common.tokens import token_metadata_path
+
 VOCAB_SIZE = 256  # YOUR TOKENIZER: its vocabulary size
 TOKENIZER = "bytes"  # what common.sample decodes with: "bytes", or the name of yours
 CHUNK_BYTES = 1 << 22
@@ -34,10 +36,6 @@ def encode(chunk: bytes) -> np.ndarray | list[int]:
     """YOUR TOKENIZER: the ids of a chunk of UTF-8 text. Bytes need no boundaries; a real tokenizer
     should be given whole lines or documents (read them instead of fixed-size chunks)."""
     return np.frombuffer(chunk, dtype=np.uint8)
-
-
-def metadata_path(tokens: Path) -> Path:
-    return tokens.with_name(tokens.name + ".json")
 
 
 def write_tokens(sources: list[Path], output: Path) -> int:
@@ -56,7 +54,8 @@ def write_tokens(sources: list[Path], output: Path) -> int:
             out.flush()
             os.fsync(out.fileno())
         described = {"tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "dtype": "uint16", "tokens": count}
-        metadata_path(output).write_text(json.dumps({**described, "sources": [str(s) for s in sources]}, indent=1))
+        sources_named = {"sources": [str(source) for source in sources]}
+        token_metadata_path(output).write_text(json.dumps({**described, **sources_named}, indent=1))
         os.replace(temporary, output)
     finally:
         temporary.unlink(missing_ok=True)
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if count == 0:
         args.output.unlink()
-        metadata_path(args.output).unlink()
+        token_metadata_path(args.output).unlink()
         parser.error("the text files are empty: no tokens")
     print(f"{args.output}: {count:,} {TOKENIZER} tokens (vocabulary {VOCAB_SIZE}) from {len(args.sources)} file(s)")
     return 0

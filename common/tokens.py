@@ -205,9 +205,13 @@ class TokenWindows(Dataset):
         return {**self.__dict__, "_tokens": None}  # a DataLoader worker maps the file itself
 
 
+def token_metadata_path(tokens: Path) -> Path:
+    """TOKENS.json: what common.prepare_tokens writes beside a token file about it."""
+    return tokens.with_name(tokens.name + ".json")
+
+
 def read_token_metadata(path: Path) -> dict[str, Any]:
-    """What common.prepare_tokens wrote beside a token file (TOKENS.json)."""
-    return json.loads(path.with_name(path.name + ".json").read_text(encoding="utf-8"))
+    return json.loads(token_metadata_path(path).read_text(encoding="utf-8"))
 
 
 def token_file_data(path: Path, block_size: int, heldout_windows: int) -> TokenData:

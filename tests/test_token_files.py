@@ -52,6 +52,12 @@ def test_prepare_tokens_writes_the_bytes_and_never_replaces_a_file(
     assert refused.value.code == 2 and capsys.readouterr().err.count("exists; choose another name") == 1
     assert tokens.read_bytes() == written
     assert sorted(path.name for path in tokens.parent.iterdir()) == ["both.tokens", "both.tokens.json"]
+    # Empty text: refused, and nothing left behind.
+    (tmp_path / "empty.txt").touch()
+    with pytest.raises(SystemExit) as empty:
+        prepare_tokens.main([str(tmp_path / "empty.txt"), "--output", str(tmp_path / "empty.tokens")])
+    assert empty.value.code == 2 and "the text files are empty" in capsys.readouterr().err
+    assert not (tmp_path / "empty.tokens").exists() and not (tmp_path / "empty.tokens.json").exists()
 
 
 def private_memory(run: Run) -> int:
