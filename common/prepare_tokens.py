@@ -48,8 +48,13 @@ def write_tokens(sources: list[Path], output: Path) -> int:
             for source in sources:
                 with source.open("rb") as text:
                     while chunk := text.read(CHUNK_BYTES):
-                        ids = np.asarray(encode(chunk), dtype="<u2")  # little-endian uint16, as read back
-                        ids.tofile(out)
+                        ids = np.asarray(encode(chunk), dtype=np.int64)
+                        if ids.size and not 0 <= ids.min() <= ids.max() < VOCAB_SIZE <= 1 << 16:
+                            raise ValueError(
+                                f"the tokenizer gave ids {ids.min()} to {ids.max()}, outside 0 to VOCAB_SIZE - 1 "
+                                f"({VOCAB_SIZE - 1}), and uint16 holds at most 65535"
+                            )
+                        ids.astype("<u2").tofile(out)  # little-endian uint16, as --token-file reads it
                         count += ids.size
             out.flush()
             os.fsync(out.fileno())
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"error: could not write {args.output}: {err.strerror or err}", file=sys.stderr)
         return 1
+    except ValueError as err:  # YOUR TOKENIZER and VOCAB_SIZE disagree: an id the model has no row for
+        parser.error(str(err))
     if count == 0:
         args.output.unlink()
         token_metadata_path(args.output).unlink()

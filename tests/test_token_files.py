@@ -60,6 +60,20 @@ def test_prepare_tokens_writes_the_bytes_and_never_replaces_a_file(
     assert not (tmp_path / "empty.tokens").exists() and not (tmp_path / "empty.tokens.json").exists()
 
 
+def test_a_tokenizer_outside_its_vocabulary_is_refused_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """YOUR TOKENIZER with a VOCAB_SIZE too small for it: an id with no row in the model's embedding."""
+    text = tmp_path / "a.txt"
+    text.write_text("hello")
+    monkeypatch.setattr(prepare_tokens, "VOCAB_SIZE", 100)  # "o" is 111
+    with pytest.raises(SystemExit) as refused:
+        prepare_tokens.main([str(text), "--output", str(tmp_path / "a.tokens")])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.count("the tokenizer gave ids 101 to 111, outside 0 to VOCAB_SIZE - 1 (99)") == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.txt"]
+
+
 def private_memory(run: Run) -> int:
     """The most private memory any rank held at the start of a step (tests/observe.py private-memory)."""
     assert run.returncode == 0, run.describe()
