@@ -578,7 +578,8 @@ def start_from_weights(model: torch.nn.Module, path: Path, ctx: DistContext) -> 
     most one whole tensor. Keys or shapes that differ stop every rank with one message (exit 2).
     """
     # This rank's part of each tensor, under the names a plain model has; size() is the whole tensor's.
-    expected = {name: tuple(tensor.size()) for name, tensor in get_model_state_dict(model).items()}
+    with quiet_internal_warnings():  # FSDP1's sharded state dict still goes through ShardedTensor
+        expected = {name: tuple(tensor.size()) for name, tensor in get_model_state_dict(model).items()}
     state: dict[str, torch.Tensor] = {}
     problem = None
     if ctx.is_main:
