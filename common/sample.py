@@ -11,21 +11,21 @@ the CPU unless --device cuda; the model is rebuilt whole, as model.pt holds it.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from common.compare_runs import read_records
 from common.models import GPT, GPTConfig
 
 
 def final_record(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    """The run's last final record; None without one. A line cut short raises ValueError, saying where."""
+    if not (run_dir / "metrics.jsonl").is_file():
         return None
-    finals = [record for line in path.read_text().splitlines() if (record := json.loads(line))["event"] == "final"]
+    finals = [record for record in read_records(run_dir) if record["event"] == "final"]
     return finals[-1] if finals else None
 
 
@@ -77,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.temperature <= 0:
         parser.error("--tokens must be 1 or more and --temperature above 0")
-    final = final_record(args.run_dir)
+    try:
+        final = final_record(args.run_dir)
+    except ValueError as err:
+        parser.error(str(err))
     if final is None or "model_config" not in final or not (args.run_dir / "model.pt").is_file():
         parser.error(f"{args.run_dir} holds no finished transformer run (a final record with model_config, model.pt)")
     decoding = final.get("decoding", {})
