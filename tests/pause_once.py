@@ -23,24 +23,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from inject_fault import on_call  # beside this file: the folder python puts first on sys.path
 
 PAUSE_AFTER_STEP = 5
 MARKER = ".paused-once"
 
 
-def pause_after(step: Callable[..., Any], call: int, marker: Path) -> Callable[..., Any]:
-    calls = 0
+def hold_still_once(marker: Path) -> Callable[[Any], Any]:
+    """What the step's result passes through: the first time for this marker, SIGSTOP to this process."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        result = step(*args, **kwargs)
-        if calls == call and not marker.exists():
+    def hold(result: Any) -> Any:
+        if not marker.exists():
             marker.touch()
             os.kill(os.getpid(), signal.SIGSTOP)
         return result
 
-    return wrapper
+    return hold
 
 
 def main() -> None:
@@ -50,7 +48,8 @@ def main() -> None:
     run_dir = Path(flags[flags.index("--run-dir") + 1])
     run_dir.mkdir(parents=True, exist_ok=True)
     marker = run_dir / f"{MARKER}-rank{os.environ.get('RANK', '0')}"
-    torch.optim.AdamW.step = pause_after(torch.optim.AdamW.step, PAUSE_AFTER_STEP, marker)  # type: ignore[method-assign]
+    step = torch.optim.AdamW.step
+    torch.optim.AdamW.step = on_call(step, PAUSE_AFTER_STEP, hold_still_once(marker))  # type: ignore[method-assign]
     sys.argv = [script, *flags]
     runpy.run_path(script, run_name="__main__")
 
