@@ -221,7 +221,30 @@ def add_training_flags(
     )
 
 
-def add_mnist_flags(parser: Parser) -> None:
+def add_schedule_flags(parser: Parser, *, warmup_steps: int, min_lr_ratio: float, weight_decay: float) -> None:
+    """AdamW's weight decay and the warm-up-then-cosine schedule of the transformer scripts."""
+    group = parser.add_argument_group("schedule")
+    group.add_argument(
+        "--warmup-steps",
+        type=non_negative_int,
+        default=warmup_steps,
+        help="steps of linear warm-up to the peak lr",
+    )
+    group.add_argument(
+        "--min-lr-ratio",
+        type=probability,
+        default=min_lr_ratio,
+        help="the cosine schedule ends at lr times this",
+    )
+    group.add_argument(
+        "--weight-decay",
+        type=non_negative_float,
+        default=weight_decay,
+        help="AdamW's decoupled weight decay",
+    )
+
+
+def add_mnist_flags(parser: Parser, *, gamma: float) -> None:
     group = parser.add_argument_group("MNIST")
     group.add_argument(
         "--data-dir",
@@ -237,7 +260,7 @@ def add_mnist_flags(parser: Parser) -> None:
     group.add_argument(
         "--test-batch-size", type=positive_int, default=1000, help="images per rank per evaluation batch"
     )
-    group.add_argument("--gamma", type=positive_float, default=0.7, help="StepLR decay per epoch")
+    group.add_argument("--gamma", type=positive_float, default=gamma, help="StepLR's lr decay per epoch")
 
 
 def add_transformer_flags(parser: Parser) -> None:
@@ -277,13 +300,6 @@ def add_transformer_flags(parser: Parser) -> None:
         help="cut each synthetic sequence to 1 to --block-size tokens, drawn from the data's seed, and pad the "
         "rest (ignore_index), as real text of uneven lengths is; each token still weighs the same in the loss",
     )
-    group.add_argument(
-        "--warmup-steps", type=non_negative_int, default=30, help="steps of linear warm-up to the peak lr"
-    )
-    group.add_argument(
-        "--min-lr-ratio", type=probability, default=0.1, help="the cosine schedule ends at lr times this"
-    )
-    group.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW's decoupled weight decay")
     group.add_argument(
         "--eval-interval", type=positive_int, default=100, metavar="STEPS", help="evaluate every this many steps"
     )

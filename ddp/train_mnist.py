@@ -50,8 +50,9 @@ from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_
 
 def parse_args(argv: list[str] | None = None):
     parser = make_parser(__doc__, run_dir="runs/ddp_mnist", log_interval=50)
+    # The training defaults this script owns, in one place; the other flags' defaults are shared (common/cli.py).
     add_training_flags(parser, batch_size=64, lr=1.0, epochs=3, max_steps=None, grad_clip=0.0)
-    add_mnist_flags(parser)
+    add_mnist_flags(parser, gamma=0.7)
     add_checkpoint_flags(parser, sharded=False)
     args = parser.parse_args(argv)
     check_training_flags(parser, args)

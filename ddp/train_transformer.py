@@ -34,6 +34,7 @@ from common.checkpoint import Checkpointer, save_model_file, start_from_weights
 from common.cli import (
     add_checkpoint_flags,
     add_compute_flags,
+    add_schedule_flags,
     add_training_flags,
     add_transformer_flags,
     check_checkpoint_flags,
@@ -63,7 +64,9 @@ from common.training import (
 
 def parse_args(argv: list[str] | None = None):
     parser = make_parser(__doc__, run_dir="runs/ddp_transformer", log_interval=25)
+    # The training defaults this script owns, in one place; the other flags' defaults are shared (common/cli.py).
     add_training_flags(parser, batch_size=32, lr=1e-2, epochs=None, max_steps=600, grad_clip=1.0)
+    add_schedule_flags(parser, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.1)
     add_transformer_flags(parser)
     add_compute_flags(parser, precisions=["fp32", "bf16"])
     add_checkpoint_flags(parser, sharded=False)

@@ -62,8 +62,9 @@ from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_
 
 def parse_args(argv: list[str] | None = None):
     parser = make_parser(__doc__, run_dir="runs/fsdp_mnist", log_interval=50)
+    # The training defaults this script owns, in one place; the other flags' defaults are shared (common/cli.py).
     add_training_flags(parser, batch_size=64, lr=1.0, epochs=3, max_steps=None, grad_clip=0.0)
-    add_mnist_flags(parser)
+    add_mnist_flags(parser, gamma=0.7)
     parser.add_argument_group("FSDP1").add_argument(
         "--min-num-params",
         type=positive_int,

@@ -47,6 +47,7 @@ from common.cli import (
     add_checkpoint_flags,
     add_compute_flags,
     add_fsdp_flags,
+    add_schedule_flags,
     add_training_flags,
     add_transformer_flags,
     check_checkpoint_flags,
@@ -89,7 +90,9 @@ KEEP_GATHERED = {"full_shard": ShardingStrategy.SHARD_GRAD_OP, "hybrid_shard": S
 
 def parse_args(argv: list[str] | None = None):
     parser = make_parser(__doc__, run_dir="runs/fsdp_transformer", log_interval=25)
+    # The training defaults this script owns, in one place; the other flags' defaults are shared (common/cli.py).
     add_training_flags(parser, batch_size=32, lr=1e-2, epochs=None, max_steps=600, grad_clip=1.0)
+    add_schedule_flags(parser, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.1)
     add_transformer_flags(parser)
     add_compute_flags(parser, precisions=list(COMPUTE_DTYPES))
     add_fsdp_flags(parser)
