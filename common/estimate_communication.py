@@ -32,10 +32,13 @@ multiple of the group.
 from __future__ import annotations
 
 import argparse
+import bisect
+import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.cli import HelpFormatter, positive_float
 from common.estimate_memory import (
@@ -181,6 +184,23 @@ def fsdp_step(
     """FSDP: per micro-step and unit, an all-gather before forward unless the unit is still gathered,
     another before backward if it was freed after forward; a reduce-scatter of its gradient (and,
     with replicas, an all-reduce of the reduced shard across them) when the micro-step reduces."""
+    return Traffic.of(
+        fsdp_collectives(
+            units, shard_group, replicas, gather_bytes, micro_steps, regather_each_micro_step, sync_every_micro_step
+        )
+    )
+
+
+def fsdp_collectives(
+    units: Sequence[Unit],
+    shard_group: int,
+    replicas: int = 1,
+    gather_bytes: int = FP32,
+    micro_steps: int = 1,
+    regather_each_micro_step: bool = True,
+    sync_every_micro_step: bool = False,
+) -> list[tuple[str, int, int]]:
+    """``fsdp_step``'s collectives one by one, in order: ``(kind, message bytes, group size)``."""
     collectives = []
     for micro_step in range(micro_steps):
         reduces = sync_every_micro_step or micro_step == micro_steps - 1
@@ -197,7 +217,7 @@ def fsdp_step(
                 collectives.append(("reduce_scatter", REDUCE_BYTES * unit.elements, shard_group))
                 if replicas > 1:
                     collectives.append(("all_reduce", REDUCE_BYTES * unit.elements // shard_group, replicas))
-    return Traffic.of(collectives)
+    return collectives
 
 
 def fsdp1_flat_elements(tensor_elements: Sequence[int], shard_group: int, compute_bytes: int) -> int:
@@ -330,19 +350,20 @@ def run_estimate(
     return traffic + scalars
 
 
-def model_estimate(
+def model_collectives(
     strategy: str, params: float, layers: int, world_size: int, shard_group: int, precision: str, micro_steps: int
-) -> Traffic:
+) -> list[tuple[str, int, int]]:
     """A model of ``params`` parameters in ``layers`` equal units (embeddings counted in them), every
-    unit freed after forward but the last: the textbook figures, for models that are not at hand."""
+    unit freed after forward but the last: the textbook step's collectives, ``(kind, message bytes,
+    group size)``, for models that are not at hand."""
     count = round(params)
     if strategy == "ddp":
-        return ddp_step([count], world_size, micro_steps)  # bytes only: one tensor makes one bucket
+        return [("all_reduce", size, world_size) for size in even_ddp_buckets(FP32 * count)]
     group = shard_group if strategy == "hybrid_shard" else world_size
     unit = math.ceil(count / layers / group) * group
     reshards = strategy != "shard_grad_op"
     units = [Unit(f"unit{i}", unit, reshards and i < layers - 1) for i in range(layers)]
-    return fsdp_step(
+    return fsdp_collectives(
         units,
         group,
         world_size // group,
@@ -350,6 +371,18 @@ def model_estimate(
         micro_steps,
         regather_each_micro_step=strategy != "shard_grad_op",
     )
+
+
+def even_ddp_buckets(gradient_bytes: int) -> list[int]:
+    """DDP's buckets when no shapes are at hand: 1 MiB, then 25 MiB each, the rest in the last.
+
+    That is what gradients of many small tensors make. Real buckets overshoot the cap to the end of
+    a parameter (``ddp_bucket_sizes``): in a large model about one weight matrix each. Larger
+    messages reach a higher bandwidth, so times from these are on the long side.
+    """
+    first = min(gradient_bytes, DDP_FIRST_BUCKET_BYTES)
+    full, rest = divmod(gradient_bytes - first, DDP_BUCKET_BYTES)
+    return [first] * (first > 0) + [DDP_BUCKET_BYTES] * full + [rest] * (rest > 0)
 
 
 def step_seconds(strategy: str, traffic: Traffic, fast: float, slow: float, spans_machines: bool) -> float:
@@ -366,14 +399,85 @@ def step_seconds(strategy: str, traffic: Traffic, fast: float, slow: float, span
     return fast_bytes / fast + (traffic.total_ring_bytes - fast_bytes) / slow
 
 
-def estimate_table(args: argparse.Namespace) -> str:
-    """One row per model size and strategy: what a rank holds, what it sends, how long that takes."""
+@dataclass(frozen=True)
+class CommCheck:
+    """What ``common.comm_check`` measured (its JSON): the slowest rank's seconds per collective kind and size.
+
+    A collective of S bytes takes the measured time at S when S was measured. Between two measured
+    sizes the time is interpolated linearly in S: a collective costs about a latency plus S over a
+    bandwidth, a straight line through both neighbours, where the bandwidth of the nearest size
+    would give a 3 MiB message that of 2 MiB or of 4 MiB. Small messages are latency-bound, so
+    the bandwidth of a 1 GB message would overstate a 25 MB bucket's. Below the smallest size
+    measured, that size's time (a smaller message takes no longer, and is latency-bound); above the
+    largest, the largest's bus bandwidth (large messages are bandwidth-bound).
+    """
+
+    world_size: int
+    nodes: int
+    backend: str
+    device_name: str
+    times: dict[str, list[tuple[int, float]]]
+
+    @classmethod
+    def load(cls, path: Path) -> CommCheck:
+        """Raises ValueError, naming what is wrong, for a file that is not a comm check's."""
+        try:
+            data = json.loads(path.read_text())
+            times: dict[str, list[tuple[int, float]]] = {}
+            for row in data["results"]:
+                times.setdefault(row["op"], []).append((int(row["bytes"]), float(row["time_s"])))
+            sorted_times = {kind: sorted(points) for kind, points in times.items()}
+            check = cls(int(data["world_size"]), int(data["nodes"]), data["backend"], data["device_name"], sorted_times)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"not a comm check's JSON (python -m common.comm_check --out FILE): {err!r}") from err
+        if check.world_size < 2:
+            raise ValueError("it measured one rank: nothing crossed a link")
+        if not times or any(seconds <= 0 for points in times.values() for _, seconds in points):
+            raise ValueError("it holds no measurement, or a time that is not positive")
+        return check
+
+    def label(self) -> str:
+        return f"{self.world_size} ranks on {self.nodes} node(s), {self.backend}"
+
+    def check_seconds(self, kind: str, message_bytes: int) -> float:
+        """The time of one ``kind`` of ``message_bytes`` on the ranks that the check measured."""
+        points = self.times[kind]
+        sizes = [size for size, _ in points]
+        if message_bytes <= sizes[0]:
+            return points[0][1]
+        if message_bytes >= sizes[-1]:
+            return points[-1][1] * message_bytes / sizes[-1]  # the largest's bandwidth
+        above = bisect.bisect_left(sizes, message_bytes)
+        (low, t_low), (high, t_high) = points[above - 1], points[above]
+        return t_low + (t_high - t_low) * (message_bytes - low) / (high - low)
+
+    def seconds(self, kind: str, message_bytes: int, group_size: int) -> float:
+        """One collective on a group of ``group_size``: its link bytes over the bus bandwidth measured at its size.
+
+        Bus bandwidth is the same whatever the number of ranks (nccl-tests' point), and a rank's link
+        bytes are what it is multiplied by (``ring_link_bytes``).
+        """
+        share = ring_link_bytes(kind, message_bytes, group_size) / ring_link_bytes(kind, message_bytes, self.world_size)
+        return self.check_seconds(kind, message_bytes) * share
+
+    def step_seconds(self, collectives: Iterable[tuple[str, int, int]]) -> float | None:
+        """Sum over a step's collectives; None if one of their kinds was not measured."""
+        collectives = list(collectives)
+        if any(kind not in self.times for kind, _, _ in collectives):
+            return None
+        return sum(self.seconds(kind, size, group) for kind, size, group in collectives)
+
+
+def estimate_table(args: argparse.Namespace, check: CommCheck | None = None) -> str:
+    """One row per model size and strategy: what a rank holds, what it sends, how long that takes; with
+    ``check``, also how long at the bus bandwidths it measured."""
     machines = args.world_size // args.shard_group_size
+    measured_header = f" measured: {check.label()} |" if check else ""
     lines = [
         "| parameters | strategy | ranks per copy | held GiB | all-gather GiB | reduce-scatter GiB | all-reduce GiB "
         f"| sent per link GiB | one machine, {args.fast_gbps:g} GB/s | {machines} machine(s), {args.slow_gbps:g} GB/s "
-        "between | compute, for scale |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"between | compute, for scale |{measured_header}",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if check else ""),
     ]
     fast, slow = args.fast_gbps * 1e9, args.slow_gbps * 1e9
     for params in args.params:
@@ -381,19 +485,28 @@ def estimate_table(args: argparse.Namespace) -> str:
         for strategy in STRATEGIES:
             group = {"ddp": 1, "hybrid_shard": args.shard_group_size}.get(strategy, args.world_size)
             held = between_steps([(round(params),)], group, "replicated" if group == 1 else "flat").total
-            traffic = model_estimate(
+            collectives = model_collectives(
                 strategy, params, args.layers, args.world_size, args.shard_group_size, args.precision, args.micro_steps
             )
+            traffic = Traffic.of(collectives)
             sent = [traffic.bytes.get(kind, 0) / GIB for kind in ("all_gather", "reduce_scatter", "all_reduce")]
             one_machine = step_seconds(strategy, traffic, fast, slow, spans_machines=False)
             across = step_seconds(strategy, traffic, fast, slow, spans_machines=machines > 1)
+            measured = f" {_measured_cell(check.step_seconds(collectives))} |" if check else ""
             lines.append(
                 f"| {count_label(params)} | {strategy} | {group} | {held / GIB:.1f} | "
                 + " | ".join(f"{s:.1f}" for s in sent)
                 + f" | {traffic.total_ring_bytes / GIB:.1f} | {_seconds(one_machine)} | {_seconds(across)} "
-                f"| {_seconds(compute_s)} |"
+                f"| {_seconds(compute_s)} |{measured}"
             )
     return "\n".join(lines)
+
+
+def _measured_cell(value: float | None) -> str:
+    """Three significant digits: a small model's step on a CPU check takes milliseconds."""
+    if value is None:
+        return "n/a (a kind it did not measure)"
+    return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
 
 
 def _seconds(value: float) -> str:
@@ -426,13 +539,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="achieved TFLOP/s per GPU, for the compute column (default: "
         "%(default)s, about 40%% of an H100's dense bf16 peak)",
     )
+    parser.add_argument(
+        "--comm-check",
+        type=Path,
+        metavar="FILE",
+        help="a comm check's JSON (python -m common.comm_check --out FILE): adds each step's time at the bus "
+        "bandwidths it measured",
+    )
     args = parser.parse_args(argv)
     if min(args.params) <= 0 or min(args.world_size, args.layers, args.micro_steps) < 1:
         parser.error("--params, --world-size, --layers and --grad-accum-steps must be positive")
     if min(args.fast_gbps, args.slow_gbps, args.tokens_per_gpu, args.tflops) <= 0:
         parser.error("bandwidths, --tokens-per-gpu and --tflops must be positive")
     resolve_shard_group_size(parser, args)
+    try:
+        args.check = CommCheck.load(args.comm_check) if args.comm_check else None
+    except ValueError as err:
+        parser.error(f"--comm-check {args.comm_check}: {err}")
     return args
+
+
+def measured_note(check: CommCheck, world_size: int, machines: int) -> str:
+    """How the measured column was computed, and where the check's ranks differ from the job's."""
+    note = (
+        f"\nmeasured: each collective's bytes per link over the bus bandwidth that the comm check measured for its "
+        f"kind ({check.label()}, {check.device_name}),\nits time interpolated between the two message sizes around "
+        "it (see CommCheck), summed over the step with nothing overlapped. DDP in buckets of 1 MiB, then 25 MiB."
+    )
+    if (check.nodes > 1) != (machines > 1):
+        where = "several nodes" if check.nodes > 1 else "one node"
+        note += (
+            f"\nThe check ran on {where}, the job on {machines} machine(s): bus bandwidth carries over between "
+            "numbers of ranks, not between the links inside a machine and those between machines."
+        )
+    elif check.world_size != world_size:
+        note += f"\nThe check ran on {check.world_size} ranks, the job on {world_size}: bus bandwidth carries over."
+    return note
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -441,7 +583,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.world_size} GPUs, machines of {args.shard_group_size}, {args.precision} gathers, fp32 gradient "
         f"reduction, {args.layers} FSDP units, {args.micro_steps} micro-step(s) per step\n"
     )
-    print(estimate_table(args))
+    print(estimate_table(args, args.check))
     print(
         "\nheld: model state per rank between steps (common.estimate_memory). all-gather, reduce-scatter, all-reduce: "
         "message bytes per optimizer step.\nsent per link: what a ring algorithm sends from each rank. The times "
@@ -449,6 +591,8 @@ def main(argv: list[str] | None = None) -> None:
         "and FSDP both hide much of it behind compute; rough: real collectives reach 70-90% of a link's peak).\n"
         f"compute: 6 x parameters x {args.tokens_per_gpu:g} tokens per GPU at {args.tflops:g} TFLOP/s."
     )
+    if args.check:
+        print(measured_note(args.check, args.world_size, args.world_size // args.shard_group_size))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 from common import (
     benchmark,
     check_equivalence,
+    comm_check,
     compare_runs,
     compare_strategies,
     estimate_communication,
@@ -24,6 +25,7 @@ SCRIPTS += ["fsdp/train_transformer_fsdp2.py"]
 COMMANDS: dict[str, Callable[[list[str]], object]] = {
     "common.benchmark": benchmark.main,
     "common.check_equivalence": check_equivalence.main,
+    "common.comm_check": comm_check.main,
     "common.compare_runs": compare_runs.main,
     "common.compare_strategies": compare_strategies.main,
     "common.estimate_communication": estimate_communication.main,
