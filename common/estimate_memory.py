@@ -2,6 +2,8 @@
 
     python -m common.estimate_memory --params 7e9 --world-size 8 --gpu-memory 80
     python -m common.estimate_memory --params 1e9 7e9 70e9 --world-size 16 --shard-group-size 8 --precision bf16
+    python -m common.estimate_memory --model gpt2 --vocab-size 50257 --batch-size 8 --world-size 8 --gpu-memory 80 \
+        --mixed-precision bf16 --activation-checkpointing
 
 The optimizer is AdamW, as in every transformer script here. Per parameter, in bytes:
 
@@ -25,11 +27,22 @@ only the copies gathered for computing are bf16. Those gathered copies are the s
         shard_grad_op          c x P (every unit stays gathered from forward to backward)
                                + 1 unit x 4 x P / layers of unsharded gradient
 
-Activations are not included: they depend on batch, sequence length, width and activation
-checkpointing, and often dominate. What is left of the GPU after the model state is printed as the
-room for them. The paper's ZeRO-2 (4P + 12P/N in fp32 terms) keeps whole parameters between steps;
-PyTorch's SHARD_GRAD_OP does not, so its between-steps figure equals full_shard's and its cost
-shows up in flight.
+Activations, with --model: the bytes a training forward of that model keeps for backward, measured
+by common.activations (one fake forward on the CPU, with the scripts' dtype and checkpointing; DDP
+rows under autocast, FSDP rows with bf16 parameters) at --batch-size and --block-size, plus under
+activation checkpointing one Block recomputed in backward. The peak per rank is then
+
+    model state between steps + in flight + activations
+
+and it leaves out what lives only inside one operation or one backward step (the logits' gradient,
+above all at a large vocabulary), the caching allocator's rounding and fragmentation, cuBLAS
+workspaces, NCCL's buffers, the CUDA context, and AdamW's temporaries in its step (after the
+activations are freed). With --params alone there is no model to measure: the table then says what
+is left of the GPU for activations.
+
+The paper's ZeRO-2 (4P + 12P/N in fp32 terms) keeps whole parameters between steps; PyTorch's
+SHARD_GRAD_OP does not, so its between-steps figure equals full_shard's and its cost shows up in
+flight.
 """
 
 from __future__ import annotations
@@ -37,9 +50,13 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from common.cli import HelpFormatter, positive_float
+import torch
+
+from common.activations import gpt_activations, mnist_activations
+from common.cli import HelpFormatter, positive_float, positive_int
+from common.models import GPT, GPT_PRESETS, GPTConfig, MnistNet, count_parameters
 
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, both fp32
@@ -47,6 +64,12 @@ ADAM_STEP_BYTES = 4  # one float32 scalar per parameter tensor
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
 PREFETCHED_UNITS = 2  # the unit computing and the next one, gathered ahead of time
 GIB = 2**30
+MIB = 2**20
+MNIST = "mnist"
+SYNTHETIC_VOCAB = 16  # the transformer scripts' default data, common.tokens.markov_data
+# The scripts' default micro-batch, per rank.
+DEFAULT_BATCH = {MNIST: 64, "gpt": 32}
+GPT_SHAPE_FLAGS = ("n_layer", "n_head", "d_model", "block_size", "vocab_size")
 
 STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
 # How each training script's "strategy" field shards its state: "replicated" (every rank holds it
@@ -128,10 +151,16 @@ class Estimate:
     shard_group: int
     state: StateBytes
     in_flight: float
+    activations: float | None = None  # None: no model to measure them on
 
     @property
     def peak(self) -> float:
+        """The model state at its peak: between steps plus in flight."""
         return self.state.total + self.in_flight
+
+    @property
+    def peak_per_rank(self) -> float | None:
+        return None if self.activations is None else self.peak + self.activations
 
 
 def shard_group_for(strategy: str, world_size: int, hybrid_group: int) -> int:
@@ -159,29 +188,38 @@ def count_label(params: float) -> str:
 
 
 def estimate_table(estimates: Sequence[Estimate], gpu_bytes: float) -> str:
-    """A markdown table: per-rank state between steps, in flight, and what is left for activations."""
+    """A markdown table: per-rank state between steps, in flight, activations, the peak, and what is left.
+
+    Without activations (no model), "left" and "fits" are for the model state alone.
+    """
     lines = [
         "| parameters | strategy | ranks per copy | params GiB | grads GiB | optimizer GiB | between steps GiB "
-        "| in flight GiB (rough) | peak model state GiB | left for activations GiB | model state fits |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| in flight GiB (rough) | peak model state GiB | activations GiB | peak per rank GiB | left GiB | fits |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for e in estimates:
-        left = gpu_bytes - e.peak
+        peak = e.peak if e.peak_per_rank is None else e.peak_per_rank
+        left = gpu_bytes - peak
         lines.append(
             f"| {count_label(e.params)} | {e.strategy} | {e.shard_group} | {e.state.params / GIB:.1f} "
             f"| {e.state.grads / GIB:.1f} | {e.state.optimizer / GIB:.1f} | {e.state.total / GIB:.1f} "
-            f"| {e.in_flight / GIB:.1f} | {e.peak / GIB:.1f} | {left / GIB:.1f} | {'yes' if left > 0 else 'no'} |"
+            f"| {e.in_flight / GIB:.1f} | {e.peak / GIB:.1f} | {gib_or_na(e.activations)} "
+            f"| {gib_or_na(e.peak_per_rank)} | {left / GIB:.1f} | {'yes' if left > 0 else 'no'} |"
         )
     return "\n".join(lines)
 
 
-def add_job_flags(parser: argparse.ArgumentParser) -> None:
+def gib_or_na(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / GIB:.1f}"
+
+
+def add_job_flags(parser: argparse.ArgumentParser, *, params_required: bool = True) -> None:
     """The model and the job, as this estimator and common.estimate_communication both take them."""
     parser.add_argument(
         "--params",
         type=positive_float,
         nargs="+",
-        required=True,
+        required=params_required,
         help="parameters in the model, e.g. 7e9 (several: one row each)",
     )
     parser.add_argument("--world-size", type=int, required=True, help="GPUs in the job")
@@ -191,7 +229,12 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
         help="GPUs per machine: hybrid_shard's group sharing one sharded copy (default: gcd(world size, 8))",
     )
     parser.add_argument(
-        "--precision", choices=sorted(COMPUTE_BYTES), default="fp32", help="dtype FSDP gathers and computes in"
+        "--precision",
+        "--mixed-precision",
+        dest="precision",
+        choices=sorted(COMPUTE_BYTES),
+        default="fp32",
+        help="dtype FSDP gathers and computes in (the scripts' --mixed-precision)",
     )
     parser.add_argument(
         "--layers",
@@ -201,15 +244,72 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("activations: a model to measure them on (instead of --params)")
+    group.add_argument(
+        "--model",
+        choices=[MNIST, *GPT_PRESETS],
+        help="the scripts' model: a GPT preset (its parameters replace --params, its Blocks --layers) or the MNIST net",
+    )
+    group.add_argument("--n-layer", type=positive_int, help="override the preset's number of Blocks")
+    group.add_argument("--n-head", type=positive_int, help="override the preset's attention heads")
+    group.add_argument("--d-model", type=positive_int, help="override the preset's width")
+    group.add_argument("--block-size", type=positive_int, help="override the preset's context length (tokens)")
+    group.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        help=f"the GPT's vocabulary (default: {SYNTHETIC_VOCAB}, the scripts' synthetic data; GPT-2's is 50257)",
+    )
+    group.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help=f"sequences or images per rank per micro-step (default: the script's, "
+        f"{DEFAULT_BATCH['gpt']} for the GPT and {DEFAULT_BATCH[MNIST]} for MNIST)",
+    )
+    group.add_argument(
+        "--activation-checkpointing", action="store_true", help="each Block keeps only its input, as in the scripts"
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    add_job_flags(parser)
+    add_job_flags(parser, params_required=False)
     parser.add_argument("--gpu-memory", type=positive_float, required=True, help="memory of one GPU in GiB, e.g. 80")
+    add_model_flags(parser)
     args = parser.parse_args(argv)
-    if min(args.params) <= 0 or args.world_size < 1 or args.gpu_memory <= 0 or args.layers < 1:
-        parser.error("--params, --world-size, --gpu-memory and --layers must be positive")
+    if (args.params is None) == (args.model is None):
+        parser.error("give --params (the model state alone) or --model (with its activations), one of them")
+    if args.params is not None and min(args.params) <= 0:
+        parser.error("--params must be positive")
+    if args.world_size < 1 or args.gpu_memory <= 0 or args.layers < 1:
+        parser.error("--world-size, --gpu-memory and --layers must be positive")
+    check_model_flags(parser, args)
     resolve_shard_group_size(parser, args)
     return args
+
+
+def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the chosen model's scripts do not have; fill the GPT's shape from its preset."""
+    if args.model is None:
+        given = [flag for flag in (*GPT_SHAPE_FLAGS, "batch_size") if getattr(args, flag) is not None]
+        if given or args.activation_checkpointing:
+            parser.error("activations need a model: add --model, or drop the model's flags")
+        return
+    if args.batch_size is None:
+        args.batch_size = DEFAULT_BATCH[MNIST if args.model == MNIST else "gpt"]
+    if args.model == MNIST:
+        if any(getattr(args, flag) is not None for flag in GPT_SHAPE_FLAGS):
+            parser.error("--n-layer, --n-head, --d-model, --block-size and --vocab-size describe the GPT, not MNIST")
+        if args.precision != "fp32" or args.activation_checkpointing:
+            parser.error("the MNIST scripts have neither --mixed-precision nor --activation-checkpointing")
+        return
+    for name, value in GPT_PRESETS[args.model].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.vocab_size is None:
+        args.vocab_size = SYNTHETIC_VOCAB
+    if args.d_model % args.n_head:
+        parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
 
 
 def resolve_shard_group_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -220,23 +320,81 @@ def resolve_shard_group_size(parser: argparse.ArgumentParser, args: argparse.Nam
         parser.error(f"--shard-group-size {args.shard_group_size} must divide --world-size {args.world_size}")
 
 
+@dataclass(frozen=True)
+class MeasuredModel:
+    """A model of the scripts: its size, its FSDP units, and its activations under each strategy."""
+
+    description: str
+    params: int
+    layers: int
+    activations: dict[str, int]  # by strategy: DDP computes bf16 under autocast, FSDP with bf16 parameters
+
+
+def forward_of(strategy: str, precision: str) -> str:
+    """How a strategy's script computes in ``precision`` (see common.activations.FORWARDS)."""
+    if precision == "fp32":
+        return "fp32"
+    return "autocast" if strategy == "ddp" else "param_dtype"
+
+
+def measure_model(args: argparse.Namespace) -> MeasuredModel:
+    """Count the model's parameters and measure its activations at the job's micro-batch."""
+    if args.model == MNIST:
+        params = count_parameters(MnistNet())
+        peak = mnist_activations(args.batch_size).peak
+        return MeasuredModel(
+            f"MNIST net, {args.batch_size} images per rank", params, 1, dict.fromkeys(STRATEGIES, peak)
+        )
+    config = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
+    with torch.device("meta"):  # only the shapes: nothing allocated, nothing initialised
+        params = count_parameters(GPT(config, seed=None))
+    by_forward = {
+        forward: gpt_activations(
+            config, args.batch_size, checkpointing=args.activation_checkpointing, forward=forward
+        ).peak
+        for forward in {forward_of(strategy, args.precision) for strategy in STRATEGIES}
+    }
+    description = (
+        f"GPT {args.model} ({args.n_layer} Blocks of width {args.d_model}, vocabulary {args.vocab_size}), "
+        f"{args.batch_size} sequences of {args.block_size} tokens per rank"
+        + (", activation checkpointing" if args.activation_checkpointing else "")
+    )
+    activations = {strategy: by_forward[forward_of(strategy, args.precision)] for strategy in STRATEGIES}
+    return MeasuredModel(description, params, args.n_layer, activations)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    measured = measure_model(args) if args.model is not None else None
+    layers = measured.layers if measured is not None else args.layers
+    sizes = [measured.params] if measured is not None else args.params
     estimates = [
         estimate
-        for params in args.params
-        for estimate in estimate_all(params, args.world_size, args.shard_group_size, args.layers, args.precision)
+        for params in sizes
+        for estimate in estimate_all(params, args.world_size, args.shard_group_size, layers, args.precision)
     ]
+    if measured is not None:
+        estimates = [replace(e, activations=measured.activations[e.strategy]) for e in estimates]
+        print(measured.description)
     print(
         f"{args.world_size} GPUs of {args.gpu_memory:g} GiB, AdamW, {args.precision} compute, "
-        f"{args.layers} FSDP units, hybrid groups of {args.shard_group_size}\n"
+        f"{layers} FSDP units, hybrid groups of {args.shard_group_size}\n"
     )
     print(estimate_table(estimates, args.gpu_memory * GIB))
     print(
         "\nbetween steps: fp32 weights, gradients and Adam moments of the rank's shard, as the runs' "
         "local_state_bytes count them."
         "\nin flight: units gathered and gradients not yet reduce-scattered during a step (rough)."
-        "\nActivations are NOT included: they must fit in what is left."
+    )
+    if measured is None:
+        print("Activations are NOT included (they need --model): they must fit in what is left.")
+        return
+    per_strategy = ", ".join(f"{s} {measured.activations[s] / MIB:,.1f} MiB" for s in STRATEGIES)
+    recomputed = ", and one Block recomputed in its backward" if args.activation_checkpointing else ""
+    print(
+        f"activations: what one forward keeps for backward{recomputed}, measured: {per_strategy}."
+        "\npeak per rank: between steps + in flight + activations. Not in it: temporaries inside backward "
+        "(the logits' gradient), the allocator's fragmentation, cuBLAS workspaces, NCCL buffers."
     )
 
 

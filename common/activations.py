@@ -1,0 +1,182 @@
+"""Activations: the bytes one forward keeps for backward, measured on the model a script trains.
+
+``measure_activations`` builds the model of the scripts (a GPT preset, or the MNIST net), runs one
+training forward and the scripts' loss inside ``torch.autograd.graph.saved_tensors_hooks``, and adds
+up the storages autograd keeps for backward:
+
+- every tensor an operation saves for its backward, each storage once (q, k and v are views of one
+  buffer; a layer norm's input is also the previous residual sum);
+- not the parameters, nor their views or casts (``weight.t()``, autocast's bf16 copy of a weight):
+  those are model state, which ``common.estimate_memory`` counts in its own columns (DDP's cached
+  bf16 weights and FSDP's gathered unit are its "in flight" term);
+- the logits, which the scripts hold in a variable until backward, though no operation saves them;
+- the input ids and targets, which the embedding and the loss save.
+
+With ``--activation-checkpointing`` every Block runs under non-reentrant ``torch.utils.checkpoint``,
+whose own hooks stand in for ours inside the Block: what reaches ours is what it keeps, the Block's
+input. In backward each Block's activations are rebuilt while its gradient is computed, so the peak
+adds one Block's worth (``recomputed``), measured on one Block alone.
+
+bf16 follows the scripts. DDP runs under ``torch.autocast``: matmuls take bf16 copies of their
+inputs, while layer norms, the residual stream and the loss stay fp32. FSDP1 and FSDP2 gather the
+parameters in bf16 (``param_dtype``) without autocast, so every activation is bf16 but the loss,
+which the scripts compute in fp32 (``logits.float()``).
+
+The forward runs under ``FakeTensorMode``: tensors with shapes, dtypes and the CPU as device, but no
+data. Autograd saves the same tensors, and the CPU's choice of attention kernel (flash attention,
+which keeps no T x T scores) is made from the same shapes, so the bytes are those of a real CPU
+forward (tests/test_activations.py checks it) for a fraction of a second at GPT-2's size, where a
+real forward costs 13 s here. Left out, and so not in the estimator's peak either: temporaries that
+live inside one operation or one backward step (the logits' gradient, the caching allocator's
+rounding and fragmentation, cuBLAS workspaces, NCCL buffers), and GPU kernels that save other
+tensors than the CPU's (small extras such as a random seed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from common.models import GPT, GPTConfig, MnistNet, checkpoint_activations
+
+# How a script applies --mixed-precision bf16: DDP's autocast, or FSDP's parameters gathered in bf16.
+FORWARDS = ("fp32", "autocast", "param_dtype")
+MNIST_IMAGE = (1, 28, 28)
+MNIST_CLASSES = 10
+# Autograd nodes that only view or cast their one input: a tensor made by a chain of them from a
+# parameter is a copy of model state, not an activation.
+VIEW_AND_CAST_NODES = {
+    "ToCopyBackward0",
+    "TBackward0",
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+    "ExpandBackward0",
+    "AliasBackward0",
+}
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes of activations on one rank for one micro-batch."""
+
+    kept: int  # from the end of forward into backward
+    recomputed: int = 0  # activation checkpointing: one Block rebuilt during its backward
+
+    @property
+    def peak(self) -> int:
+        return self.kept + self.recomputed
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """One number per storage: views share it. (``data_ptr`` would not do: fake tensors have none.)"""
+    return tensor.untyped_storage()._cdata
+
+
+def is_parameter_copy(tensor: torch.Tensor, parameter_keys: set[int]) -> bool:
+    """Whether ``tensor`` is a parameter, or a view or cast of one (autocast's bf16 weight, ``weight.t()``)."""
+    if storage_key(tensor) in parameter_keys:
+        return True
+    node = tensor.grad_fn
+    while node is not None and type(node).__name__ in VIEW_AND_CAST_NODES:
+        node = next((fn for fn, _ in node.next_functions if fn is not None), None)
+    variable = getattr(node, "variable", None)  # only AccumulateGrad, the node of a leaf, has one
+    return variable is not None and storage_key(variable) in parameter_keys
+
+
+class SavedBytes:
+    """Counts the storages autograd saves for backward while it is active, each once, parameters left out."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
+        self.parameter_keys = {storage_key(p) for p in parameters}
+        self.sizes: dict[int, int] = {}
+        # Holding every saved tensor keeps its storage alive, so no later tensor can reuse its key.
+        self.held: list[torch.Tensor] = []
+
+    def add(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not is_parameter_copy(tensor, self.parameter_keys):
+            self.held.append(tensor)
+            self.sizes[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+    @contextmanager
+    def counting(self) -> Iterator[SavedBytes]:
+        with torch.autograd.graph.saved_tensors_hooks(self.add, lambda tensor: tensor):
+            yield self
+
+
+def forward_context(forward: str) -> torch.autocast | nullcontext:
+    if forward not in FORWARDS:
+        raise ValueError(f"unknown forward {forward!r}; expected one of {', '.join(FORWARDS)}")
+    return torch.autocast("cpu", dtype=torch.bfloat16) if forward == "autocast" else nullcontext()
+
+
+def gpt_activations(
+    config: GPTConfig, batch_size: int, *, checkpointing: bool, forward: str, fake: bool = True
+) -> ActivationBytes:
+    """A training forward of the GPT and the transformer scripts' loss, as in their training loop.
+
+    ``fake`` False runs it on real tensors, as a check of the fake forward (seconds, not milliseconds).
+    """
+    with FakeTensorMode() if fake else nullcontext():
+        with parameter_dtype(forward):
+            model = GPT(config, seed=None).train()
+        if checkpointing:
+            checkpoint_activations(model, model.blocks)
+        tokens = torch.randint(config.vocab_size, (batch_size, config.block_size))
+        targets = torch.randint(config.vocab_size, (batch_size, config.block_size))
+        counter = SavedBytes(model.parameters())
+        with counter.counting(), forward_context(forward):
+            logits = model(tokens)
+            F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            counter.add(logits)  # the training loop holds it through backward
+        recomputed = block_activations(model, batch_size, forward) if checkpointing else 0
+    return ActivationBytes(kept=counter.total, recomputed=recomputed)
+
+
+def block_activations(model: GPT, batch_size: int, forward: str) -> int:
+    """What one Block saves, its input aside (a checkpoint keeps that anyway): rebuilt in its backward."""
+    block = model.blocks[0]
+    block = getattr(block, "_checkpoint_wrapped_module", block)  # the Block itself, not its checkpoint
+    dtype = next(block.parameters()).dtype if forward == "param_dtype" else torch.float32
+    config = model.config
+    hidden = torch.empty(batch_size, config.block_size, config.d_model, dtype=dtype, requires_grad=True)
+    counter = SavedBytes([*block.parameters(), hidden])
+    with counter.counting(), forward_context(forward):
+        block(hidden)
+    return counter.total
+
+
+def mnist_activations(batch_size: int, *, fake: bool = True) -> ActivationBytes:
+    """A training forward of the MNIST net (its dropout masks included) and the MNIST scripts' loss."""
+    with FakeTensorMode() if fake else nullcontext():
+        model = MnistNet().train()
+        images = torch.empty(batch_size, *MNIST_IMAGE)
+        labels = torch.randint(MNIST_CLASSES, (batch_size,))
+        counter = SavedBytes(model.parameters())
+        with counter.counting():
+            logits = model(images)
+            F.cross_entropy(logits, labels)
+            counter.add(logits)
+    return ActivationBytes(kept=counter.total)
+
+
+@contextmanager
+def parameter_dtype(forward: str) -> Iterator[None]:
+    """Build in bf16 where FSDP would gather the parameters in bf16 (a fake model cannot be cast after)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if forward == "param_dtype" else torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
