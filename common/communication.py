@@ -100,15 +100,29 @@ def _tensor_bytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
-def _group_size(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> int:
-    """The size of the process group an operator runs on: a ProcessGroup argument, or a group's name."""
-    values = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
-    for name, value in values.items():
-        if isinstance(value, torch.ScriptObject) and "ProcessGroup" in str(value._type()):
-            return dist.ProcessGroup.unbox(value).size()
+def named_arguments(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """An operator's arguments by their schema names."""
+    return dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
+
+
+def is_process_group(value: Any) -> bool:
+    return isinstance(value, torch.ScriptObject) and "ProcessGroup" in str(value._type())
+
+
+def operator_group(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> dist.ProcessGroup:
+    """The process group an operator runs on: a ProcessGroup argument, or a group's name."""
+    for name, value in named_arguments(schema, args, kwargs).items():
+        if is_process_group(value):
+            return dist.ProcessGroup.unbox(value)
         if name == "group_name" and isinstance(value, str):
-            return dist.distributed_c10d._resolve_process_group(value).size()
-    return dist.get_world_size()
+            return dist.distributed_c10d._resolve_process_group(value)
+    return dist.group.WORLD
+
+
+def message_bytes(args: tuple, kwargs: dict, result: Any) -> int:
+    """A collective's whole message: the larger of what goes in and what comes out (an all-gather's
+    output, a reduce-scatter's input, an all-reduce's tensor either way)."""
+    return max(_tensor_bytes(part) for part in [*args, *kwargs.values(), result])
 
 
 class CollectiveRecorder(TorchDispatchMode):
@@ -134,15 +148,19 @@ class CollectiveRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(_is_dispatching_subclass(t) for t in types):
             return NotImplemented
-        result = func(*args, **kwargs)
         kind = KIND_OF_OP.get(func._schema.name)
-        if kind is not None:
-            # The whole message: the larger of what goes in and what comes out (an all-gather's
-            # output, a reduce-scatter's input, an all-reduce's tensor either way).
-            parts = [*args, *kwargs.values(), result]
-            message = max(_tensor_bytes(part) for part in parts)
-            self.collectives.append(Collective(kind, message, _group_size(func._schema, args, kwargs)))
+        if kind is None:
+            return func(*args, **kwargs)
+        group = operator_group(func._schema, args, kwargs)
+        self.before_collective(func, kind, group, args, kwargs)
+        result = func(*args, **kwargs)
+        self.collectives.append(Collective(kind, message_bytes(args, kwargs, result), group.size()))
         return result
+
+    def before_collective(
+        self, func: torch._ops.OpOverload, kind: str, group: dist.ProcessGroup, args: tuple, kwargs: dict
+    ) -> None:
+        """Called before a collective is issued; subclasses check it here (common/preflight.py)."""
 
 
 def _is_dispatching_subclass(cls: type) -> bool:

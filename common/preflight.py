@@ -1,0 +1,611 @@
+"""Pre-flight: run a script for a few steps on this machine and check that every rank issues the same collectives.
+
+    python -m common.preflight --nproc 2 train/train.py --global-batch-size 24
+    python -m common.preflight --nproc 4 fsdp/train_transformer_fsdp2.py --model tiny
+
+A distributed script whose ranks disagree about which collective comes next does not fail: it
+hangs, on the cluster, until the process-group timeout, with nothing in its log. A rank that
+evaluates alone, gathers a state dict alone, sends an extra all-reduce or a tensor of another
+length is enough. This runs the script at N ranks on the CPU (gloo), for 3 steps with an
+evaluation, a checkpoint and the final save, into a temporary run directory (never --run-dir: what
+is saved there is not touched), and watches every collective each rank issues: its kind, group,
+dtypes, shapes and the line of the script that led to it.
+
+Nothing can hang on the mistake it looks for: before a rank issues its n-th collective on a group,
+it publishes what that collective is and waits (bounded by --wait) until every other rank of the
+group has published its n-th, or has ended. If they differ, no rank issues it: the ranks stop,
+and one report shows the two collectives side by side with their lines (exit 1). A clean run
+prints the collectives per training step and of the whole run (exit 0). A script that fails
+prints its error (exit 1). The whole run is bounded by --timeout, after which every process it
+started is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import linecache
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+STEPS = 3  # the third step is the one StepObserver measures: collectives_per_step needs it
+CHECKPOINT_INTERVAL = 2  # a checkpoint before step 3
+EVAL_INTERVAL = 2  # an evaluation mid-run (the MNIST scripts evaluate at the end of each epoch instead)
+DEFAULT_WAIT_S = 60.0
+DEFAULT_TIMEOUT_S = 600.0
+OK, FOUND, BAD_INPUT = 0, 1, 2
+REPORT_ORDER = ("mismatch", "peer_ended", "timeout", "raised", "exited")  # the first present is the verdict
+# What torchrun tells its workers about their job; a pre-flight started inside a job must not inherit it.
+JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank side: what a collective is, and the lockstep check before it is issued.
+
+
+@dataclass
+class Fingerprint:
+    """What one rank is about to issue; two ranks' fingerprints of the same collective must be equal."""
+
+    op: str
+    kind: str
+    group: list[int]
+    tensors: list[str]  # dtype and shape of each tensor argument whose shape is the same on every rank
+    scalars: list[str]  # root ranks, reduce ops given as strings, split sizes...
+    script_line: str  # "file:line" of the innermost frame in the user's script
+    innermost: str  # "file:line in function": where torch.distributed was called from
+
+    def same_collective(self, other: Fingerprint) -> bool:
+        # The script line counts: in an SPMD script every rank issues a collective from the same
+        # line, and one that pairs with a collective of another line pairs the wrong data, silently
+        # when the shapes agree (an evaluation's all-gather against a training step's).
+        mine, theirs = asdict(self), asdict(other)
+        return all(mine[name] == theirs[name] for name in ("op", "group", "tensors", "scalars", "script_line"))
+
+
+# Arguments whose shapes differ between ranks by design: a gather's outputs exist on its root only,
+# a scatter's inputs likewise, and an all-to-all's tensors follow each rank's split sizes.
+RANK_DEPENDENT_ARGUMENTS = {
+    "c10d::gather_": {"output_tensors"},
+    "c10d::scatter_": {"input_tensors"},
+    "c10d::alltoall_": {"output_tensors", "input_tensors"},
+    "c10d::alltoall_base_": {"output", "input", "output_split_sizes", "input_split_sizes"},
+    "_c10d_functional::all_to_all_single": {"input", "output_split_sizes", "input_split_sizes"},
+}
+IGNORED_ARGUMENTS = {"timeout", "group_name", "tag", "async_op", "asyncOp"}  # the group is compared as its ranks
+
+
+def describe_tensor(tensor: Any) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}[{','.join(str(size) for size in tensor.shape)}]"
+
+
+def fingerprint(func: Any, kind: str, group: Any, args: tuple, kwargs: dict, script: str) -> Fingerprint:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from common.communication import is_process_group, named_arguments
+
+    op = func._schema.name
+    skipped = RANK_DEPENDENT_ARGUMENTS.get(op, set()) | IGNORED_ARGUMENTS
+    tensors, scalars = [], []
+    for name, value in named_arguments(func._schema, args, kwargs).items():
+        if name in skipped or is_process_group(value):
+            continue
+        leaves = tree_leaves(value)
+        tensors += [f"{name}: {describe_tensor(t)}" for t in leaves if isinstance(t, torch.Tensor)]
+        scalars += [f"{name}={leaf}" for leaf in leaves if isinstance(leaf, int | float | str | bool)]
+    import torch.distributed as dist
+
+    global _TORCH_FOLDER
+    _TORCH_FOLDER = _TORCH_FOLDER or os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
+    script_line, innermost = call_sites(script)
+    return Fingerprint(op, kind, dist.get_process_group_ranks(group), tensors, scalars, script_line, innermost)
+
+
+_real_paths: dict[str, str] = {}
+_THIS_FILE = os.path.realpath(__file__)
+_TORCH_FOLDER = ""  # set by the first rank-side call, so that the parent never imports torch
+
+
+def _real_path(filename: str) -> str:
+    if filename not in _real_paths:
+        _real_paths[filename] = os.path.realpath(filename)
+    return _real_paths[filename]
+
+
+def call_sites(script: str) -> tuple[str, str]:
+    """The innermost frame in ``script``, and the innermost outside torch (the script's or a helper's, such
+    as common/evaluation.py), each as "file:line"; torch's own frame would be the same for every all-reduce."""
+    frame, script_line, innermost = sys._getframe(1), "", ""
+    while frame is not None and not script_line:
+        path = _real_path(frame.f_code.co_filename)
+        plumbing = path == _THIS_FILE or path.startswith(_TORCH_FOLDER) or frame.f_code.co_name == "__torch_dispatch__"
+        if not innermost and not plumbing:
+            innermost = f"{shorten(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        if path == script:
+            script_line = f"{shorten(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return script_line or "(not inside the script)", innermost
+
+
+def shorten(path: str) -> str:
+    """A path relative to the working directory when it is below it; torch's files from their package."""
+    marker = f"{os.sep}site-packages{os.sep}"
+    if marker in path:
+        return path.split(marker, 1)[1]
+    with contextlib.suppress(ValueError):
+        return str(Path(path).relative_to(Path.cwd()))
+    return path
+
+
+@dataclass
+class Peer:
+    """What another rank published for the collective this rank waits at: its fingerprint, or its end."""
+
+    rank: int
+    fingerprint: dict | None = None
+    ended: dict | None = None  # {"how": ..., "detail": ..., "issued": ...} when it ended first
+    last: dict | None = None  # its last fingerprint, when it neither published nor ended in time
+
+
+class Lockstep:
+    """The store protocol: publish collective n on a group, wait for the group's other members' n.
+
+    Keys live under a PrefixStore of the job's own store (MASTER_ADDR:MASTER_PORT): no port of its
+    own to pick, and nothing left behind once the job's store goes.
+    """
+
+    def __init__(self, store: Any, rank: int, wait_s: float) -> None:
+        self.store, self.rank, self.wait_s = store, rank, wait_s
+        self.counts: Counter[str] = Counter()
+
+    def publish(self, group_name: str, fp: Fingerprint) -> int:
+        self.counts[group_name] += 1
+        n = self.counts[group_name]
+        text = json.dumps(asdict(fp) | {"n": n, "group_name": group_name})
+        self.store.set(f"c/{group_name}/{n}/{self.rank}", text)
+        self.store.set(f"last/{self.rank}", text)
+        return n
+
+    def await_peer(self, group_name: str, n: int, peer: int) -> Peer:
+        """Poll the store, bounded: a peer's collective n, its end marker, or the bound running out."""
+        key, ended = f"c/{group_name}/{n}/{peer}", f"ended/{peer}"
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            if self.store.check([key]):
+                return Peer(peer, fingerprint=json.loads(self.store.get(key)))
+            if self.store.check([ended]):
+                return Peer(peer, ended=json.loads(self.store.get(ended)))
+            if time.monotonic() >= deadline:
+                last = f"last/{peer}"
+                return Peer(peer, last=json.loads(self.store.get(last)) if self.store.check([last]) else None)
+            with contextlib.suppress(Exception):  # the short wait running out is the normal case
+                self.store.wait([key], timedelta(milliseconds=50))
+
+    def end(self, how: str, detail: str = "") -> None:
+        issued = sum(self.counts.values())
+        self.store.set(f"ended/{self.rank}", json.dumps({"how": how, "detail": detail, "issued": issued}))
+
+
+def make_lockstep_recorder(lockstep: Lockstep, script: str, report_dir: Path) -> Any:
+    """A CollectiveRecorder that holds each collective back until the group agrees on it (built here,
+    not at import: the parent never imports torch)."""
+    from common.communication import CollectiveRecorder
+
+    class LockstepRecorder(CollectiveRecorder):
+        def before_collective(self, func: Any, kind: str, group: Any, args: tuple, kwargs: dict) -> None:
+            if kind == "send_recv":
+                return  # one side sends, the other receives: there is nothing to pair
+            fp = fingerprint(func, kind, group, args, kwargs, script)
+            n = lockstep.publish(group.group_name, fp)
+            for peer in fp.group:
+                if peer == lockstep.rank:
+                    continue
+                seen = lockstep.await_peer(group.group_name, n, peer)
+                if seen.fingerprint is not None and Fingerprint(
+                    **{k: seen.fingerprint[k] for k in Fingerprint.__dataclass_fields__}
+                ).same_collective(fp):
+                    continue
+                stop_before_collective(lockstep, report_dir, fp, n, seen)
+
+    return LockstepRecorder()
+
+
+def stop_before_collective(lockstep: Lockstep, report_dir: Path, fp: Fingerprint, n: int, seen: Peer) -> None:
+    """Write this rank's report and end the process without issuing the collective: issued, it would hang."""
+    verdict = "mismatch" if seen.fingerprint is not None else "peer_ended" if seen.ended is not None else "timeout"
+    write_report(report_dir, lockstep.rank, {"verdict": verdict, "n": n, "mine": asdict(fp), "peer": asdict(seen)})
+    lockstep.end(verdict, f"collective #{n} on group {fp.group}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(FOUND)
+
+
+def write_report(report_dir: Path, rank: int, report: dict) -> None:
+    temporary = report_dir / f".rank-{rank}.json.tmp"
+    temporary.write_text(json.dumps(report | {"rank": rank}))
+    os.replace(temporary, report_dir / f"rank-{rank}.json")  # a reader never sees half a report
+
+
+def job_store(prefix: str) -> Any:
+    """A client of the job's store (torchrun's agent or the test launcher serves it), under ``prefix``."""
+    import torch.distributed as dist
+
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+    )
+    return dist.PrefixStore(prefix, client)
+
+
+def run_rank(script: str, flags: list[str], report_dir: Path, wait_s: float) -> None:
+    """One rank: the script as ``python SCRIPT FLAGS`` runs it, every collective held to lockstep."""
+    rank = int(os.environ.get("RANK", "0"))
+    lockstep = Lockstep(job_store("preflight"), rank, wait_s)
+    recorder = make_lockstep_recorder(lockstep, os.path.realpath(script), report_dir)
+    sys.argv = [script, *flags]
+    ended: tuple[str, str, int] = ("returned", "", 0)
+    try:
+        with recorder:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        ended = ("returned", "", 0) if code == 0 else ("exited", f"exit code {code}", code)
+        raise
+    except BaseException as err:
+        ended = ("raised", "".join(traceback.format_exception(err)), 1)
+        raise
+    finally:
+        how, detail, code = ended
+        totals = Counter()
+        for c in recorder.collectives:
+            totals[f"{c.kind} count"] += 1
+            totals[f"{c.kind} bytes"] += c.message_bytes
+        write_report(report_dir, rank, {"verdict": how, "detail": detail, "code": code, "totals": dict(totals)})
+        lockstep.end(how, detail)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent side: the flags, the launch, and one report.
+
+
+def preflight_flags(script_text: str, run_dir: Path, dist_timeout: float) -> list[str]:
+    """The flags appended to the user's (argparse keeps the last of each): a short CPU run into ``run_dir``.
+
+    A flag is given only if the script reads it (``args.max_steps`` for --max-steps), so a copy that
+    dropped one still starts; the MNIST scripts have no --eval-interval and evaluate after each epoch,
+    and an epoch cut short by --max-steps ends with one. Reading the text costs nothing; asking the
+    script's --help would cost an interpreter that imports torch.
+    """
+    wanted = [
+        ("--device", "cpu"),
+        ("--run-dir", str(run_dir)),
+        ("--max-steps", str(STEPS)),
+        ("--checkpoint-interval", str(CHECKPOINT_INTERVAL)),
+        ("--eval-interval", str(EVAL_INTERVAL)),
+        ("--log-interval", "1"),
+        ("--dist-timeout", str(int(dist_timeout))),
+    ]
+    read = [(name, value) for name, value in wanted if f"args.{name[2:].replace('-', '_')}" in script_text]
+    return [part for name, value in read for part in (name, value)]
+
+
+@dataclass
+class Plan:
+    """Where one pre-flight writes (all of it inside ``root``, a scratch folder), and each rank's arguments."""
+
+    run_dir: Path
+    report_dir: Path
+    rank_argv: list[str]  # what follows ``python -m common.preflight`` (or the test launcher's program)
+
+
+def plan(script: str, flags: list[str], root: Path, wait_s: float) -> Plan:
+    run_dir, report_dir = root / "run", root / "reports"
+    report_dir.mkdir(parents=True)
+    # The process-group timeout stays above the lockstep's own bound: it is the lockstep that reports.
+    text = Path(script).read_text(errors="replace")
+    all_flags = [*flags, *preflight_flags(text, run_dir, max(10.0, 2 * wait_s))]
+    rank_argv = ["--rank", "--report-dir", str(report_dir), "--wait", str(wait_s), script, *all_flags]
+    return Plan(run_dir, report_dir, rank_argv)
+
+
+@dataclass
+class Verdict:
+    code: int  # OK, FOUND
+    text: str
+    reports: dict[int, dict] = field(default_factory=dict)
+
+    def side(self, rank: int) -> dict | None:
+        """The fingerprint of ``rank``'s side of a mismatch, as the report shows it."""
+        for report in self.reports.values():
+            if report["rank"] == rank and "mine" in report:
+                return report["mine"]
+            peer = report.get("peer", {})
+            if peer.get("rank") == rank and peer.get("fingerprint"):
+                return peer["fingerprint"]
+        return None
+
+
+def read_reports(report_dir: Path) -> dict[int, dict]:
+    reports = {}
+    for path in sorted(report_dir.glob("rank-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            report = json.loads(path.read_text())
+            reports[report["rank"]] = report
+    return reports
+
+
+def judge(report_dir: Path, run_dir: Path, nproc: int, returncode: int, output: str, script: str) -> Verdict:
+    """The one report of a pre-flight, from what its ranks wrote."""
+    reports = read_reports(report_dir)
+    for kind in REPORT_ORDER:
+        found = [report for _, report in sorted(reports.items()) if report["verdict"] == kind]
+        if found:
+            text = describe_problem(found[0], output, reports)
+            return Verdict(FOUND, text, reports)
+    if returncode != 0 or len(reports) < nproc:
+        missing = sorted(set(range(nproc)) - set(reports))
+        why = f"exit code {returncode}" + (f"; rank(s) {missing} wrote no report (killed?)" if missing else "")
+        return Verdict(FOUND, f"pre-flight: the run failed ({why}). Its last lines:\n{tail(output)}", reports)
+    return Verdict(OK, describe_clean_run(reports, run_dir, nproc, script), reports)
+
+
+def tail(output: str, lines: int = 30) -> str:
+    return "\n".join(output.splitlines()[-lines:])
+
+
+def describe_problem(report: dict, output: str, reports: dict[int, dict]) -> str:
+    verdict = report["verdict"]
+    if verdict in ("raised", "exited"):
+        detail = report["detail"] if verdict == "raised" else f"{report['detail']}; its last lines:\n{tail(output)}"
+        return f"pre-flight: rank {report['rank']} failed before the check could finish:\n{detail}"
+    mine, peer = report["mine"], report["peer"]
+    rank, other = report["rank"], peer["rank"]
+    group = f"collective #{report['n']} on group {mine['group']}"
+    if verdict == "mismatch":
+        first, second = sorted([(rank, mine), (other, peer["fingerprint"])], key=lambda side: side[0])
+        title = f"pre-flight: MISMATCH at {group}: ranks {first[0]} and {second[0]} would issue different collectives"
+        table = side_by_side(first, second)
+        end = "On the cluster this hangs until --dist-timeout, or pairs the wrong data. No rank issued it."
+        return f"{title}\n{table}\n{end}"
+    ended = peer.get("ended") or {}
+    if verdict == "peer_ended":
+        title = (
+            f"pre-flight: rank {rank} would issue {group}, but rank {other} had ended "
+            f"({ended.get('how')}{': ' + ended['detail'] if ended.get('detail') else ''}) after "
+            f"{ended.get('issued')} collectives"
+        )
+        return f"{title}\n{side_by_side((rank, mine), (other, None))}\nOn the cluster rank {rank} hangs here."
+    last = peer.get("last")
+    title = f"pre-flight: rank {rank} waited for rank {other} at {group}; rank {other} did not get there within --wait"
+    where = f"rank {other}'s last collective: #{last['n']} at {last['script_line']}" if last else "none yet"
+    return f"{title} ({where})\n{side_by_side((rank, mine), (other, last))}"
+
+
+ROWS = (("script line", "script_line"), ("collective", "kind"), ("tensors", "tensors"), ("arguments", "scalars"),
+        ("group", "group"), ("called from", "innermost"))  # fmt: skip
+
+
+def side_by_side(left: tuple[int, dict | None], right: tuple[int, dict | None]) -> str:
+    rows = [(label, cell(left[1], key), cell(right[1], key)) for label, key in ROWS]
+    rows = [row for row in rows if row[1] or row[2]]
+    width = max(len(row[1]) for row in rows) + 2
+    lines = [f"  {'':<12} {f'rank {left[0]}':<{width}} rank {right[0]}"]
+    for label, mine, theirs in rows:
+        marker = "" if mine == theirs else "  <-- differs"
+        lines.append(f"  {label:<12} {mine:<{width}} {theirs}{marker}".rstrip())
+    for rank, fp in (left, right):
+        if fp is not None:
+            lines.append(f"  rank {rank}, {fp['script_line']}:  {source_line(fp['script_line'])}")
+    return "\n".join(lines)
+
+
+def source_line(place: str) -> str:
+    """The text of "file:line", without its comment: read here, a rank's report holds only where it is."""
+    file, _, line = place.rpartition(":")
+    text = linecache.getline(file, int(line)).strip() if line.isdigit() else ""
+    return text.split("  #", 1)[0]
+
+
+def cell(fp: dict | None, key: str) -> str:
+    if fp is None:
+        return "(ended)" if key == "kind" else ""
+    if key == "kind":
+        return f"{fp['kind']} ({fp['op']})"
+    value = fp[key]
+    return ", ".join(value) if isinstance(value, list) and key != "group" else str(value)
+
+
+def describe_clean_run(reports: dict[int, dict], run_dir: Path, nproc: int, script: str) -> str:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    final = next((r for r in reversed(records) if r.get("event") == "final"), {})
+    evaluations = sum(1 for r in records if r.get("event") == "eval")
+    checkpoints = len(list((run_dir / "checkpoints").glob("step-*")))
+    saved = (run_dir / "model.pt").exists()
+    totals = reports[0]["totals"]
+    count = sum(v for k, v in totals.items() if k.endswith(" count"))
+    lines = [
+        f"pre-flight: OK. {script} at {nproc} rank(s): {final.get('steps', '?')} steps, {evaluations} evaluation(s), "
+        f"{checkpoints} checkpoint(s), {'the final save' if saved else 'no final save'}; "
+        f"all {count} collectives matched on every rank, in order, from the same lines.",
+    ]
+    per_step, step_bytes = final.get("collectives_per_step", {}), final.get("comm_bytes_per_step", {})
+    if per_step:
+        lines.append("  per training step:  " + kinds_line({k: (per_step[k], step_bytes.get(k, 0)) for k in per_step}))
+    kinds = sorted({key.rsplit(" ", 1)[0] for key in totals})
+    lines.append(
+        "  whole run, rank 0:  " + kinds_line({k: (totals[f"{k} count"], totals[f"{k} bytes"]) for k in kinds})
+    )
+    if not evaluations or not checkpoints or not saved:
+        lines.append("  note: the parts it did not reach were not checked (flags the script lacks?)")
+    return "\n".join(lines)
+
+
+def kinds_line(by_kind: dict[str, tuple[int, int]]) -> str:
+    return ", ".join(f"{kind} {n} ({human_bytes(size)})" for kind, (n, size) in sorted(by_kind.items()))
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+class ProcessTree:
+    """Every process below ``pid``, remembered as it is seen: torchrun starts its workers in sessions of their
+    own, and a worker orphaned by torchrun's end is no longer below it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: dict[int, str] = {}  # pid -> its start time, so that a reused pid is never killed
+
+    def refresh(self) -> None:
+        for pid in descendants(self.pid):
+            self.seen.setdefault(pid, start_time(pid))
+
+    def kill_all(self) -> None:
+        self.refresh()
+        for pid, started in [(self.pid, start_time(self.pid)), *self.seen.items()]:
+            if started and start_time(pid) == started:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def alive(self) -> list[int]:
+        return [pid for pid, started in self.seen.items() if started and start_time(pid) == started]
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def start_time(pid: int) -> str:
+    """Field 22 of /proc/PID/stat, the process's start time; empty once it is gone (or a zombie reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat.rsplit(")", 1)[1].split()
+    return "" if fields[0] == "Z" else fields[19]
+
+
+def rank_env(project: Path) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key not in JOB_VARIABLES}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU and gloo, whatever this machine has
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(project), env.get("PYTHONPATH", "")]))
+    return env
+
+
+@dataclass
+class Launched:
+    returncode: int
+    output: str
+    timed_out: bool
+    left_running: list[int]
+
+
+def launch_ranks(
+    command: list[str], env: dict[str, str], timeout: float, report_dir: Path, nproc: int, log: Path
+) -> Launched:
+    """Run torchrun to its end, or until a rank reports a problem (its peers then need no more time), or the
+    timeout; then kill whatever it started that is still there."""
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    tree, timed_out = ProcessTree(process.pid), False
+    deadline, settle_until = time.monotonic() + timeout, None
+    try:
+        while process.poll() is None:
+            tree.refresh()
+            now = time.monotonic()
+            reports = read_reports(report_dir)
+            if settle_until is None and any(r["verdict"] in REPORT_ORDER for r in reports.values()):
+                settle_until = now + 3.0  # a moment for the peers' own reports, then no more waiting
+            settled = settle_until is not None and (now >= settle_until or len(reports) == nproc)
+            if now >= deadline or settled:
+                timed_out = now >= deadline
+                break
+            time.sleep(0.1)  # polling a child with a bound, not synchronisation
+    finally:
+        tree.kill_all()
+        process.wait(timeout=30)
+    left = tree.alive()
+    return Launched(process.returncode, log.read_text(errors="replace"), timed_out, left)
+
+
+def preflight(script: str, flags: list[str], nproc: int, wait_s: float, timeout: float) -> Verdict:
+    project = Path(__file__).resolve().parents[1]
+    env = rank_env(project)
+    with tempfile.TemporaryDirectory(prefix="preflight-") as scratch:
+        root = Path(scratch)
+        planned = plan(script, flags, root, wait_s)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        command = [*torchrun, "--max-restarts=0", "-m", "common.preflight", *planned.rank_argv]
+        launched = launch_ranks(command, env, timeout, planned.report_dir, nproc, root / "ranks.log")
+        if launched.timed_out:
+            reports = read_reports(planned.report_dir)
+            return Verdict(FOUND, f"pre-flight: no result within --timeout {timeout:g} s; every process it started "
+                                  f"was killed. The last lines:\n{tail(launched.output)}", reports)  # fmt: skip
+        verdict = judge(planned.report_dir, planned.run_dir, nproc, launched.returncode, launched.output, script)
+        if launched.left_running:
+            verdict.text += f"\n(processes {launched.left_running} outlived the kill)"
+        return verdict
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    # Not common.cli's helpers: they import torch, which this process never needs (its ranks do).
+    parser = argparse.ArgumentParser(prog="python -m common.preflight", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--nproc", type=int, help="ranks to run, as torchrun's --nproc_per_node")
+    parser.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="S",
+                        help="how long a rank waits for the others at one collective (rank 0 saving a "
+                             "checkpoint while the others wait must fit)")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                        help="the whole run's limit; then every process it started is killed")  # fmt: skip
+    parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # one rank, as torchrun starts it
+    parser.add_argument("--report-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("script", help="the training script: this repository's or your copy")
+    parser.add_argument("flags", nargs=argparse.REMAINDER, help="the script's flags, as you would give them")
+    args = parser.parse_args(argv)
+    if not args.rank:
+        if args.nproc is None or args.nproc < 1:
+            parser.error(f"--nproc N: the number of ranks, 1 or more (got {args.nproc})")
+        if not Path(args.script).is_file():
+            parser.error(f"{args.script}: no such script")
+        if not (args.wait > 0 and args.timeout > 0):
+            parser.error("--wait and --timeout must be positive numbers of seconds")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.rank:
+        run_rank(args.script, args.flags, args.report_dir, args.wait)
+        return OK
+    verdict = preflight(args.script, args.flags, args.nproc, args.wait, args.timeout)
+    print(verdict.text)
+    return verdict.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

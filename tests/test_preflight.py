@@ -1,0 +1,147 @@
+"""common.preflight: the five scripts pass; broken copies are named at their line, quickly, and nothing hangs.
+
+The ranks start from the warm launcher (tests/launcher.py) and the verdict is read in process with
+``preflight.judge``; one test runs the real command, torchrun and all, on a broken copy.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common import preflight
+from tests import launcher
+from tests.conftest import FSDP2_SCRIPT, REPO, cases, clean_env, run_command
+
+TINY = ["--model", "tiny", "--train-sequences", "200", "--heldout-sequences", "40", "--eval-batch-size", "20"]
+MNIST = ["--batch-size", "16"]
+WAIT_S = 20.0
+NAMED_WITHIN_S = 60  # the issue's bound for naming a broken copy
+
+
+def data_flags(script: str, mnist_dir: Path) -> list[str]:
+    return [*MNIST, "--data-dir", str(mnist_dir)] if "mnist" in script else TINY
+
+
+def run_preflight(script: str, flags: list[str], root: Path) -> tuple[preflight.Verdict, float]:
+    """A 2-rank pre-flight of ``script`` with its ranks forked from the warm server; the verdict and the seconds
+    it took."""
+    nproc = 2
+    planned = preflight.plan(script, flags, root, WAIT_S)
+    started = time.monotonic()
+    finished = launcher.launch(str(REPO / "common/preflight.py"), planned.rank_argv, clean_env(), nproc, 120)
+    elapsed = time.monotonic() - started
+    assert not finished.timed_out, finished.output
+    verdict = preflight.judge(planned.report_dir, planned.run_dir, nproc, finished.returncode, finished.output, script)
+    return verdict, elapsed
+
+
+SCRIPTS = [(name, name) for name in
+           ["ddp/train_mnist.py", "ddp/train_transformer.py", "fsdp/train_mnist.py", "fsdp/train_transformer.py",
+            FSDP2_SCRIPT]]  # fmt: skip
+
+
+@pytest.mark.parametrize("script", cases(SCRIPTS, keep_id=False))
+def test_unbroken_script_passes(script: str, tmp_path: Path, tiny_mnist_dir: Path) -> None:
+    verdict, _ = run_preflight(script, data_flags(script, tiny_mnist_dir), tmp_path)
+    assert verdict.code == preflight.OK, verdict.text
+    assert "1 checkpoint(s), the final save" in verdict.text, verdict.text
+    assert "per training step:" in verdict.text, verdict.text
+
+
+def broken_copy(script: str, find: str, replace: str, folder: Path) -> tuple[Path, int]:
+    """``script`` with the one line that holds ``find`` (its first) changed as ``replace`` says; the copy and
+    that line's number."""
+    lines = (REPO / script).read_text().splitlines(keepends=True)
+    numbers = [number for number, line in enumerate(lines, 1) if find in line]
+    assert numbers, f"{script} no longer has a line with {find!r}: update this test"
+    number = numbers[0]
+    lines[number - 1] = lines[number - 1].replace(find, replace)
+    folder.mkdir(parents=True)
+    copy = folder / Path(script).name
+    copy.write_text("".join(lines))
+    return copy, number
+
+
+# Each: the script, the line to find, what it becomes, the rank whose side of the report names the line.
+EVAL_CLASSIFIER = "result = evaluate_classifier(model, test_loader, ctx, normalize_images)"
+BROKEN = [
+    # Rank 0 alone evaluates: its evaluation's all-reduce meets the other rank's next training collective.
+    ("ddp-eval-on-rank-0", "ddp/train_transformer.py",
+     "result = evaluate_language_model(model, heldout_loader, ctx, autocast=compute_dtype)",
+     "result = evaluate_language_model(model, heldout_loader, ctx, autocast=compute_dtype) if ctx.is_main else "
+     "{'loss': 0.0, 'samples': 0}", 0),
+    # Under FSDP the evaluation's forward gathers parameters: the same shapes as training's, from another line.
+    ("fsdp-eval-on-rank-0", "fsdp/train_mnist.py", EVAL_CLASSIFIER,
+     f"{EVAL_CLASSIFIER} if ctx.is_main else "
+     "{'loss': 0.0, 'accuracy': 0.0, 'samples': 0}", 0),
+    # An extra all-reduce on odd ranks (a debug line left in).
+    ("extra-collective-on-odd-ranks", "ddp/train_mnist.py", "step_loss += loss.detach()",
+     "step_loss += loss.detach(); ctx.rank % 2 and torch.distributed.all_reduce(loss.detach())", 1),
+    # The valid targets of each rank's batch, summed across ranks: their number differs with --variable-length.
+    ("shape-differs-by-rank", "ddp/train_transformer.py", "step_loss += loss.detach()",
+     "step_loss += loss.detach(); torch.distributed.all_reduce(targets[targets >= 0].float())", 0),
+    # Only rank 0 gathers the full state dict, but every rank holds a shard of it.
+    ("state-dict-on-rank-0", FSDP2_SCRIPT,
+     "state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))",
+     "state = get_model_state_dict(model, options=full_state_dict_options(ctx.device)) if ctx.is_main else None", 0),
+]  # fmt: skip
+EXTRA_FLAGS = {"shape-differs-by-rank": ["--variable-length"]}
+
+
+@pytest.mark.parametrize(("case", "script", "find", "replace", "rank"), cases(BROKEN))
+def test_broken_copy_is_named_at_its_line(
+    case: str, script: str, find: str, replace: str, rank: int, tmp_path: Path, tiny_mnist_dir: Path
+) -> None:
+    copy, line = broken_copy(script, find, replace, tmp_path / "project" / "train")
+    flags = [*data_flags(script, tiny_mnist_dir), *EXTRA_FLAGS.get(case, [])]
+    verdict, elapsed = run_preflight(str(copy), flags, tmp_path / "preflight")
+    assert verdict.code == preflight.FOUND, verdict.text
+    side = verdict.side(rank)
+    assert side is not None, verdict.text
+    assert side["script_line"] == f"{copy}:{line}", verdict.text
+    assert f"{copy}:{line}" in verdict.text
+    assert elapsed < NAMED_WITHIN_S, f"{elapsed:.1f} s\n{verdict.text}"
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_real_command_names_the_line_and_leaves_nothing_running(tmp_path: Path, tiny_mnist_dir: Path) -> None:
+    _, script, find, replace, rank = BROKEN[2]
+    copy, line = broken_copy(script, find, replace, tmp_path / "project" / "train")
+    command = [sys.executable, "-m", "common.preflight", "--nproc", "2", "--wait", str(WAIT_S), str(copy),
+               *data_flags(script, tiny_mnist_dir)]  # fmt: skip
+    started = time.monotonic()
+    run = run_command(command, tmp_path, timeout=120)
+    elapsed = time.monotonic() - started
+    assert run.returncode == preflight.FOUND, run.describe()
+    assert run.output.count("pre-flight:") == 1, run.describe()  # one report, not one per rank
+    assert "MISMATCH" in run.output and f"{copy}:{line}" in run.output, run.describe()
+    assert processes_mentioning(str(copy)) == [], run.describe()
+    assert elapsed < NAMED_WITHIN_S, f"{elapsed:.1f} s\n{run.describe()}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nproc", "0", "ddp/train_mnist.py"], "--nproc N"),
+        (["--nproc", "2", "no/such/script.py"], "no such script"),
+    ],
+)
+def test_bad_input_is_one_message_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        preflight.main(argv)
+    assert stopped.value.code == preflight.BAD_INPUT
+    assert message in capsys.readouterr().err
