@@ -93,3 +93,50 @@ def test_training_processes_stop_when_their_torchrun_is_killed(tmp_path: Path) -
     assert marker["reason"] == "SIGTERM" and 3 <= marker["step"] < 2000, output
     load = os.getloadavg()[0]
     print(f"\n[timing] torchrun killed: its last process gone {stopped_in:.1f} s after (load {load:.1f})")
+
+
+# Stand-ins for Slurm's commands: each call is one line in CALLS; srun fails when it starts a comm check
+# and FAIL_COMM_CHECK is set. The launcher's own logic runs for real, in bash, without a cluster.
+FAKE_SLURM_COMMAND = """#!/bin/bash
+echo "$(basename "$0") $*" >> "$CALLS"
+if [[ $(basename "$0") == srun && " $* " == *" -m common.comm_check "* && -n ${FAIL_COMM_CHECK:-} ]]; then exit 3; fi
+"""
+
+
+def run_launcher_with_fake_slurm(launcher: str, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list]:
+    """``bash LAUNCHER`` as sbatch would run it on one node, with srun and scontrol recorded instead of run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("srun", "scontrol", "sinfo"):
+        (bin_dir / name).write_text(FAKE_SLURM_COMMAND)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "calls"
+    calls.unlink(missing_ok=True)
+    job_env = clean_env()
+    job_env.update(
+        PATH=f"{bin_dir}{os.pathsep}{job_env['PATH']}", CALLS=str(calls), SLURM_JOB_ID="7", SLURM_NNODES="1",
+        SLURM_SUBMIT_DIR=str(REPO), RUN_DIR=str(tmp_path / "run"), **env,
+    )  # fmt: skip
+    result = subprocess.run(["bash", launcher], cwd=REPO, env=job_env, capture_output=True, text=True, timeout=30)
+    return result, calls.read_text().splitlines() if calls.exists() else []
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_comm_check_runs_before_training_and_its_failure_stops_the_job(launcher: str, tmp_path: Path) -> None:
+    check = f"-m common.comm_check --out {tmp_path}/run/comm_check.json --max-bytes 1M"
+    flags = {"COMM_CHECK": "1", "COMM_CHECK_FLAGS": "--max-bytes 1M"}
+    result, calls = run_launcher_with_fake_slurm(launcher, tmp_path, **flags)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The check first, over the rendezvous training uses, without restarts; then training.
+    assert len(calls) == 3 and calls[0].endswith(check), calls  # then training's srun, then scontrol show job
+    assert "--standalone --nproc-per-node=1 --max-restarts=0" in calls[0], calls
+    assert calls[1].startswith("srun") and "--standalone --nproc-per-node=1 --max-restarts=1" in calls[1], calls
+
+    result, calls = run_launcher_with_fake_slurm(launcher, tmp_path, FAIL_COMM_CHECK="1", **flags)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "the comm check failed (its output is above): not training" in result.stdout, result.stdout
+    assert len(calls) == 1 and calls[0].endswith(check), calls  # no training, no requeue
+
+    result, calls = run_launcher_with_fake_slurm(launcher, tmp_path)  # COMM_CHECK unset: no check
+    assert result.returncode == 0 and "-m common.comm_check" not in " ".join(calls), calls
+    assert calls[0].startswith("srun") and "--max-restarts=1" in calls[0], calls

@@ -312,6 +312,25 @@ PREEMPTIBLE = [
 PREEMPTED_STEPS = 60
 
 
+# The comm check at its smallest: a few sizes, few iterations; what it reports is checked, not how fast.
+COMM_CHECK_FLAGS = "--max-bytes 256K --warmup 2 --iters 5"
+
+
+def assert_comm_check_ran_first(job: Job) -> None:
+    """Its table in the log before training's first step; its JSON in the run directory, for 2 ranks on 2 nodes."""
+    output = job.output()
+    header = "| collective | size (B) | count (elements) | time (us) | algbw (GB/s) | busbw (GB/s) |"
+    first_step = re.search(STEP, output, re.MULTILINE)
+    assert output.count(header) == 1 and first_step and output.index(header) < first_step.start(), job.describe()
+    assert "2 ranks on 2 node(s), gloo" in output, job.describe()
+    summary = json.loads((job.run_dir / "comm_check.json").read_text())
+    assert (summary["world_size"], summary["local_world_size"], summary["nodes"]) == (2, 1, 2), summary
+    assert (summary["backend"], summary["iters"]) == ("gloo", 5), summary  # COMM_CHECK_FLAGS reached it
+    sizes = [2**16, 2**17, 2**18]  # the CPU's default smallest, doubled up to --max-bytes 256K
+    measured = [(row["op"], row["bytes"]) for row in summary["results"]]
+    assert measured == [(op, size) for op in ("all_reduce", "all_gather", "reduce_scatter") for size in sizes]
+
+
 class TestOnARealCluster:
     """Issue 13's five cases, and issue 26's preemption. The time-limit job is submitted first and checked last."""
 
@@ -407,8 +426,12 @@ class TestOnARealCluster:
         # No torchrun restarts: with the launchers' default of one, the surviving node's torchrun starts
         # its workers again and waits in the rendezvous until srun's KillWait ends it, which makes the job
         # FAILED 30 s later (measured: 45 s instead of 15) without changing anything checked here.
-        job = submit(slurm_cluster, checkout, "slurm/ddp.sbatch", args, 1, ("--nodes=2",), MAX_RESTARTS="0")
+        # COMM_CHECK=1: this job also carries the comm check across 2 nodes (a job of its own would cost the
+        # serial Slurm cases another start); it runs and ends before training does.
+        check = {"COMM_CHECK": "1", "COMM_CHECK_FLAGS": COMM_CHECK_FLAGS}
+        job = submit(slurm_cluster, checkout, "slurm/ddp.sbatch", args, 1, ("--nodes=2",), MAX_RESTARTS="0", **check)
         job.wait_for_output(r"^step +5/", START_S)
+        assert_comm_check_ran_first(job)
         (torchrun,) = [p.pid for p in job.processes() if p.is_torchrun and p.node == "node2"]
         os.kill(torchrun, signal.SIGKILL)
         killed = time.monotonic()
