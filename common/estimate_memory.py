@@ -1,4 +1,4 @@
-"""How much memory each rank needs for the model state, under DDP and each FSDP strategy.
+"""How much memory each rank needs, under DDP and each FSDP strategy: model state, and a model's activations.
 
     python -m common.estimate_memory --params 7e9 --world-size 8 --gpu-memory 80
     python -m common.estimate_memory --params 1e9 7e9 70e9 --world-size 16 --shard-group-size 8 --precision bf16

@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| GPUs:', torch.cuda.device_count())"
-# bf16, fp16 with the gradient scaler, CPU offload, torch.compile, and resuming with the CUDA random state.
+# bf16, fp16 with the gradient scaler, CPU offload, torch.compile, resuming with the CUDA random state, and
+# common.estimate_memory's peak per rank against torch.cuda.max_memory_allocated (tests/test_activations.py).
 python -m pytest -m cuda -v -p no:cacheprovider
 python -m common.benchmark --out runs/benchmark/gpu.json
