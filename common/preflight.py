@@ -46,7 +46,8 @@ EVAL_INTERVAL = 2  # an evaluation mid-run (the MNIST scripts evaluate at the en
 DEFAULT_WAIT_S = 60.0
 DEFAULT_TIMEOUT_S = 600.0
 OK, FOUND, BAD_INPUT = 0, 1, 2
-REPORT_ORDER = ("mismatch", "peer_ended", "timeout", "raised", "exited")  # the first present is the verdict
+# The first present is the verdict: a crash before an ended peer, since the crash is why it ended.
+REPORT_ORDER = ("mismatch", "raised", "exited", "peer_ended", "timeout")
 # What torchrun tells its workers about their job; a pre-flight started inside a job must not inherit it.
 JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -264,7 +265,11 @@ def run_rank(script: str, flags: list[str], report_dir: Path, wait_s: float) -> 
         ended = ("returned", "", 0) if code == 0 else ("exited", f"exit code {code}", code)
         raise
     except BaseException as err:
-        ended = ("raised", "".join(traceback.format_exception(err)), 1)
+        ended = (
+            "raised",
+            "".join(traceback.format_exception(type(err), err, from_script(err.__traceback__, script))),
+            1,
+        )
         raise
     finally:
         how, detail, code = ended
@@ -274,6 +279,14 @@ def run_rank(script: str, flags: list[str], report_dir: Path, wait_s: float) -> 
             totals[f"{c.kind} bytes"] += c.message_bytes
         write_report(report_dir, rank, {"verdict": how, "detail": detail, "code": code, "totals": dict(totals)})
         lockstep.end(how, detail)
+
+
+def from_script(tb: Any, script: str) -> Any:
+    """The traceback from the script's first frame on: the pre-flight's own and runpy's frames say nothing."""
+    start = tb
+    while start is not None and _real_path(start.tb_frame.f_code.co_filename) != os.path.realpath(script):
+        start = start.tb_next
+    return start or tb
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,7 +382,7 @@ def describe_problem(report: dict, output: str, reports: dict[int, dict]) -> str
     verdict = report["verdict"]
     if verdict in ("raised", "exited"):
         detail = report["detail"] if verdict == "raised" else f"{report['detail']}; its last lines:\n{tail(output)}"
-        return f"pre-flight: rank {report['rank']} failed before the check could finish:\n{detail}"
+        return f"pre-flight: the script failed on rank {report['rank']} (not a collective it found):\n{detail}"
     mine, peer = report["mine"], report["peer"]
     rank, other = report["rank"], peer["rank"]
     group = f"collective #{report['n']} on group {mine['group']}"

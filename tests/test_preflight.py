@@ -107,6 +107,16 @@ def test_broken_copy_is_named_at_its_line(
     assert elapsed < NAMED_WITHIN_S, f"{elapsed:.1f} s\n{verdict.text}"
 
 
+def test_a_script_that_fails_is_its_error(tmp_path: Path, tiny_mnist_dir: Path) -> None:
+    copy, line = broken_copy("ddp/train_mnist.py", "step_loss += loss.detach()",
+                             "step_loss += loss.detach(); assert ctx.rank == 0, 'only rank 0 gets here'",
+                             tmp_path / "project" / "train")  # fmt: skip
+    verdict, _ = run_preflight(str(copy), data_flags("ddp/train_mnist.py", tiny_mnist_dir), tmp_path / "preflight")
+    assert verdict.code == preflight.FOUND, verdict.text
+    assert "the script failed on rank 1" in verdict.text and "only rank 0 gets here" in verdict.text, verdict.text
+    assert f'{copy}", line {line}' in verdict.text, verdict.text
+
+
 def processes_mentioning(text: str) -> list[int]:
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
