@@ -110,12 +110,12 @@ def test_bytes_grow_linearly_with_batch_and_block_size(forward: str, checkpointi
         config = dataclasses.replace(TINY, block_size=block)
         return real(config, batch, checkpointing=checkpointing, forward=forward).peak
 
-    by_batch = [peak(batch, 64) for batch in (1, 2, 4, 8)]
+    by_batch = [peak(batch, 64) for batch in (1, 2, 7)]
     per_sequence = by_batch[1] - by_batch[0]
-    assert by_batch == [by_batch[0] + (batch - 1) * per_sequence for batch in (1, 2, 4, 8)]
-    by_block = [peak(2, block) for block in (32, 64, 128, 256)]
+    assert by_batch == [by_batch[0] + (batch - 1) * per_sequence for batch in (1, 2, 7)]
+    by_block = [peak(2, block) for block in (32, 64, 224)]  # a T x T term would bend this line
     per_token = (by_block[1] - by_block[0]) / 32
-    assert by_block == [by_block[0] + (block - 32) * per_token for block in (32, 64, 128, 256)]
+    assert by_block == [by_block[0] + (block - 32) * per_token for block in (32, 64, 224)]
 
 
 def test_bf16_halves_all_but_the_fp32_loss_ids_and_logsumexp() -> None:
