@@ -1,7 +1,7 @@
 """Activations: the bytes one forward keeps for backward, measured on the model a script trains.
 
-``measure_activations`` builds the model of the scripts (a GPT preset, or the MNIST net), runs one
-training forward and the scripts' loss inside ``torch.autograd.graph.saved_tensors_hooks``, and adds
+``gpt_activations`` and ``mnist_activations`` build the scripts' model (a GPT, or the MNIST net), run one
+training forward and the scripts' loss inside ``torch.autograd.graph.saved_tensors_hooks``, and add
 up the storages autograd keeps for backward:
 
 - every tensor an operation saves for its backward, each storage once (q, k and v are views of one
@@ -13,9 +13,10 @@ up the storages autograd keeps for backward:
 - the input ids and targets, which the embedding and the loss save.
 
 With ``--activation-checkpointing`` every Block runs under non-reentrant ``torch.utils.checkpoint``,
-whose own hooks stand in for ours inside the Block: what reaches ours is what it keeps, the Block's
-input. In backward each Block's activations are rebuilt while its gradient is computed, so the peak
-adds one Block's worth (``recomputed``), measured on one Block alone.
+whose own hooks stand in for ours inside the Block; it saves the Block's input before they do, and
+that is what reaches ours: what it keeps. In backward each Block's activations are rebuilt while
+its gradient is computed, so the peak adds one Block's worth (``recomputed``), measured on one Block
+alone.
 
 bf16 follows the scripts. DDP runs under ``torch.autocast``: matmuls take bf16 copies of their
 inputs, while layer norms, the residual stream and the loss stay fp32. FSDP1 and FSDP2 gather the
@@ -25,11 +26,15 @@ which the scripts compute in fp32 (``logits.float()``).
 The forward runs under ``FakeTensorMode``: tensors with shapes, dtypes and the CPU as device, but no
 data. Autograd saves the same tensors, and the CPU's choice of attention kernel (flash attention,
 which keeps no T x T scores) is made from the same shapes, so the bytes are those of a real CPU
-forward (tests/test_activations.py checks it) for a fraction of a second at GPT-2's size, where a
-real forward costs 13 s here. Left out, and so not in the estimator's peak either: temporaries that
-live inside one operation or one backward step (the logits' gradient, the caching allocator's
-rounding and fragmentation, cuBLAS workspaces, NCCL buffers), and GPU kernels that save other
-tensors than the CPU's (small extras such as a random seed).
+forward (tests/test_activations.py checks it) for a fraction of a second at GPT-2's size, where
+building the model and a real forward take 13 s here.
+
+Left out, and so not in the estimator's peak either: temporaries that live inside one operation or
+one backward step (above all the logits' gradient); the caching allocator's rounding and
+fragmentation, cuBLAS workspaces and NCCL buffers; what GPU kernels save otherwise than the CPU's
+(small extras such as a random seed; a layer norm's statistics stay fp32 on CUDA under bf16
+parameters; CUDA's dropout keeps a 1-byte mask where the CPU's keeps an fp32 one); and
+``--compile``, whose generated kernels save other tensors.
 """
 
 from __future__ import annotations
