@@ -460,6 +460,8 @@ def describe_clean_run(reports: dict[int, dict], run_dir: Path, nproc: int, scri
     lines.append(
         "  whole run, rank 0:  " + kinds_line({k: (totals[f"{k} count"], totals[f"{k} bytes"]) for k in kinds})
     )
+    if nproc == 1:
+        lines.append("  note: one rank has no other to be compared with; run --nproc 2 or more")
     if not evaluations or not checkpoints or not saved:
         lines.append("  note: the parts it did not reach were not checked (flags the script lacks?)")
     return "\n".join(lines)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -141,6 +143,28 @@ def test_real_command_names_the_line_and_leaves_nothing_running(tmp_path: Path, 
     assert "MISMATCH" in run.output and f"{copy}:{line}" in run.output, run.describe()
     assert processes_mentioning(str(copy)) == [], run.describe()
     assert elapsed < NAMED_WITHIN_S, f"{elapsed:.1f} s\n{run.describe()}"
+
+
+def test_every_wait_is_bounded_and_an_ended_rank_is_seen_at_once(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), wait_for_workers=False)
+    waiting, absent = preflight.Lockstep(store, 0, wait_s=0.5), preflight.Lockstep(store, 1, wait_s=0.5)
+    started = time.monotonic()
+    peer = waiting.await_peer("0", 1, peer=1)
+    assert peer.fingerprint is None and peer.ended is None and peer.last is None
+    assert 0.5 <= time.monotonic() - started < 5
+    absent.end("returned")
+    started = time.monotonic()
+    assert waiting.await_peer("0", 1, peer=1).ended == {"how": "returned", "detail": "", "issued": 0}
+    assert time.monotonic() - started < 0.5
+
+    mine = preflight.Fingerprint("c10d::allreduce_", "all_reduce", [0, 1], ["tensors: float32[4]"], [], "t.py:7", "")
+    report = {"verdict": "timeout", "n": 3, "mine": asdict(mine), "peer": asdict(preflight.Peer(1))}
+    preflight.write_report(tmp_path, 0, report)
+    verdict = preflight.judge(tmp_path, tmp_path, 2, 1, "", "t.py")
+    assert verdict.code == preflight.FOUND
+    assert "rank 0 waited for rank 1 at collective #3 on group [0, 1]" in verdict.text, verdict.text
 
 
 @pytest.mark.parametrize(
