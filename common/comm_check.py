@@ -9,8 +9,9 @@
 For each collective and each message size (doubling from --min-bytes to --max-bytes: 1 MiB to 1 GiB
 on GPUs, 64 KiB to 4 MiB on the CPU), --warmup untimed iterations, then --iters timed back to back;
 a rank's time is their mean, and the slowest rank's time counts: a collective has ended when its
-last rank has (nccl-tests' -a 3; its default, -a 1, averages the ranks' times). The figures are those of nccl-tests (doc/PERFORMANCE.md), with S the whole message:
-what an all-reduce carries, what an all-gather assembles, what a reduce-scatter starts from:
+last rank has (nccl-tests' -a 3; its default, -a 1, averages the ranks' times). The figures are
+those of nccl-tests (doc/PERFORMANCE.md), with S the whole message: what an all-reduce carries,
+what an all-gather assembles, what a reduce-scatter starts from:
 
     algbw = S / t           busbw = algbw x 2(n-1)/n  (all-reduce)    algbw x (n-1)/n  (the others)
 
