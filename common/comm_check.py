@@ -231,6 +231,8 @@ def device_name(device: torch.device) -> str:
 def report(args: argparse.Namespace, ctx: DistContext, results: Sequence[Result]) -> dict[str, Any]:
     """The JSON: what was measured, on what, and each result."""
     notes = [GLOO_REDUCE_SCATTER] if ctx.backend == "gloo" and "reduce_scatter" in args.ops else []
+    if ctx.world_size == 1:
+        notes.append("one rank: nothing crossed a link, so busbw is 0 by its definition; start several with torchrun")
     return {
         "world_size": ctx.world_size,
         "local_world_size": ctx.local_world_size,
