@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import linecache
 import os
@@ -71,7 +72,7 @@ class Fingerprint:
     def same_collective(self, other: Fingerprint) -> bool:
         # The script line counts: in an SPMD script every rank issues a collective from the same
         # line, and one that pairs with a collective of another line pairs the wrong data, silently
-        # when the shapes agree (an evaluation's all-gather against a training step's).
+        # when kind, shapes and dtypes agree (two all-reduces of one float, of different meanings).
         mine, theirs = asdict(self), asdict(other)
         return all(mine[name] == theirs[name] for name in ("op", "group", "tensors", "scalars", "script_line"))
 
@@ -94,6 +95,7 @@ def describe_tensor(tensor: Any) -> str:
 
 def fingerprint(func: Any, kind: str, group: Any, args: tuple, kwargs: dict, script: str) -> Fingerprint:
     import torch
+    import torch.distributed as dist
     from torch.utils._pytree import tree_leaves
 
     from common.communication import is_process_group, named_arguments
@@ -107,23 +109,23 @@ def fingerprint(func: Any, kind: str, group: Any, args: tuple, kwargs: dict, scr
         leaves = tree_leaves(value)
         tensors += [f"{name}: {describe_tensor(t)}" for t in leaves if isinstance(t, torch.Tensor)]
         scalars += [f"{name}={leaf}" for leaf in leaves if isinstance(leaf, int | float | str | bool)]
-    import torch.distributed as dist
-
-    global _TORCH_FOLDER
-    _TORCH_FOLDER = _TORCH_FOLDER or os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
     script_line, innermost = call_sites(script)
     return Fingerprint(op, kind, dist.get_process_group_ranks(group), tensors, scalars, script_line, innermost)
 
 
-_real_paths: dict[str, str] = {}
 _THIS_FILE = os.path.realpath(__file__)
-_TORCH_FOLDER = ""  # set by the first rank-side call, so that the parent never imports torch
 
 
+@functools.cache
 def _real_path(filename: str) -> str:
-    if filename not in _real_paths:
-        _real_paths[filename] = os.path.realpath(filename)
-    return _real_paths[filename]
+    return os.path.realpath(filename)
+
+
+@functools.cache
+def _torch_folder() -> str:
+    import torch  # here, not at the top: the parent process never needs torch
+
+    return os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
 
 
 def call_sites(script: str) -> tuple[str, str]:
@@ -132,7 +134,9 @@ def call_sites(script: str) -> tuple[str, str]:
     frame, script_line, innermost = sys._getframe(1), "", ""
     while frame is not None and not script_line:
         path = _real_path(frame.f_code.co_filename)
-        plumbing = path == _THIS_FILE or path.startswith(_TORCH_FOLDER) or frame.f_code.co_name == "__torch_dispatch__"
+        plumbing = (
+            path == _THIS_FILE or path.startswith(_torch_folder()) or frame.f_code.co_name == "__torch_dispatch__"
+        )
         if not innermost and not plumbing:
             innermost = f"{shorten(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
         if path == script:
