@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from common.cli import HelpFormatter, Parser, check_launch_environment, positive_int, timeout_seconds
+from common.communication import ring_link_bytes
 from common.distributed import (
     DistContext,
     distributed,
@@ -46,7 +47,6 @@ from common.distributed import (
     print0,
     wants_cuda,
 )
-from common.estimate_communication import ring_link_bytes
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -32,6 +32,8 @@ operators that code dispatches (collectives, not the kernels it fused).
 from __future__ import annotations
 
 import os
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from common.distributed import DistContext, print0
-from common.estimate_communication import Traffic
 
 # Every collective operator of torch.distributed, by the kind it is reported as. The c10d ops are
 # what the process-group API (and DDP's reducer) calls; the _c10d_functional ones are what
@@ -87,6 +88,62 @@ KIND_OF_OP = {
     "c10d::barrier": "barrier",
     "c10d::monitored_barrier_": "barrier",
 }
+
+
+def ring_link_bytes(kind: str, message_bytes: float, group_size: int) -> float:
+    """Bytes one rank sends over its link for one collective of ``message_bytes`` on a ring of ``group_size``."""
+    if group_size <= 1 or kind == "barrier":
+        return 0.0
+    share = (group_size - 1) / group_size
+    if kind == "all_reduce":
+        return 2 * share * message_bytes  # a reduce-scatter, then an all-gather
+    if kind in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        return share * message_bytes
+    return float(message_bytes)  # broadcast, reduce, send/recv: the whole message passes every link once
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What the collectives of one optimizer step move, by kind: message bytes, count, ring bytes per link."""
+
+    bytes: dict[str, int]
+    counts: dict[str, int]
+    ring_bytes: dict[str, float]
+
+    @classmethod
+    def of(cls, collectives: Iterable[tuple[str, int, int]]) -> Traffic:
+        """From ``(kind, message bytes, group size)`` per collective."""
+        sizes: Counter[str] = Counter()
+        counts: Counter[str] = Counter()
+        ring: Counter[str] = Counter()
+        for kind, message, group in collectives:
+            sizes[kind] += message
+            counts[kind] += 1
+            ring[kind] += ring_link_bytes(kind, message, group)
+        return cls(dict(sorted(sizes.items())), dict(sorted(counts.items())), dict(sorted(ring.items())))
+
+    def __add__(self, other: Traffic) -> Traffic:
+        def merged(a: Mapping, b: Mapping) -> dict:
+            return {key: a.get(key, 0) + b.get(key, 0) for key in sorted({*a, *b})}
+
+        bytes_, counts, ring = (merged(getattr(self, f), getattr(other, f)) for f in ("bytes", "counts", "ring_bytes"))
+        return Traffic(bytes_, counts, ring)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def total_ring_bytes(self) -> float:
+        return sum(self.ring_bytes.values())
+
+    def as_record(self) -> dict[str, dict]:
+        """The final record's fields."""
+        return {
+            "comm_bytes_per_step": self.bytes,
+            "collectives_per_step": self.counts,
+            "comm_ring_bytes_per_step": self.ring_bytes,
+        }
 
 
 @dataclass(frozen=True)

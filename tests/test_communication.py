@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from common.communication import CollectiveRecorder, StepObserver, measured_step
+from common.communication import CollectiveRecorder, StepObserver, measured_step, ring_link_bytes
 from common.compare_strategies import markdown_table, micro_steps
 from common.compat import COMPILED_UNDER_DISPATCH_MODE, torch_at_least
 from common.distributed import DistContext, teardown_distributed
@@ -31,7 +31,6 @@ from common.estimate_communication import (
     fsdp_step,
     fsdp_units,
     main,
-    ring_link_bytes,
     run_estimate,
 )
 from common.models import GPT, GPTConfig, MnistNet
