@@ -505,6 +505,14 @@ class ProcessTree:
     def alive(self) -> list[int]:
         return [pid for pid, started in self.seen.items() if started and start_time(pid) == started]
 
+    def gone_within(self, seconds: float) -> list[int]:
+        """Those still alive after ``seconds``: a SIGKILLed process takes a moment to end (its exit, then its
+        parent's reaping), so a look right after the kill would name processes that are on their way out."""
+        deadline = time.monotonic() + seconds
+        while (left := self.alive()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the kernel's process table, with a bound
+        return left
+
 
 def descendants(pid: int) -> list[int]:
     found = []
@@ -568,7 +576,7 @@ def launch_ranks(
     finally:
         tree.kill_all()
         process.wait(timeout=30)
-    left = tree.alive()
+    left = tree.gone_within(5.0)
     return Launched(process.returncode, log.read_text(errors="replace"), timed_out, left)
 
 
