@@ -18,9 +18,9 @@ import pytest
 from filelock import FileLock
 
 from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, torch_at_least
-from tests import launcher
-from tests.mnist_fixture import write_fake_mnist
-from tests.noise_floor import FAMILIES, NoiseRuns, noise_runs_in, planned_noise_runs
+from tests.harness import launcher
+from tests.harness.mnist_fixture import write_fake_mnist
+from tests.harness.noise_floor import FAMILIES, NoiseRuns, noise_runs_in, planned_noise_runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,10 +98,10 @@ class Run:
     returncode: int
     output: str
     run_dir: Path
-    warm: bool = False  # the ranks were forks of tests/launcher.py's server, not new interpreters
+    warm: bool = False  # the ranks were forks of tests/harness/launcher.py's server, not new interpreters
 
     def describe(self) -> str:
-        how = " (ranks started by tests/launcher.py, as torchrun would)" if self.warm else ""
+        how = " (ranks started by tests/harness/launcher.py, as torchrun would)" if self.warm else ""
         return f"$ {' '.join(self.command)}{how}\nexit code {self.returncode}\n--- output ---\n{self.output}"
 
     def check(self) -> Run:
@@ -157,7 +157,7 @@ def run_script(
     """Run ``script`` as a user would: ``python script.py`` when ``nproc`` is None, else
     ``torchrun --standalone --nproc_per_node=nproc``.
 
-    The ranks start from tests/launcher.py's warm fork server, unless ``real_launcher`` asks for
+    The ranks start from tests/harness/launcher.py's warm fork server, unless ``real_launcher`` asks for
     python or torchrun itself in a subprocess: for tests of the launcher's own contract (its
     error summary, signals, interpreter shutdown). When ``timeout`` runs out every process is
     killed, and the test fails showing everything the ranks printed. ``wrapper`` goes between the
@@ -284,7 +284,7 @@ def tiny_mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def shared_noise_runs(tmp_path_factory: pytest.TempPathFactory, family: str, data: tuple[str, ...] = ()) -> NoiseRuns:
-    """The one-process reference and its twins for ``family`` (tests/noise_floor.py), made once a session;
+    """The one-process reference and its twins for ``family`` (tests/harness/noise_floor.py), made once a session;
     ``data`` are the flags that say where its data is.
 
     Under ``pytest -n`` the first worker to take the lock runs them into a folder all workers share.

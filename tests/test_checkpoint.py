@@ -24,9 +24,9 @@ from common.models import GPT, GPTConfig
 from common.run_lock import LOCK_FILE
 from common.tokens import markov_data
 from tests.conftest import NEEDS_FSDP2_ON_CPU, Run, cases, run_script, run_until_stopped
-from tests.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
-from tests.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
-from tests.noise_floor import NoiseRuns, assert_same_training
+from tests.harness.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
+from tests.harness.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
+from tests.harness.noise_floor import NoiseRuns, assert_same_training
 
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
 
@@ -209,7 +209,12 @@ def test_resume_after_a_torn_metrics_line(tmp_path: Path) -> None:
 def test_kill_mid_save_and_damaged_checkpoint_lose_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     killed = run_script(
-        FSDP2, SHORT_ARGS, run_dir, nproc=2, wrapper=["tests/inject_fault.py", "kill-mid-save"], real_launcher=True
+        FSDP2,
+        SHORT_ARGS,
+        run_dir,
+        nproc=2,
+        wrapper=["tests/harness/inject_fault.py", "kill-mid-save"],
+        real_launcher=True,
     )
     assert killed.returncode != 0, killed.describe()
     # Rank 1 died after writing its shards of step 10, before the checkpoint was complete.

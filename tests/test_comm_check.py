@@ -1,6 +1,6 @@
 """common.comm_check at 2 ranks on the CPU, and common.estimate_communication reading what it measured.
 
-The check runs through the warm launcher (tests/launcher.py), as torchrun would start it, on a few
+The check runs through the warm launcher (tests/harness/launcher.py), as torchrun would start it, on a few
 small messages: its figures are noise on this shared machine, but the relations between them, and
 the estimator's use of them, hold exactly.
 """

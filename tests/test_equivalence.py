@@ -9,7 +9,7 @@ They match to rounding, not bit for bit: the ranks add their gradients in a
 different order than one process does (and FSDP reduce-scatters flat shards),
 and float addition is not associative. How far rounding alone moves this
 training is measured in the same session: twins, one process in K micro-steps
-(tests/noise_floor.py). A run is the same training when it stays within
+(tests/harness/noise_floor.py). A run is the same training when it stays within
 common.compare_runs' factor of the twins' drift, quantity by quantity, on any
 CPU kernel and torch release; a broken copy leaves that band a hundredfold.
 """
@@ -28,7 +28,7 @@ from common.compare_runs import main as compare_runs_main
 from common.estimate_communication import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
 from tests.conftest import NEEDS_FSDP2_ON_CPU, cases, run_script
-from tests.noise_floor import (
+from tests.harness.noise_floor import (
     BROKEN_MARGIN,
     MNIST_ARGS,
     MNIST_STEPS,

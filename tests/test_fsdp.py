@@ -169,7 +169,12 @@ def test_building_the_model_takes_each_rank_about_its_share(script: str, tmp_pat
     each rank's memory grows by about a quarter of the model at 4 ranks (FSDP1 also holds one unit
     whole, and its flattened copy, while it shards it), not by the whole of it."""
     run = run_script(
-        script, [*BIG_MODEL, *ONE_STEP], tmp_path, nproc=4, wrapper=["tests/observe.py", "build-memory"], timeout=300
+        script,
+        [*BIG_MODEL, *ONE_STEP],
+        tmp_path,
+        nproc=4,
+        wrapper=["tests/harness/observe.py", "build-memory"],
+        timeout=300,
     ).check()
     for rank in range(4):
         record = json.loads((tmp_path / f"observed-build-memory-rank{rank}.json").read_text())

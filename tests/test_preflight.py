@@ -1,6 +1,6 @@
 """common.preflight: the five scripts pass; broken copies are named at their line, quickly, and nothing hangs.
 
-The ranks start from the warm launcher (tests/launcher.py) and the verdict is read in process with
+The ranks start from the warm launcher (tests/harness/launcher.py) and the verdict is read in process with
 ``preflight.judge``; one test runs the real command, torchrun and all, on a broken copy.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from common import preflight
-from tests import launcher
 from tests.conftest import FSDP2_SCRIPT, REPO, cases, clean_env, run_command
+from tests.harness import launcher
 
 TINY = ["--model", "tiny", "--train-sequences", "200", "--heldout-sequences", "40", "--eval-batch-size", "20"]
 MNIST = ["--batch-size", "16"]

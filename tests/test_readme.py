@@ -1,4 +1,4 @@
-"""What the README shows must be what the code does."""
+"""What the README and the pages in docs/ show must be what the code does."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ EXAMPLE = re.compile(
 
 
 def test_the_readme_progress_line_is_one_a_default_run_prints() -> None:
-    """The format of the example line, and the learning rate the default schedule has at its step."""
-    lines = [line for line in (REPO / "README.md").read_text().splitlines() if EXAMPLE.fullmatch(line)]
-    assert len(lines) == 1, "the README shows one progress line"
+    """The format of the example line in docs/running.md ("What a run writes"), and the learning rate
+    the default schedule has at its step."""
+    lines = [line for line in (REPO / "docs" / "running.md").read_text().splitlines() if EXAMPLE.fullmatch(line)]
+    assert len(lines) == 1, "docs/running.md shows one progress line"
     step, total, epoch, loss, norm, lr, rate, step_ms = EXAMPLE.fullmatch(lines[0]).groups()  # type: ignore[union-attr]
     printed = progress_line(
         int(step), int(total), int(epoch), float(loss), float(norm), float(lr), f"{int(rate):9d} tok/s", float(step_ms)

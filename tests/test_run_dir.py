@@ -4,7 +4,7 @@ Tried from the user's side: a second run on the same folder, a fresh run over a
 finished one, a killed run, a stop request during startup, weights that
 overflow, a disk that fills mid-run and one that is read-only. The disks are
 real: a tmpfs of a few MiB in a mount namespace of the test's own (``unshare``),
-which the runs' ranks join, filled by tests/inject_fault.py until the kernel
+which the runs' ranks join, filled by tests/harness/inject_fault.py until the kernel
 answers ENOSPC.
 """
 
@@ -164,7 +164,7 @@ def test_weights_that_overflow_are_never_saved(script: str, args: list[str], mes
     """A finite loss does not make the update after it finite: rank 1's weights overflow at step 3."""
     run_dir = tmp_path / "run"
     flags = [*SMALL, "--max-steps", "6", "--log-interval", "1", *args]
-    run = run_script(script, flags, run_dir, nproc=2, wrapper=["tests/inject_fault.py", "overflow"])
+    run = run_script(script, flags, run_dir, nproc=2, wrapper=["tests/harness/inject_fault.py", "overflow"])
     one_message(run, message)
     assert run.returncode == 1, run.describe()
     assert [record["step"] for record in run.events("train")] == [1, 2, 3], "the loss of step 3 was finite"
@@ -217,7 +217,7 @@ def run_on_a_small_disk(
     only a real interpreter's shutdown would show: the warm launcher's ranks end with ``os._exit``, which
     runs no finalizer, so none can print an error there.
     """
-    wrapper = ["tests/inject_fault.py", fault] if fault else []
+    wrapper = ["tests/harness/inject_fault.py", fault] if fault else []
     invocation = script_invocation(script, args, tmp_path / "disk" / "run", wrapper)
     kept = tmp_path / "kept" / "run"
     with small_disk(tmp_path, size, read_only) as holder:

@@ -1,6 +1,6 @@
 """The SLURM launchers against real Slurm: one slurmctld and two slurmd on this machine.
 
-tests/slurm_cluster.py starts the cluster once for the session. The cases share it, so under -n they
+tests/harness/slurm_cluster.py starts the cluster once for the session. The cases share it, so under -n they
 all run on one pytest-xdist worker (tests/conftest.py's scheduler), and jobs that can share the
 cluster do: the time-limit job runs in the background while the others run.
 
@@ -38,7 +38,7 @@ from typing import TypeVar
 import pytest
 
 from tests.conftest import REPO, clean_env
-from tests.slurm_cluster import INSTALL_COMMAND, SlurmCluster, missing_programs, process_environ
+from tests.harness.slurm_cluster import INSTALL_COMMAND, SlurmCluster, missing_programs, process_environ
 
 T = TypeVar("T")
 
@@ -265,7 +265,7 @@ def follow_time_limit_job(job: Job) -> dict[str, float]:
     """Watch the job through Slurm's warning, the requeue and the resumed run; the times of each."""
     job.wait_for_output(STEP, START_S)
     times = {"submit to first step": job.elapsed()}
-    # Until Slurm's warning comes the trainers hold themselves still after step 5 (tests/pause_once.py),
+    # Until Slurm's warning comes the trainers hold themselves still after step 5 (tests/harness/pause_once.py),
     # so that waiting for Slurm's clock costs this machine nothing.
     warning = job.wait_for_output(WARNING, 180)
     times["submit to warning"] = job.elapsed()
@@ -302,7 +302,7 @@ def stopped(pids: list[int]) -> list[int] | None:
 
 
 # The preemption case: a job in each preemptible partition, with each launcher.
-PAUSE_ONCE = "tests/pause_once.py"
+PAUSE_ONCE = "tests/harness/pause_once.py"
 PREEMPTIBLE = [
     ("scavenger", "ddp", "ddp/train_transformer.py"),
     ("scavenger-nograce", "fsdp", "fsdp/train_transformer.py"),
@@ -447,7 +447,7 @@ class TestOnARealCluster:
     def test_a_preempted_job_comes_back_by_itself_and_trains_every_step_once(
         self, slurm_cluster: SlurmCluster, checkout: Path
     ) -> None:
-        """PreemptMode=REQUEUE, as scavenger partitions have it (tests/slurm_cluster.py): a job in a partition
+        """PreemptMode=REQUEUE, as scavenger partitions have it (tests/harness/slurm_cluster.py): a job in a partition
         with GraceTime=60 and one in a partition with none share node2, and one job of a higher PriorityTier
         asks for all of node2's CPUs. Slurm preempts both.
 
@@ -467,7 +467,7 @@ class TestOnARealCluster:
             )  # fmt: skip
             for partition, launcher, script in PREEMPTIBLE
         }
-        # The trainers hold themselves still after step 5 (tests/pause_once.py) until Slurm preempts them
+        # The trainers hold themselves still after step 5 (tests/harness/pause_once.py) until Slurm preempts them
         # (it sends SIGCONT before SIGTERM): preempted mid-run however fast the steps go, and waiting for
         # the urgent job costs no work.
         paused: list[int] = []

@@ -8,7 +8,7 @@ one does, at the copy's natural settings, and loads model.pt into the new model.
 The copies run from their own folder and must stand alone: nothing of this repository may be
 importable in their processes. Each copy's check runs through check_equivalence's own check, with
 its ranks forked from the test launcher's warm processes, started in the copy's folder with this
-repository's modules dropped (tests/launcher.py): every run a new interpreter would pay seconds of
+repository's modules dropped (tests/harness/launcher.py): every run a new interpreter would pay seconds of
 CPU to import torch (and torchvision), and a check starts six to eight of them. One more test runs
 the README's command itself, with python and torchrun, at a size that costs little.
 """
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from common import check_equivalence
-from tests import launcher
 from tests.conftest import NEEDS_FSDP2_ON_CPU, REPO, Run, clean_env, run_command
+from tests.harness import launcher
 
 # Step 2 of the README, the model in a file of its own beside the script.
 RESNET = '''

@@ -75,7 +75,7 @@ def test_a_tokenizer_outside_its_vocabulary_is_refused_and_leaves_nothing(
 
 
 def private_memory(run: Run) -> int:
-    """The most private memory any rank held at the start of a step (tests/observe.py private-memory)."""
+    """The most private memory any rank held at the start of a step (tests/harness/observe.py private-memory)."""
     assert run.returncode == 0, run.describe()
     return max(
         json.loads((run.run_dir / f"observed-private-memory-rank{rank}.json").read_text())["largest_private_bytes"]
@@ -89,7 +89,7 @@ def test_a_corpus_ten_times_larger_costs_a_rank_no_more_memory(tmp_path: Path) -
     for name, size in (("4MB", 4_000_000), ("40MB", 40_000_000)):
         tokens = prepare(write_text(tmp_path / f"{name}.txt", size), tmp_path / f"{name}.tokens")
         args = ["--token-file", str(tokens), "--max-steps", "5", "--heldout-sequences", "50"]
-        wrapper = ["tests/observe.py", "private-memory"]
+        wrapper = ["tests/harness/observe.py", "private-memory"]
         run = run_script("ddp/train_transformer.py", args, tmp_path / name, nproc=2, wrapper=wrapper)
         assert f"{size:,} bytes tokens of {tokens}" in run.output, run.describe()
         held[name] = private_memory(run)

@@ -72,7 +72,7 @@ def test_process_groups_end_without_deadlock(tmp_path: Path) -> None:
     the helper's own watchdog turns a deadlock into a failure with every stack.
     """
     run = run_script(
-        "tests/teardown_rounds.py", ["--rounds", "200", "--watchdog", "100"], tmp_path, nproc=3, timeout=150
+        "tests/harness/teardown_rounds.py", ["--rounds", "200", "--watchdog", "100"], tmp_path, nproc=3, timeout=150
     )
     assert run.check().output.count("200 rounds at 3 ranks") == 1, run.describe()
 

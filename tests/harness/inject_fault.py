@@ -1,6 +1,6 @@
 """Run a training script with a fault injected into rank 1, the way real jobs fail.
 
-    torchrun --standalone --nproc_per_node=2 tests/inject_fault.py FAULT SCRIPT [FLAGS...]
+    torchrun --standalone --nproc_per_node=2 tests/harness/inject_fault.py FAULT SCRIPT [FLAGS...]
 
 FAULT is one of:
   kill-mid-save  SIGKILL during the second checkpoint save, after writing its shards and

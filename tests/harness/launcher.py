@@ -4,7 +4,7 @@ Every process that torchrun starts is a new interpreter that spends seconds of C
 torch, torchvision and torch.distributed before its first line of training, and torchrun's own
 agent pays the same again. The suite starts a few hundred ranks, so most tests start them here
 instead: a fork server (Python's ``multiprocessing`` "forkserver") imports everything once per
-pytest worker (tests/preload.py), and each rank is a fresh fork of it that runs the script with
+pytest worker (tests/harness/preload.py), and each rank is a fresh fork of it that runs the script with
 ``runpy``, exactly as ``python script.py`` would, under torchrun's environment contract: RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and the TORCHELASTIC_*
 variables.
@@ -46,8 +46,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-PRELOAD = ["tests.preload"]
+REPO = Path(__file__).resolve().parents[2]
+PRELOAD = ["tests.harness.preload"]
 # How long the other ranks get to end by themselves after one fails, before they are killed.
 GRACE_S = 15.0
 

@@ -1,6 +1,6 @@
 """Run a training script and write down what it does inside its steps, for tests to check.
 
-    tests/observe.py WHAT SCRIPT [FLAGS...]     (under the test launcher, or torchrun)
+    tests/harness/observe.py WHAT SCRIPT [FLAGS...]     (under the test launcher, or torchrun)
 
 WHAT is one of:
   host-reads  every read of a tensor's value on the host (.item(), bool(), float(), .tolist(),
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from common.models import GPT, MnistNet
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The ways Python code turns a tensor's value into a host value. On a GPU each one waits until
 # all the work queued before it has run.
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)

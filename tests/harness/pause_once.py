@@ -1,6 +1,6 @@
 """Run a training script, and hold it still after its optimizer step 5: once per run directory.
 
-    sbatch slurm/ddp.sbatch tests/pause_once.py ddp/train_transformer.py [FLAGS...]
+    sbatch slurm/ddp.sbatch tests/harness/pause_once.py ddp/train_transformer.py [FLAGS...]
 
 A test that preempts or cancels a job mid-run waits for the trainers to stop themselves (SIGSTOP),
 then acts: however fast the steps go, the job is still at step 5 with most of its steps ahead. A

@@ -1,6 +1,6 @@
 """Run an MNIST script on the classic per-image pipeline, to compare it with the scripts' own.
 
-    tests/per_image_mnist.py SCRIPT [FLAGS...]
+    tests/harness/per_image_mnist.py SCRIPT [FLAGS...]
 
 The scripts keep MNIST as uint8 tensors and normalise whole batches on the device
 (common/data.py). This swaps in what they did before and what most examples do: torchvision's

@@ -1,4 +1,4 @@
-"""What every training process imports, loaded once in the test harness's fork server (tests/launcher.py).
+"""What every training process imports, loaded once in the test harness's fork server (tests/harness/launcher.py).
 
 Imported there and nowhere else: a rank forked from that server finds these modules in
 ``sys.modules`` and starts at once. Nothing here may compute with torch or start a thread: a

@@ -2,7 +2,7 @@
 
 The tests start one for their session. Start one by hand to try the launchers without a cluster:
 
-    python -m tests.slurm_cluster      # prints the `export SLURM_CONF=...` line; Ctrl-C stops it
+    python -m tests.harness.slurm_cluster      # prints the `export SLURM_CONF=...` line; Ctrl-C stops it
 
 Everything it writes (configuration, state, spool, logs, pid files) stays in one temporary
 folder, every port is picked free, and it stops only the processes it started, by their pids,

@@ -1,6 +1,6 @@
 """Start and tear down a gloo process group many times in one process, as every training run does once.
 
-    torchrun --standalone --nproc_per_node=3 tests/teardown_rounds.py --rounds 200
+    torchrun --standalone --nproc_per_node=3 tests/harness/teardown_rounds.py --rounds 200
 
 Each round ends like a training run: small collectives on tensors that Python
 drops at once (the final record's), then common.distributed.teardown_distributed.
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.distributed as dist
