@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from common.checkpoint import nearest_existing
 from common.cli import HelpFormatter, Parser, check_launch_environment, positive_int, timeout_seconds
 from common.communication import ring_link_bytes
 from common.distributed import (
@@ -125,8 +126,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     check_launch_environment(parser)
     check_sizes(parser, args)
+    check_out(parser, args.out)
     args.ops = list(dict.fromkeys(args.ops))  # each once, in the order given
     return args
+
+
+def check_out(parser: argparse.ArgumentParser, out: Path) -> None:
+    """An --out that cannot be written is refused before the measurement, not with a traceback after it."""
+    if out.is_dir():
+        parser.error(f"--out {out} is a folder; give the JSON file's name")
+    existing = nearest_existing(out.parent)
+    if not existing.is_dir():
+        parser.error(f"--out {out}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):  # also answers for a read-only file system, and for root
+        parser.error(f"--out {out}: cannot write in {existing}")
 
 
 def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

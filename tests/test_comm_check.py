@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.comm_check import parse_args
 from common.estimate_communication import CommCheck, main
 from tests.conftest import run_warm
 
@@ -125,3 +126,14 @@ def test_bad_input_is_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[
             main(["--params", "1e6", "--world-size", "2", "--comm-check", str(path)])
         assert exited.value.code == 2
         assert "not a comm check's JSON" in capsys.readouterr().err
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_measuring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "a-file").touch()
+    for out, said in ((tmp_path, "is a folder"), (tmp_path / "a-file" / "x.json", "is a file, not a folder")):
+        with pytest.raises(SystemExit) as exited:
+            parse_args(["--device", "cpu", "--out", str(out)])
+        assert exited.value.code == 2
+        assert said in capsys.readouterr().err
