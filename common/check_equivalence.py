@@ -17,7 +17,7 @@ Every run gets --deterministic and, unless the flags say otherwise, --log-interv
 default: a thread count is an order of summation too). --global-batch-size is required: it is what
 keeps each step's examples the same at any world size and any split into micro-steps. The twins
 are the K that divide it, from 2 up to half of it (six at most), and N times the flags'
---grad-accum-steps (README, "Is it the same training?").
+--grad-accum-steps (docs/equivalence.md, "Which twins").
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from common.cli import HelpFormatter, non_negative_float, positive_float
 
 # How far beyond the twins' drift a candidate may go and still be the same training. Measured on
 # both torch ends and three CPU kernels: healthy runs reached 3.7x, broken copies 2,775x and more
-# (README, "Is it the same training?").
+# (docs/equivalence.md, "The factor, measured").
 NOISE_FACTOR = 10.0
 
 
