@@ -17,7 +17,7 @@ import torch
 from common.activations import FORWARDS, ActivationBytes, gpt_activations, mnist_activations
 from common.estimate_memory import GIB, MIB, estimate_all, forward_of, main
 from common.models import GPT, GPT_PRESETS, GPTConfig, count_parameters
-from tests.conftest import run_script
+from tests.harness.runs import run_script
 
 TINY = GPTConfig(vocab_size=16, **GPT_PRESETS["tiny"])
 # Widths in bytes, by how a script computes: (the residual stream and the layer norms' inputs, what a

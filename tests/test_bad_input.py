@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from common.cli import Parser, check_launch_environment
-from tests.conftest import REPO, clean_env, run_script
 from tests.harness.mnist_fixture import write_fake_mnist
+from tests.harness.runs import REPO, clean_env, run_script
 
 FSDP1, FSDP2 = "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"
 CASES = [

@@ -23,10 +23,13 @@ from common.checkpoint import checkpoint_step, complete_checkpoints
 from common.models import GPT, GPTConfig
 from common.run_lock import LOCK_FILE
 from common.tokens import markov_data
-from tests.conftest import NEEDS_FSDP2_ON_CPU, Run, cases, run_script, run_until_stopped
+from tests.harness.cases import NEEDS_FSDP2_ON_CPU, cases
+from tests.harness.model_files import assert_same_parameters
 from tests.harness.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
 from tests.harness.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
 from tests.harness.noise_floor import NoiseRuns, assert_same_training
+from tests.harness.runs import Run, run_script, run_until_stopped
+from tests.harness.wrappers import INJECT_FAULT
 
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
 
@@ -71,14 +74,6 @@ def train_history(run: Run) -> list[tuple]:
 
 def eval_history(run: Run) -> list[tuple]:
     return [(r["step"], r["loss"]) for r in run.events("eval")]
-
-
-def assert_same_parameters(path_a: Path, path_b: Path) -> None:
-    state_a = torch.load(path_a, weights_only=True)
-    state_b = torch.load(path_b, weights_only=True)
-    assert state_a.keys() == state_b.keys()
-    different = [name for name in state_a if not torch.equal(state_a[name], state_b[name])]
-    assert not different, f"parameters differ: {different}"
 
 
 @pytest.mark.parametrize(
@@ -213,7 +208,7 @@ def test_kill_mid_save_and_damaged_checkpoint_lose_nothing(tmp_path: Path) -> No
         SHORT_ARGS,
         run_dir,
         nproc=2,
-        wrapper=["tests/harness/inject_fault.py", "kill-mid-save"],
+        wrapper=[INJECT_FAULT, "kill-mid-save"],
         real_launcher=True,
     )
     assert killed.returncode != 0, killed.describe()

@@ -16,7 +16,7 @@ import torch
 
 from common.comm_check import parse_args
 from common.estimate_communication import CommCheck, main
-from tests.conftest import run_warm
+from tests.harness.runs import run_warm
 
 MIB = 2**20
 SIZES = [MIB, 2 * MIB, 4 * MIB]

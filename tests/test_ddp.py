@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from common.models import GPT, GPTConfig, MnistNet
-from tests.conftest import CONVERGE_ARGS, MNIST_ARGS, NEAR_FLOOR, Run, run_script
+from tests.harness.cases import CONVERGE_ARGS, MNIST_ARGS, NEAR_FLOOR
+from tests.harness.runs import Run, run_script
 
 MNIST = "ddp/train_mnist.py"
 TRANSFORMER = "ddp/train_transformer.py"

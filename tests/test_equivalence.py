@@ -27,7 +27,7 @@ from common.communication import KIND_OF_OP
 from common.compare_runs import main as compare_runs_main
 from common.estimate_communication import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
-from tests.conftest import NEEDS_FSDP2_ON_CPU, cases, run_script
+from tests.harness.cases import NEEDS_FSDP2_ON_CPU, cases
 from tests.harness.noise_floor import (
     BROKEN_MARGIN,
     MNIST_ARGS,
@@ -38,6 +38,7 @@ from tests.harness.noise_floor import (
     NoiseRuns,
     assert_same_training,
 )
+from tests.harness.runs import run_script
 
 # (id, script, processes, extra flags); each is compared with one process of the same family.
 # DDP at 2 processes and with accumulation run on the transformer below; the CNN's

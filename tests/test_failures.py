@@ -27,10 +27,12 @@ from common.checkpoint import complete_checkpoints
 from common.compat import torch_at_least
 from common.distributed import FatalError, distributed
 from common.models import GPT, GPTConfig
-from tests.conftest import FSDP2_SCRIPT, cases, descendants, kill_all, run_command, run_script, script_invocation, start
+from tests.harness.cases import FSDP2_SCRIPT, cases
 from tests.harness.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
 from tests.harness.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
 from tests.harness.noise_floor import NoiseRuns, assert_same_training
+from tests.harness.runs import descendants, kill_all, run_command, run_script, script_invocation, start
+from tests.harness.wrappers import INJECT_FAULT
 
 SCRIPT = "ddp/train_transformer.py"
 ARGS = [
@@ -49,7 +51,7 @@ def test_a_failing_rank_ends_the_job_within_a_minute_and_is_named(tmp_path: Path
         ARGS,
         tmp_path / "run",
         nproc=2,
-        wrapper=["tests/harness/inject_fault.py", "raise"],
+        wrapper=[INJECT_FAULT, "raise"],
         timeout=120,
         real_launcher=True,
     )
@@ -83,7 +85,7 @@ def test_a_worker_killed_once_is_restarted_by_torchrun_and_the_run_is_the_same(
     run_dir = tmp_path / "restarted"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
     args = [*EQUIVALENCE_ARGS, "--checkpoint-interval", "2", "--resume"]
-    invocation = script_invocation(script, args, run_dir, ["tests/harness/inject_fault.py", "sigkill-once"])
+    invocation = script_invocation(script, args, run_dir, [INJECT_FAULT, "sigkill-once"])
     restarted = run_command([*torchrun, *invocation], run_dir, timeout=150)
     assert restarted.returncode == 0, restarted.describe()
     assert [record["step"] for record in restarted.events("resume")] == [2], restarted.describe()
@@ -196,7 +198,7 @@ def test_a_node_lost_the_other_continues_alone_and_the_run_is_the_same(
 
 def test_non_finite_loss_stops_before_the_step_and_keeps_the_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    run = run_script(SCRIPT, ARGS, run_dir, nproc=2, wrapper=["tests/harness/inject_fault.py", "nan"])
+    run = run_script(SCRIPT, ARGS, run_dir, nproc=2, wrapper=[INJECT_FAULT, "nan"])
     assert run.returncode != 0, run.describe()
     message = "the training loss is not finite (NaN or inf) at step 3; stopped before the optimizer applied it"
     assert run.output.count(message) == 1, run.describe()

@@ -28,7 +28,9 @@ from torchvision import datasets, transforms
 
 from common.data import MNIST_MEAN, MNIST_STD
 from common.models import GPT, GPTConfig, MnistNet
-from tests.conftest import MNIST_ARGS, NEEDS_FSDP2_CPU_OFFLOAD, NEEDS_FSDP2_ON_CPU, Run, run_script, run_until_stopped
+from tests.harness.cases import MNIST_ARGS, NEEDS_FSDP2_CPU_OFFLOAD, NEEDS_FSDP2_ON_CPU
+from tests.harness.runs import Run, run_script, run_until_stopped
+from tests.harness.wrappers import OBSERVE
 
 MNIST = "fsdp/train_mnist.py"
 DDP = "ddp/train_transformer.py"
@@ -173,7 +175,7 @@ def test_building_the_model_takes_each_rank_about_its_share(script: str, tmp_pat
         [*BIG_MODEL, *ONE_STEP],
         tmp_path,
         nproc=4,
-        wrapper=["tests/harness/observe.py", "build-memory"],
+        wrapper=[OBSERVE, "build-memory"],
         timeout=300,
     ).check()
     for rank in range(4):

@@ -18,7 +18,7 @@ from common import (
     estimate_memory,
     export_checkpoint,
 )
-from tests.conftest import REPO
+from tests.harness.runs import REPO
 
 SCRIPTS = ["ddp/train_mnist.py", "ddp/train_transformer.py", "fsdp/train_mnist.py", "fsdp/train_transformer.py"]
 SCRIPTS += ["fsdp/train_transformer_fsdp2.py"]

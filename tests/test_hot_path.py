@@ -21,8 +21,10 @@ from common import benchmark
 from common.compare_strategies import Strategy
 from common.data import _open_mnist, normalize_images, train_loader
 from common.distributed import DistContext
-from tests.conftest import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU, Run, run_script
+from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.per_image_mnist import per_image_mnist
+from tests.harness.runs import Run, run_script
+from tests.harness.wrappers import OBSERVE, PER_IMAGE_MNIST
 
 TRANSFORMERS = ["ddp/train_transformer.py", "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"]
 SCRIPTS = ["ddp/train_mnist.py", "fsdp/train_mnist.py", *TRANSFORMERS]
@@ -64,9 +66,7 @@ def test_steps_that_do_not_log_or_save_read_nothing_from_the_device(script: str,
     args = [*data, "--max-steps", "8", "--log-interval", "4", "--checkpoint-interval", "6"]
     # fsdp/train_mnist.py's one run through torchrun itself: every script has one, for the launcher's contract.
     real = script == "fsdp/train_mnist.py"
-    run = run_script(
-        script, args, tmp_path, nproc=2, wrapper=["tests/harness/observe.py", "host-reads"], real_launcher=real
-    )
+    run = run_script(script, args, tmp_path, nproc=2, wrapper=[OBSERVE, "host-reads"], real_launcher=real)
     for rank in (0, 1):
         record = observed(run, "host-reads", rank)
         assert record["steps"] == 8
@@ -86,9 +86,7 @@ def test_mnist_batches_on_the_device_train_exactly_as_the_per_image_transform(
 ) -> None:
     args = ["--data-dir", str(tiny_mnist_dir), "--epochs", "1", "--batch-size", "16", "--log-interval", "1"]
     tensors = run_script("ddp/train_mnist.py", args, tmp_path / "tensors", nproc=2).check()
-    images = run_script(
-        "ddp/train_mnist.py", args, tmp_path / "images", nproc=2, wrapper=["tests/harness/per_image_mnist.py"]
-    ).check()
+    images = run_script("ddp/train_mnist.py", args, tmp_path / "images", nproc=2, wrapper=[PER_IMAGE_MNIST]).check()
     assert len(per_step(tensors)) == 20
     assert per_step(tensors) == per_step(images)  # bit for bit
     assert tensors.final()["eval_loss"] == images.final()["eval_loss"]
@@ -131,9 +129,7 @@ def test_fsdp1_accumulates_gradients_in_fp32_under_mixed_precision(tmp_path: Pat
     """Under no_sync, FSDP1 would add the micro-steps' gradients up in bf16; the script reduces every
     micro-step instead, so what the second micro-step finds is the first one's fp32 sharded gradient."""
     args = [*SHORT_TRANSFORMER, "--mixed-precision", "bf16", "--grad-accum-steps", "2", "--max-steps", "2"]
-    run = run_script(
-        "fsdp/train_transformer.py", args, tmp_path, nproc=2, wrapper=["tests/harness/observe.py", "grad-dtype"]
-    )
+    run = run_script("fsdp/train_transformer.py", args, tmp_path, nproc=2, wrapper=[OBSERVE, "grad-dtype"])
     at_loss = observed(run, "grad-dtype")["at_loss"]
     assert at_loss == [[], ["torch.float32"], [], ["torch.float32"]], at_loss
 

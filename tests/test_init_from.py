@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU, Run, run_script
+from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
+from tests.harness.runs import Run, run_script
 
 SMALL = ["--block-size", "32", "--train-sequences", "320", "--heldout-sequences", "40"]
 MNIST = ["--batch-size", "16", "--test-batch-size", "100"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, clean_env
+from tests.harness.runs import REPO, clean_env
 
 LAUNCHERS = sorted(str(path.relative_to(REPO)) for path in (REPO / "slurm").glob("*.sbatch"))
 # The tiny transformer, a step per progress line, long enough that it is still training when killed.

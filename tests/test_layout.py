@@ -10,7 +10,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.harness.runs import REPO
 
 SCRIPTS = sorted([*REPO.glob("ddp/*.py"), *REPO.glob("fsdp/*.py")])
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from common import preflight
-from tests.conftest import FSDP2_SCRIPT, REPO, cases, clean_env, run_command
 from tests.harness import launcher
+from tests.harness.cases import FSDP2_SCRIPT, cases
+from tests.harness.runs import REPO, clean_env, run_command
 
 TINY = ["--model", "tiny", "--train-sequences", "200", "--heldout-sequences", "40", "--eval-batch-size", "20"]
 MNIST = ["--batch-size", "16"]

@@ -10,7 +10,7 @@ import torch
 
 from common.metrics import progress_line
 from common.training import warmup_cosine
-from tests.conftest import REPO
+from tests.harness.runs import REPO
 
 EXAMPLE = re.compile(
     r"step (\d+)/(\d+) \| epoch +(\d+) \| loss +([\d.]+) \| grad norm +([\d.]+) \| lr ([\d.e+-]+) \| "

@@ -28,7 +28,7 @@ import torch
 from common.checkpoint import checkpoint_step, complete_checkpoints
 from common.distributed import distributed
 from common.metrics import MetricsLog
-from tests.conftest import (
+from tests.harness.runs import (
     REPO,
     Run,
     clean_env,
@@ -39,6 +39,7 @@ from tests.conftest import (
     run_warm,
     script_invocation,
 )
+from tests.harness.wrappers import INJECT_FAULT
 
 SCRIPT = "ddp/train_transformer.py"
 SMALL = ["--block-size", "32", "--train-sequences", "320", "--heldout-sequences", "40"]
@@ -164,7 +165,7 @@ def test_weights_that_overflow_are_never_saved(script: str, args: list[str], mes
     """A finite loss does not make the update after it finite: rank 1's weights overflow at step 3."""
     run_dir = tmp_path / "run"
     flags = [*SMALL, "--max-steps", "6", "--log-interval", "1", *args]
-    run = run_script(script, flags, run_dir, nproc=2, wrapper=["tests/harness/inject_fault.py", "overflow"])
+    run = run_script(script, flags, run_dir, nproc=2, wrapper=[INJECT_FAULT, "overflow"])
     one_message(run, message)
     assert run.returncode == 1, run.describe()
     assert [record["step"] for record in run.events("train")] == [1, 2, 3], "the loss of step 3 was finite"
@@ -217,7 +218,7 @@ def run_on_a_small_disk(
     only a real interpreter's shutdown would show: the warm launcher's ranks end with ``os._exit``, which
     runs no finalizer, so none can print an error there.
     """
-    wrapper = ["tests/harness/inject_fault.py", fault] if fault else []
+    wrapper = [INJECT_FAULT, fault] if fault else []
     invocation = script_invocation(script, args, tmp_path / "disk" / "run", wrapper)
     kept = tmp_path / "kept" / "run"
     with small_disk(tmp_path, size, read_only) as holder:

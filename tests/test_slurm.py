@@ -37,8 +37,9 @@ from typing import TypeVar
 
 import pytest
 
-from tests.conftest import REPO, clean_env
+from tests.harness.runs import REPO, clean_env
 from tests.harness.slurm_cluster import INSTALL_COMMAND, SlurmCluster, missing_programs, process_environ
+from tests.harness.wrappers import PAUSE_ONCE
 
 T = TypeVar("T")
 
@@ -302,7 +303,6 @@ def stopped(pids: list[int]) -> list[int] | None:
 
 
 # The preemption case: a job in each preemptible partition, with each launcher.
-PAUSE_ONCE = "tests/harness/pause_once.py"
 PREEMPTIBLE = [
     ("scavenger", "ddp", "ddp/train_transformer.py"),
     ("scavenger-nograce", "fsdp", "fsdp/train_transformer.py"),

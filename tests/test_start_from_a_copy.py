@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from common import check_equivalence
-from tests.conftest import NEEDS_FSDP2_ON_CPU, REPO, Run, clean_env, run_command
 from tests.harness import launcher
+from tests.harness.cases import NEEDS_FSDP2_ON_CPU
+from tests.harness.runs import REPO, Run, clean_env, run_command
 
 # Step 2 of the README, the model in a file of its own beside the script.
 RESNET = '''

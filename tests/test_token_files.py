@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from common import prepare_tokens, sample
-from tests.conftest import Run, run_script, run_until_stopped
+from tests.harness.runs import Run, run_script, run_until_stopped
+from tests.harness.wrappers import OBSERVE
 
 ALPHABET = b"etaoinshrdlu cmfwypvbgkjqxz\n"
 SMALL = ["--block-size", "32", "--heldout-sequences", "20"]
@@ -89,7 +90,7 @@ def test_a_corpus_ten_times_larger_costs_a_rank_no_more_memory(tmp_path: Path) -
     for name, size in (("4MB", 4_000_000), ("40MB", 40_000_000)):
         tokens = prepare(write_text(tmp_path / f"{name}.txt", size), tmp_path / f"{name}.tokens")
         args = ["--token-file", str(tokens), "--max-steps", "5", "--heldout-sequences", "50"]
-        wrapper = ["tests/harness/observe.py", "private-memory"]
+        wrapper = [OBSERVE, "private-memory"]
         run = run_script("ddp/train_transformer.py", args, tmp_path / name, nproc=2, wrapper=wrapper)
         assert f"{size:,} bytes tokens of {tokens}" in run.output, run.describe()
         held[name] = private_memory(run)

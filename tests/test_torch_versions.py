@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, TORCH_FLOOR, torch_at_least, torch_release
-from tests.conftest import FSDP2_SCRIPT, REPO, Run, run_script
+from tests.harness.cases import FSDP2_SCRIPT
+from tests.harness.runs import REPO, Run, run_script
+from tests.harness.wrappers import TEARDOWN_ROUNDS
 
 pytestmark = pytest.mark.floor
 
@@ -71,9 +73,7 @@ def test_process_groups_end_without_deadlock(tmp_path: Path) -> None:
     Without the workaround torch 2.6 deadlocked within these rounds on every try;
     the helper's own watchdog turns a deadlock into a failure with every stack.
     """
-    run = run_script(
-        "tests/harness/teardown_rounds.py", ["--rounds", "200", "--watchdog", "100"], tmp_path, nproc=3, timeout=150
-    )
+    run = run_script(TEARDOWN_ROUNDS, ["--rounds", "200", "--watchdog", "100"], tmp_path, nproc=3, timeout=150)
     assert run.check().output.count("200 rounds at 3 ranks") == 1, run.describe()
 
 

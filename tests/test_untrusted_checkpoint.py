@@ -25,8 +25,9 @@ from filelock import FileLock
 
 from common import export_checkpoint
 from common.checkpoint import UntrustedCheckpoint, read_dcp_metadata, root_failure, sharded_reader
-from tests.conftest import NEEDS_FSDP2_ON_CPU, run_script
-from tests.test_checkpoint import assert_same_parameters
+from tests.harness.cases import NEEDS_FSDP2_ON_CPU
+from tests.harness.model_files import assert_same_parameters
+from tests.harness.runs import run_script
 
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
 # Every case starts from an FSDP2 checkpoint.

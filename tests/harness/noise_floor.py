@@ -2,17 +2,23 @@
 
 A candidate run is the same training as the one-process reference when it drifts from it no more
 than common.compare_runs' factor times the twins do: one-process runs of the same training in K
-micro-steps, the K that common.check_equivalence picks. Made once per session by conftest's
-``transformer_noise`` and ``mnist_noise`` fixtures.
+micro-steps, the K that common.check_equivalence picks. Made once per session by
+``shared_noise_runs``, for conftest's ``transformer_noise``, ``variable_length_noise`` and
+``mnist_noise`` fixtures.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+from filelock import FileLock
+
 from common.check_equivalence import plan
 from common.compare_runs import NoiseVerdict, compare_with_noise, noise_report
+from tests.harness.runs import run_script
 
 GLOBAL_BATCH = 24
 COMMON = ["--deterministic", "--global-batch-size", str(GLOBAL_BATCH), "--log-interval", "1"]
@@ -46,10 +52,13 @@ BROKEN_MARGIN = 100
 
 @dataclass
 class NoiseRuns:
+    """The run directories of the one-process reference and of its twins."""
+
     reference: Path
     twins: list[Path]
 
     def verdict(self, candidate: Path) -> NoiseVerdict:
+        """How far ``candidate`` drifts from the reference, against how far the twins do."""
         return compare_with_noise(self.reference, candidate, self.twins)
 
 
@@ -59,13 +68,38 @@ def planned_noise_runs(flags: list[str]) -> list[tuple[str, list[str]]]:
 
 
 def noise_runs_in(root: Path, flags: list[str]) -> NoiseRuns:
+    """The reference and twins ``planned_noise_runs(flags)`` names, in folders under ``root``."""
     names = [name for name, _ in planned_noise_runs(flags)]
     return NoiseRuns(root / names[0], [root / name for name in names[1:]])
 
 
 def assert_same_training(noise: NoiseRuns, candidate: Path, description: str, steps: int) -> NoiseVerdict:
+    """Fail, with the comparison's report and ``description``, unless ``candidate`` ran ``steps`` steps
+    within the noise floor of ``noise``."""
     verdict = noise.verdict(candidate)
     report = noise_report(verdict)
     assert verdict.steps == steps, f"{report}\n{description}"
     assert verdict.same, f"{report}\n{description}"
     return verdict
+
+
+def shared_noise_runs(tmp_path_factory: pytest.TempPathFactory, family: str, data: tuple[str, ...] = ()) -> NoiseRuns:
+    """The one-process reference and its twins for ``family`` (a key of ``FAMILIES``), made once a
+    session; ``data`` are the flags that say where its data is.
+
+    Under ``pytest -n`` the first worker to take the lock runs them into a folder all workers share.
+    """
+    # getbasetemp() is per worker under xdist, and its parent is this session's, shared by the
+    # workers. Without xdist the parent is shared by every session of this user, other torch
+    # versions' and CPU kernels' too: there the session's own folder is the one to use.
+    session = tmp_path_factory.getbasetemp()
+    root = (session.parent if "PYTEST_XDIST_WORKER" in os.environ else session) / "noise-floor" / family
+    script, flags = FAMILIES[family]
+    flags = [*flags, *data]
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{root}.lock"):
+        if not (root / "done").exists():
+            for name, run_flags in planned_noise_runs(flags):
+                run_script(script, run_flags, root / name).check()
+            (root / "done").touch()
+    return noise_runs_in(root, flags)
