@@ -1,4 +1,4 @@
-"""Run a script the way a user does, and read what it wrote: the one place a test starts processes.
+"""Run a script the way a user does, and read what it wrote.
 
 - ``run_script``: a training script under ``python`` or ``torchrun --standalone``, its ranks forked
   from the warm server (tests/harness/launcher.py) unless ``real_launcher`` asks for the real one;
@@ -49,6 +49,7 @@ INHERITED_NAMES = {
 
 
 def clean_env() -> dict[str, str]:
+    """This process's environment without what a launcher left in it, for a run of its own."""
     env = {
         key: value
         for key, value in os.environ.items()
@@ -100,6 +101,7 @@ def script_invocation(script: str, args: list[str], run_dir: Path, wrapper: list
 
 
 def launcher_prefix(nproc: int | None) -> list[str]:
+    """What starts a script as a user would: ``python``, or ``torchrun`` with ``nproc`` processes."""
     if nproc is None:
         return [sys.executable]
     # --standalone: a rendezvous on a free port, so parallel tests never collide.
@@ -107,6 +109,7 @@ def launcher_prefix(nproc: int | None) -> list[str]:
 
 
 def start(command: list[str], env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.Popen:
+    """Start ``command`` without waiting for it, its output (stdout and stderr together) on a pipe."""
     # Its own session, so that a hang can be killed whole: torchrun and every worker.
     return subprocess.Popen(
         command,
