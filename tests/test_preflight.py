@@ -6,6 +6,8 @@ The ranks start from the warm launcher (tests/harness/launcher.py) and the verdi
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -120,29 +122,33 @@ def test_a_script_that_fails_is_its_error(tmp_path: Path, tiny_mnist_dir: Path) 
     assert f'{copy}", line {line}' in verdict.text, verdict.text
 
 
-def processes_mentioning(text: str) -> list[int]:
+def processes_working_in(folder: Path) -> list[int]:
+    """The processes whose working directory is ``folder``: every one the command started, and only those."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if text in cmdline.read_bytes().decode(errors="replace"):
-                found.append(int(cmdline.parent.name))
-        except OSError:
-            continue
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile, or one not ours to read
+            if cwd.resolve(strict=True) == folder.resolve():
+                found.append(int(cwd.parent.name))
     return found
 
 
 def test_real_command_names_the_line_and_leaves_nothing_running(tmp_path: Path, tiny_mnist_dir: Path) -> None:
+    """The command as the README gives it, from a copy's folder with the copy's common/: torchrun, its
+    ranks, one report and nothing left running."""
     _, script, find, replace, rank = BROKEN[2]
-    copy, line = broken_copy(script, find, replace, tmp_path / "project" / "train")
-    command = [sys.executable, "-m", "common.preflight", "--nproc", "2", "--wait", str(WAIT_S), str(copy),
-               *data_flags(script, tiny_mnist_dir)]  # fmt: skip
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    copy, line = broken_copy(script, find, replace, project / "train")
+    env = clean_env() | {"PYTHONPATH": str(project)}  # the copy's common/, never this repository's
+    command = [sys.executable, "-m", "common.preflight", "--nproc", "2", "--wait", str(WAIT_S),
+               str(copy.relative_to(project)), *data_flags(script, tiny_mnist_dir)]  # fmt: skip
     started = time.monotonic()
-    run = run_command(command, tmp_path, timeout=120)
+    run = run_command(command, tmp_path, timeout=120, env=env, cwd=project)
     elapsed = time.monotonic() - started
     assert run.returncode == preflight.FOUND, run.describe()
     assert run.output.count("pre-flight:") == 1, run.describe()  # one report, not one per rank
-    assert "MISMATCH" in run.output and f"{copy}:{line}" in run.output, run.describe()
-    assert processes_mentioning(str(copy)) == [], run.describe()
+    assert "MISMATCH" in run.output and f"train/{copy.name}:{line}" in run.output, run.describe()
+    assert processes_working_in(project) == [], run.describe()
     assert elapsed < NAMED_WITHIN_S, f"{elapsed:.1f} s\n{run.describe()}"
 
 
