@@ -130,16 +130,21 @@ def probability(text: str) -> float:
     return value
 
 
-def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> Parser:
-    """A parser with the flags every script has: device, timeouts, seed, output."""
-    parser = Parser(description=description, formatter_class=HelpFormatter)
-    run = parser.add_argument_group("run")
-    run.add_argument(
+def add_device_flag(container: argparse._ActionsContainer) -> None:
+    """--device as every script and the commands that start ranks take it."""
+    container.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
         default="auto",
         help="auto: this process's GPU with NCCL if CUDA is available, else CPU with gloo",
     )
+
+
+def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> Parser:
+    """A parser with the flags every script has: device, timeouts, seed, output."""
+    parser = Parser(description=description, formatter_class=HelpFormatter)
+    run = parser.add_argument_group("run")
+    add_device_flag(run)
     run.add_argument(
         "--dist-timeout",
         type=timeout_seconds,

@@ -37,7 +37,14 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from common.checkpoint import nearest_existing
-from common.cli import HelpFormatter, Parser, check_launch_environment, positive_int, timeout_seconds
+from common.cli import (
+    HelpFormatter,
+    Parser,
+    add_device_flag,
+    check_launch_environment,
+    positive_int,
+    timeout_seconds,
+)
 from common.communication import ring_link_bytes
 from common.distributed import (
     DistContext,
@@ -97,12 +104,7 @@ def message_sizes(low: int, high: int) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = Parser(description=__doc__, formatter_class=HelpFormatter, prog="python -m common.comm_check")
-    parser.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="auto: this process's GPU with NCCL if CUDA is available, else CPU with gloo",
-    )
+    add_device_flag(parser)
     parser.add_argument(
         "--min-bytes", type=byte_size, help="smallest message, e.g. 1M (default: 1M on GPUs, 64K on the CPU)"
     )
