@@ -46,6 +46,7 @@ from common.cli import (
     timeout_seconds,
 )
 from common.communication import ring_link_bytes
+from common.compat import all_gather_single, reduce_scatter_single
 from common.distributed import (
     DistContext,
     distributed,
@@ -61,9 +62,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}  # binary, as nccl-tests reads -b 1M -e 1G
 GPU_SIZES = (2**20, 2**30)
 CPU_SIZES = (2**16, 4 * 2**20)  # gloo on a CPU moves a few GB/s at best: 1 GiB would take minutes
-# New names in recent torch (the old ones warn there); the floor, 2.6, has only the old ones.
-ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 # gloo has no reduce-scatter of its own: c10d runs one as an all-reduce of the whole input (the
 # profiler shows gloo:all_reduce; DESIGN.md). FSDP on gloo runs exactly that, so it is measured as is.
 GLOO_REDUCE_SCATTER = (
@@ -188,10 +186,10 @@ def collective(op: str, elements: int, dtype: torch.dtype, ctx: DistContext) -> 
     if op == "all_gather":
         gathered = torch.zeros(elements, dtype=dtype, device=ctx.device)
         piece = torch.zeros(shard, dtype=dtype, device=ctx.device)
-        return lambda: ALL_GATHER(gathered, piece)
+        return lambda: all_gather_single(gathered, piece)
     scattered = torch.zeros(elements, dtype=dtype, device=ctx.device)
     piece = torch.zeros(shard, dtype=dtype, device=ctx.device)
-    return lambda: REDUCE_SCATTER(piece, scattered)
+    return lambda: reduce_scatter_single(piece, scattered)
 
 
 def synchronize(device: torch.device) -> None:

@@ -34,6 +34,12 @@ COMPILED_UNDER_DISPATCH_MODE = (2, 9)
 FSDP2_CPU_OFFLOAD = (2, 9)
 
 
+# The single-tensor all-gather and reduce-scatter have new names in recent torch, where the old
+# ones warn; the floor, 2.6, has only the old ones.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def torch_release(version: str | None = None) -> tuple[int, int]:
     """(major, minor) of ``version``, by default the installed torch's (2.6.0+cu124 gives (2, 6))."""
     text = version if version is not None else torch.__version__

@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 
 from common.communication import CollectiveRecorder, StepObserver, measured_step, ring_link_bytes
 from common.compare_strategies import markdown_table, micro_steps
-from common.compat import COMPILED_UNDER_DISPATCH_MODE, torch_at_least
+from common.compat import COMPILED_UNDER_DISPATCH_MODE, all_gather_single, reduce_scatter_single, torch_at_least
 from common.distributed import DistContext, teardown_distributed
 from common.estimate_communication import (
     FsdpBehaviour,
@@ -35,9 +35,6 @@ from common.estimate_communication import (
 )
 from common.models import GPT, GPTConfig, MnistNet
 
-# New names in recent torch (the old ones warn there); the floor, 2.6, has only the old ones.
-ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 TINY = GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64)
 MIB = 2**20
 
@@ -207,9 +204,9 @@ def test_recorder_counts_whole_messages_and_nothing_else(world_of_one: DistConte
     with CollectiveRecorder() as recorder:
         torch.ones(3).add_(1)  # not a collective
         dist.all_reduce(torch.ones(5))
-        ALL_GATHER_SINGLE(full, shard)
+        all_gather_single(full, shard)
         dist.all_gather([torch.zeros(2, dtype=torch.bfloat16)], torch.ones(2, dtype=torch.bfloat16))
-        REDUCE_SCATTER_SINGLE(torch.zeros(6), torch.ones(6))
+        reduce_scatter_single(torch.zeros(6), torch.ones(6))
         dist.broadcast(torch.ones(4, dtype=torch.int64), src=0)
         # What DTensor calls: a functional collective, named by its group.
         funcol.all_reduce(torch.ones(7), "sum", dist.group.WORLD).wait()
