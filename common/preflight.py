@@ -50,6 +50,8 @@ OK, FOUND, BAD_INPUT = 0, 1, 2
 # The first present is the verdict: a crash before an ended peer, since the crash is why it ended.
 REPORT_ORDER = ("mismatch", "raised", "exited", "peer_ended", "timeout")
 # What torchrun tells its workers about their job; a pre-flight started inside a job must not inherit it.
+# The same names as check_equivalence.TORCHRUN_VARIABLES, written out: common.cli imports torch, which
+# this parent process never does.
 JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
