@@ -86,16 +86,9 @@ NO_TEST_YET: set[tuple[str, str]] = {
 class Sentence:
     page: str
     line: int
-    text: str
+    words: str  # as written, without its comments, on one line
+    test_ids: tuple[str, ...]
     promises: bool
-
-    @property
-    def test_ids(self) -> list[str]:
-        return [test_id for marker in MARKER.findall(self.text) for test_id in marker.split()]
-
-    @property
-    def words(self) -> str:
-        return " ".join(COMMENT.sub("", self.text).split())
 
     def where(self) -> str:
         return f"{self.page}:{self.line}: {self.words[:100]}"
@@ -133,18 +126,28 @@ def paragraphs(text: str) -> Iterator[tuple[int, int]]:
 def sentences(page: Path) -> list[Sentence]:
     text = page.read_text()
     masked = without_code(text)
-    found = []
-    for start, end in paragraphs(masked):
-        for match in SENTENCE.finditer(masked, start, end):
-            found.append(
-                Sentence(
-                    page=page.relative_to(REPO).as_posix() if page.is_relative_to(REPO) else page.name,
-                    line=text.count("\n", 0, match.start()) + 1,
-                    text=text[match.start() : match.end()],
-                    promises=bool(PROMISE.search(COMMENT.sub("", match.group()))),
-                )
-            )
-    return found
+    name = page.relative_to(REPO).as_posix() if page.is_relative_to(REPO) else page.name
+    return [
+        sentence_of(name, text, masked, match)
+        for start, end in paragraphs(masked)
+        for match in SENTENCE.finditer(masked, start, end)
+    ]
+
+
+def sentence_of(page: str, text: str, masked: str, match: re.Match[str]) -> Sentence:
+    # Comments are found in the masked text, so that one quoted in a code span is no marker.
+    comments = list(COMMENT.finditer(masked, match.start(), match.end()))
+    bounds = [match.start(), *(offset for comment in comments for offset in comment.span()), match.end()]
+    words = "".join(text[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2))
+    return Sentence(
+        page=page,
+        line=text.count("\n", 0, match.start()) + 1,
+        words=" ".join(words.split()),
+        test_ids=tuple(
+            test_id for comment in comments for marker in MARKER.findall(comment.group()) for test_id in marker.split()
+        ),
+        promises=bool(PROMISE.search(COMMENT.sub("", match.group()))),
+    )
 
 
 @cache
@@ -215,6 +218,7 @@ def test_every_exception_still_matches_one_unmarked_promise() -> None:
 
 
 def test_the_check_finds_a_missing_test_and_an_unmarked_promise(tmp_path: Path) -> None:
+    """And reads no promise in code, a table or a page's summary, and no marker quoted in code."""
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_real.py").write_text(
         "def test_here():\n    pass\n\nclass TestGroup:\n    def test_in(self):\n        pass\n"
@@ -226,6 +230,7 @@ def test_the_check_finds_a_missing_test_and_an_unmarked_promise(tmp_path: Path) 
         "tests/test_real.py::TestGroup::test_in -->\n"
         "A run never deletes a checkpoint. <!-- test: tests/test_real.py::test_gone -->\n\n"
         "- a second list item that says `never` in code only;\n"
+        "- a list item that quotes `<!-- test: tests/test_real.py::test_quoted -->` and is never marked;\n"
         "- a list item that is refused\n  on its second line\n\n"
         "| a table | that is never read |\n\n"
         "```\nnever in a code block.\n```\n"
@@ -234,7 +239,8 @@ def test_the_check_finds_a_missing_test_and_an_unmarked_promise(tmp_path: Path) 
     found = sentences(page)
     assert [line.split(" -> ")[1] for line in missing_tests(found, tmp_path)] == ["tests/test_real.py::test_gone"]
     assert [(sentence.line, sentence.words) for sentence in unmarked_promises(found, set())] == [
-        (10, "- a list item that is refused on its second line"),
-        (18, "The weights are never saved."),
+        (10, "- a list item that quotes `<!-- test: tests/test_real.py::test_quoted -->` and is never marked;"),
+        (11, "- a list item that is refused on its second line"),
+        (19, "The weights are never saved."),
     ]
-    assert unmarked_promises(found, {("page.md", "weights are never")})[-1].line == 10
+    assert unmarked_promises(found, {("page.md", "weights are never")})[-1].line == 11
