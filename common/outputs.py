@@ -1,0 +1,272 @@
+"""The one way a script or command writes a file: whole or not at all, and never over what it must keep.
+
+Every output is written under a temporary name that belongs to this writer alone (its pid and a
+random part), flushed to the disk, then given its final name in one rename: a reader, a kill or a
+full disk never leaves half a file under the real name, and two writers never share a temporary.
+
+An output never replaces an input of the same command. Nor does it replace a file that exists
+already, unless the user passes ``--overwrite`` (``add_overwrite_flag``) or the file is this run's
+own (a checkpoint it rotates, its metrics.jsonl, the model.pt of its run dir): those callers say
+``overwrite=True``. ``check_output_path`` refuses an output that cannot be written before any work
+starts; a file that appears under the output's name while the work runs is kept, and the writer
+fails with ``OutputExists`` instead of replacing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import IO, Any
+
+OVERWRITE_FLAG = "--overwrite"
+TEMPORARY_PREFIX = ".tmp-"  # checkpoint pruning deletes what starts with it: leftovers of killed writes
+# Where a hard link cannot be made, publishing without replacing falls back to a check, then a rename.
+NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
+
+
+class OutputExists(FileExistsError):
+    """A file took the output's name while this writer worked; it was kept, and this result not written."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(
+            errno.EEXIST,
+            f"{path} appeared while this command ran (another process wrote it); it was kept, and this "
+            f"command's result was not written. Pass {OVERWRITE_FLAG} to replace it",
+            str(path),
+        )
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def add_overwrite_flag(parser: argparse._ActionsContainer) -> None:
+    """``--overwrite``, the same flag in every command that writes a file a user names."""
+    parser.add_argument(
+        OVERWRITE_FLAG,
+        action="store_true",
+        help="replace output files that exist already (never an input of the same command)",
+    )
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or the closest of its parents that exists: where a folder not made yet would go."""
+    # os.path's answers are False, not an exception, for a name under a file or in a folder one cannot read.
+    return next((folder for folder in (path, *path.parents) if os.path.exists(folder)), Path("."))
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """One file under two names (a relative and an absolute path, a link, a hard link)."""
+    try:
+        return a.resolve() == b.resolve() or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def creation_failure(folder: Path, make_folders: bool) -> str | None:
+    """Why nothing can be created in the existing ``folder``, found by trying; None if it can.
+
+    access() says yes to root on /proc and on many mounts where creating a file then fails, so the
+    answer comes from creating (and at once removing) a folder or file of this writer's own.
+    """
+    probe = folder / f"{TEMPORARY_PREFIX}probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        if make_folders:
+            probe.mkdir()
+            probe.rmdir()
+        else:
+            os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            probe.unlink()
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
+def output_problem(path: Path, flag: str, inputs: Iterable[Path] = (), overwrite: bool = False) -> str | None:
+    """Why writing ``path`` (given as ``flag``) must not start, or None."""
+    named = f"{flag} {path}".strip()
+    clash = next((source for source in inputs if same_file(path, source)), None)
+    if clash is not None:
+        return f"{named} is also an input of this command ({clash}); write the output under another name"
+    if os.path.isdir(path):
+        return f"{named} is a folder; give the name of the file to write"
+    existing = nearest_existing(path.parent)
+    if not os.path.isdir(existing):
+        return f"{named}: {existing} is a file, not a folder"
+    if os.path.lexists(path) and not overwrite:
+        return f"{named} exists; choose another name, or pass {OVERWRITE_FLAG} to replace it"
+    failure = creation_failure(existing, make_folders=existing != path.parent)
+    if failure is not None:
+        return f"{named}: cannot create anything in {existing} ({failure})"
+    return None
+
+
+def check_output_path(
+    parser: argparse.ArgumentParser,
+    path: Path,
+    flag: str,
+    inputs: Iterable[Path] = (),
+    overwrite: bool = False,
+) -> None:
+    """Refuse, with ``parser.error`` (one line, exit 2), an output that ``output_problem`` objects to."""
+    problem = output_problem(path, flag, inputs, overwrite)
+    if problem is not None:
+        parser.error(problem)
+
+
+def folder_problem(folder: Path, flag: str) -> str | None:
+    """Why outputs cannot go into ``folder`` (given as ``flag``), made if need be; None if they can."""
+    existing = nearest_existing(folder)
+    if not os.path.isdir(existing):
+        return f"{flag} {folder}: {existing} is a file, not a folder"
+    failure = creation_failure(existing, make_folders=True)
+    if failure is not None:
+        return f"{flag} {folder}: cannot create anything in {existing} ({failure})"
+    return None
+
+
+def check_output_folder(parser: argparse.ArgumentParser, folder: Path, flag: str) -> None:
+    """Refuse, with ``parser.error``, a folder of outputs that ``folder_problem`` objects to."""
+    problem = folder_problem(folder, flag)
+    if problem is not None:
+        parser.error(problem)
+
+
+def temporary_beside(path: Path) -> Path:
+    """A name in ``path``'s folder that no other writer uses, created empty (so no one else takes it).
+
+    It keeps ``path``'s suffix: writers that take a file name (matplotlib) choose the format by it.
+    """
+    while True:
+        unique = f"{os.getpid()}.{secrets.token_hex(4)}"
+        temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.stem}.{unique}{path.suffix}")
+        try:
+            os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # umask applies, as for open()
+        except FileExistsError:
+            continue
+        return temporary
+
+
+def publish(temporary: Path, path: Path, overwrite: bool) -> None:
+    """Give the complete ``temporary`` the name ``path`` in one step; without ``overwrite``, never over a file."""
+    if overwrite:
+        os.replace(temporary, path)
+        return
+    try:
+        os.link(temporary, path)  # fails, atomically, if the name is taken: no window for another writer
+    except FileExistsError:
+        raise OutputExists(path) from None
+    except OSError as err:
+        if err.errno not in NO_HARD_LINKS:
+            raise
+        if os.path.lexists(path):
+            raise OutputExists(path) from None
+        os.replace(temporary, path)
+
+
+def write_output(path: Path, write: Callable[[IO[bytes]], None], overwrite: bool) -> None:
+    """Make ``path`` hold what ``write`` writes to the binary file it is given, or leave it as it was.
+
+    Parent folders are made. The temporary is removed whatever happens (a failed write holds disk
+    space and nothing else); ``OutputExists`` if ``path`` appeared meanwhile and ``overwrite`` is False.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_beside(path)
+    try:
+        with temporary.open("r+b") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        publish(temporary, path, overwrite)
+    finally:
+        temporary.unlink(missing_ok=True)  # after a hard link, the output keeps the data under its own name
+
+
+def write_text(path: Path, text: str, overwrite: bool) -> None:
+    """``write_output`` of ``text`` as UTF-8."""
+    write_output(path, lambda file: file.write(text.encode("utf-8")), overwrite)
+
+
+def write_by_name(path: Path, write: Callable[[str], Any], overwrite: bool) -> None:
+    """``write_output`` for writers that take a file's name rather than a file (a profiler's trace, a figure)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_beside(path)
+    try:
+        write(str(temporary))
+        with temporary.open("rb") as file:
+            os.fsync(file.fileno())
+        publish(temporary, path, overwrite)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def save_torch(obj: Any, path: Path, overwrite: bool) -> None:
+    """``torch.save`` through ``write_output``."""
+    import torch  # here, so that commands that save no tensors do not pay for importing torch
+
+    write_output(path, lambda file: torch.save(obj, file), overwrite)
+
+
+def rename_into_place(temporary: Path, path: Path) -> None:
+    """A file or folder completed under ``temporary`` takes the name ``path`` (a folder must be empty or absent)."""
+    os.replace(temporary, path)
+
+
+def open_log(path: Path, append: bool) -> IO[str]:
+    """A log that grows a line at a time as the run goes (metrics.jsonl, a child's output): this run's own file.
+
+    It cannot be renamed into place whole, since a reader follows it while it grows; a line cut
+    short by a kill is the reader's to leave out.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.open("a" if append else "w", encoding="utf-8")
+
+
+def holds_something(folder: Path) -> bool:
+    """``folder`` exists and is not an empty folder."""
+    return os.path.lexists(folder) and (not os.path.isdir(folder) or any(folder.iterdir()))
+
+
+@contextmanager
+def output_folder(path: Path, overwrite: bool) -> Iterator[Path]:
+    """A fresh temporary folder beside ``path`` to fill; it becomes ``path`` if the block completes.
+
+    An earlier ``path`` is replaced only with ``overwrite`` (else ``OutputExists``), and only once
+    the new one is complete: a failure leaves it as it was and removes the temporary.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_beside(path)
+    temporary.unlink()
+    temporary.mkdir()
+    try:
+        yield temporary
+        if holds_something(path) and not overwrite:
+            raise OutputExists(path)
+        replace_folder(temporary, path)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def replace_folder(new: Path, path: Path) -> None:
+    """``new`` takes the name ``path``; what was there is moved aside first and deleted last."""
+    if not os.path.lexists(path):
+        os.replace(new, path)
+        return
+    old = temporary_beside(path)
+    old.unlink()
+    os.replace(path, old)
+    try:
+        os.replace(new, path)
+    except BaseException:
+        with suppress(OSError):
+            os.replace(old, path)  # put the earlier one back rather than leave nothing
+        raise
+    if old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink(missing_ok=True)
