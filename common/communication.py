@@ -31,7 +31,6 @@ operators that code dispatches (collectives, not the kernels it fused).
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from common.distributed import DistContext, print0
+from common.outputs import write_by_name
 
 # Every collective operator of torch.distributed, by the kind it is reported as. The c10d ops are
 # what the process-group API (and DDP's reducer) calls; the _c10d_functional ones are what
@@ -305,9 +305,6 @@ def start_profiler(device: torch.device) -> torch.profiler.profile:
 
 def export_trace(profiler: torch.profiler.profile, directory: Path, rank: int) -> Path:
     """Write this rank's Chrome-format trace; renamed into place, so a reader never sees half a file."""
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"rank-{rank}.json"
-    temporary = directory / f".rank-{rank}.json.tmp"
-    profiler.export_chrome_trace(str(temporary))
-    os.replace(temporary, path)
+    write_by_name(path, profiler.export_chrome_trace, overwrite=True)  # this run's own trace
     return path

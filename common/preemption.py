@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from common.distributed import DistContext, all_ranks_agree, print0
+from common.outputs import write_text
 
 STOP_FILE = "STOP"
 PREEMPTED_FILE = "PREEMPTED"
@@ -57,7 +58,8 @@ class StopRequest:
         """Leave the PREEMPTED marker and end this process (exit code 0: nothing failed)."""
         reason = self.received or ("a STOP file" if self.stop_file.exists() else "a signal to another rank")
         if self.ctx.is_main:
-            self.marker.write_text(json.dumps({"step": step, "checkpoint": str(checkpoint), "reason": reason}) + "\n")
+            marker = {"step": step, "checkpoint": str(checkpoint), "reason": reason}
+            write_text(self.marker, json.dumps(marker) + "\n", overwrite=True)  # this run's own
             self.stop_file.unlink(missing_ok=True)
         print0(f"stopped at step {step} on request ({reason}); checkpoint {checkpoint}. Continue with --resume.")
         sys.exit(0)
