@@ -1,0 +1,213 @@
+"""The argparse types of every flag that takes a number or a path: one way to read a flag.
+
+A type refuses what no flag means before any work starts: nan, inf and what overflows to them
+(1e999), a number outside the flag's range, a word where a number goes; a missing input, a folder
+where a file goes, a file where a folder goes, an output below a file or where nobody may write.
+argparse prints the refusal once as ``PROG: error: argument --FLAG: ...`` and exits with 2.
+
+Each type carries ``kind`` (NUMBER, EXISTING_FILE, ...): tests/test_every_flag.py reads it to
+choose the hostile values it tries on the flag, and fails on a flag whose type has none.
+No torch here: common.preflight parses its flags without importing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from common.outputs import creation_failure, nearest_existing
+
+NUMBER = "number"
+EXISTING_FILE = "existing file"
+EXISTING_DIR = "existing folder"
+EXISTING_PATH = "existing file or folder"  # a checkpoint: step-N.pt, or the folder of a sharded one
+OUTPUT_FILE = "output file"
+OUTPUT_DIR = "output folder"
+
+T = TypeVar("T")
+
+
+def flag_kind(kind: str) -> Callable[[Callable[[str], T]], Callable[[str], T]]:
+    """Mark an argparse type with what it reads, for the generated test's choice of values."""
+
+    def mark(parse: Callable[[str], T]) -> Callable[[str], T]:
+        parse.kind = kind  # type: ignore[attr-defined]
+        return parse
+
+    return mark
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text}") from None
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _int_range_text(low: int, high: int | None) -> str:
+    if high is not None:
+        return f"an integer from {low} to {high}"
+    return {0: "zero or a positive integer", 1: "a positive integer"}.get(low, f"an integer of at least {low}")
+
+
+def int_in_range(low: int, high: int | None = None, *, name: str = "integer") -> Callable[[str], int]:
+    """Whole numbers from ``low`` to ``high`` (no upper end when None)."""
+
+    @flag_kind(NUMBER)
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {_int_range_text(low, high)}, got {text}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+def float_in_range(
+    low: float, high: float | None = None, *, above_low: bool = False, unit: str = "", name: str = "number"
+) -> Callable[[str], float]:
+    """Finite numbers from ``low`` (excluded with ``above_low``) to ``high`` (no upper end when None)."""
+
+    @flag_kind(NUMBER)
+    def parse(text: str) -> float:
+        value = _finite(text)
+        too_low = value <= low if above_low else value < low
+        if too_low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {_float_range_text(low, high, above_low, unit)}, got {text}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+def _float_range_text(low: float, high: float | None, above_low: bool, unit: str) -> str:
+    if high is not None:
+        return f"from {low:g} to {high:g}{unit}" if not above_low else f"above {low:g} and at most {high:g}{unit}"
+    if low == 0:
+        return "a positive number" if above_low else "zero or a positive number"
+    return f"above {low:g}{unit}" if above_low else f"at least {low:g}{unit}"
+
+
+positive_int = int_in_range(1, name="positive_int")
+non_negative_int = int_in_range(0, name="non_negative_int")
+positive_float = float_in_range(0, above_low=True, name="positive_float")
+non_negative_float = float_in_range(0, name="non_negative_float")
+finite_float = flag_kind(NUMBER)(_finite)
+
+SEED_LIMIT = 2**32  # numpy's range, and far from the 64 bits torch's generators take with the epoch added
+seed_value = int_in_range(0, SEED_LIMIT - 1, name="seed_value")
+
+
+@flag_kind(NUMBER)
+def probability(text: str) -> float:
+    value = _finite(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+# The optimizers compute in float32, and Adam's first step divides the lr by 1 - beta1 = 0.1: a larger
+# lr overflows inside AdamW.step (a RuntimeError in torch 2.14, found with --lr 1e38).
+LR_LIMIT = 3.4028234663852886e38 / 10
+
+
+@flag_kind(NUMBER)
+def learning_rate(text: str) -> float:
+    value = positive_float(text)
+    if value > LR_LIMIT:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {LR_LIMIT:.3g}: the optimizer's float32 arithmetic overflows, got {text}"
+        )
+    return value
+
+
+# Below this, ordinary waits fail a healthy run: ranks start seconds apart, and all of them wait
+# while rank 0 writes a checkpoint. Above it, gloo's clock overflows (1e13 s fails in torch 2.14).
+DIST_TIMEOUT_RANGE_S = (10, 7 * 24 * 3600)
+
+
+@flag_kind(NUMBER)
+def timeout_seconds(text: str) -> float:
+    value = _finite(text)
+    low, high = DIST_TIMEOUT_RANGE_S
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(
+            f"must be from {low} to {high} seconds (a week), got {text}: ranks start seconds apart and wait "
+            "while rank 0 saves, so a shorter limit fails a healthy run"
+        )
+    return value
+
+
+def _refuse_unwritable(text: str, folder: Path) -> None:
+    """Refuse a folder to write in whose nearest existing part is a file, or one where nothing can be created."""
+    existing = nearest_existing(folder)
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, not a folder")
+    failure = creation_failure(existing, make_folders=existing != folder)
+    if failure is not None:
+        raise argparse.ArgumentTypeError(f"{text}: cannot create anything in {existing} ({failure})")
+
+
+@flag_kind(EXISTING_FILE)
+def existing_file(text: str) -> Path:
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text}: cannot read it")
+    return path
+
+
+@flag_kind(EXISTING_DIR)
+def existing_dir(text: str) -> Path:
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such folder")
+    return path
+
+
+@flag_kind(EXISTING_PATH)
+def existing_path(text: str) -> Path:
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file or folder")
+    return path
+
+
+@flag_kind(OUTPUT_FILE)
+def output_file(text: str) -> Path:
+    """A file this run may create (or replace, where its command allows that): not a folder, not below a file."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give the name of the file to write")
+    _refuse_unwritable(text, path.parent)
+    return path
+
+
+@flag_kind(OUTPUT_DIR)
+def output_dir(text: str) -> Path:
+    """A folder this run may create or write in: not a file, not below a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    _refuse_unwritable(text, path)
+    return path
