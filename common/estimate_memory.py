@@ -56,6 +56,7 @@ import torch
 
 from common.activations import gpt_activations, mnist_activations
 from common.cli import HelpFormatter, positive_float, positive_int
+from common.flags import float_in_range, int_in_range
 from common.models import GPT, GPT_PRESETS, GPTConfig, MnistNet, count_parameters
 
 FP32 = 4
@@ -213,19 +214,26 @@ def gib_or_na(value: float | None) -> str:
     return "n/a" if value is None else f"{value / GIB:.1f}"
 
 
+# A trillion parameters. The estimates list DDP's buckets, 25 MiB each: 1.5 million of them at 1e13
+# parameters, and 1e30 overflowed (OverflowError).
+parameter_count = float_in_range(1, 1e12, name="parameter_count")
+# Far more FSDP units than any model has: the estimate lists each unit's collectives per micro-step.
+layer_count = int_in_range(1, 10_000, name="layer_count")
+
+
 def add_job_flags(parser: argparse.ArgumentParser, *, params_required: bool = True) -> None:
     """The model and the job, as this estimator and common.estimate_communication both take them."""
     parser.add_argument(
         "--params",
-        type=positive_float,
+        type=parameter_count,
         nargs="+",
         required=params_required,
         help="parameters in the model, e.g. 7e9 (several: one row each)",
     )
-    parser.add_argument("--world-size", type=int, required=True, help="GPUs in the job")
+    parser.add_argument("--world-size", type=positive_int, required=True, help="GPUs in the job")
     parser.add_argument(
         "--shard-group-size",
-        type=int,
+        type=positive_int,
         help="GPUs per machine: hybrid_shard's group sharing one sharded copy (default: gcd(world size, 8))",
     )
     parser.add_argument(
@@ -238,7 +246,7 @@ def add_job_flags(parser: argparse.ArgumentParser, *, params_required: bool = Tr
     )
     parser.add_argument(
         "--layers",
-        type=int,
+        type=layer_count,
         default=32,
         help="FSDP units (transformer blocks); one unit is params / layers (default: %(default)s)",
     )
@@ -279,10 +287,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.params is None) == (args.model is None):
         parser.error("give --params (the model state alone) or --model (with its activations), one of them")
-    if args.params is not None and min(args.params) <= 0:
-        parser.error("--params must be positive")
-    if args.world_size < 1 or args.gpu_memory <= 0 or args.layers < 1:
-        parser.error("--world-size, --gpu-memory and --layers must be positive")
     check_model_flags(parser, args)
     resolve_shard_group_size(parser, args)
     return args
