@@ -10,7 +10,8 @@ WHAT is one of:
               second micro-step of an accumulating run shows what the first one left behind
   build-memory  the peak of this process's resident memory from the moment the model's class
               is called until the first training step begins (building, wrapping, sharding,
-              initialising), above what it held when building began; Linux only
+              initialising), above what it held when building began; Linux only. The ranks
+              end there, together, with exit code 0: the run trains no step
   private-memory  the largest private resident memory (RssAnon: not the pages of a mapped file,
               which the kernel can drop and read again) at the start of any training step; Linux only
 
@@ -135,7 +136,7 @@ def resident_kib(field: str) -> int:
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith(f"{field}:")))
 
 
-def watch_build_memory(steps: Steps, before_build: list[Any], record: dict[str, Any]) -> None:
+def watch_build_memory(steps: Steps, before_build: list[Any], record: dict[str, Any], run_dir: Path) -> None:
     def start() -> None:
         # glibc keeps freed blocks for reuse, so resident memory would show what the allocator kept,
         # not what was alive: serve every block of 64 KiB or more from its own mapping, returned at once.
@@ -145,6 +146,12 @@ def watch_build_memory(steps: Steps, before_build: list[Any], record: dict[str, 
 
     def stop() -> None:
         record["peak_growth_bytes"] = 1024 * (resident_kib("VmHWM") - record["resident_before_kib"])
+        # The observation is complete. A training step, an evaluation and the gathered save of a model
+        # built to be large would cost the suite seconds and show nothing more. Every rank gets here
+        # before ending, so none is left waiting in a collective of a rank that has gone.
+        torch.distributed.barrier()
+        write_record(run_dir, record | {"steps": steps.current})
+        os._exit(0)
 
     before_build.append(start)
     steps.on_first_step.append(stop)
@@ -172,7 +179,7 @@ def main() -> None:
     elif what == "grad-dtype":
         watch_grad_dtypes(built, record)
     elif what == "build-memory":
-        watch_build_memory(steps, before_build, record)
+        watch_build_memory(steps, before_build, record, run_dir)
     elif what == "private-memory":
         watch_private_memory(steps, record)
     else:
@@ -181,9 +188,12 @@ def main() -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
-        record["steps"] = steps.current
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / f"observed-{what}-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
+        write_record(run_dir, record | {"steps": steps.current})
+
+
+def write_record(run_dir: Path, record: dict[str, Any]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / f"observed-{record['what']}-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
