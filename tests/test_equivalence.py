@@ -27,7 +27,7 @@ from common.communication import KIND_OF_OP
 from common.compare_runs import main as compare_runs_main
 from common.estimate_communication import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
-from tests.harness.cases import NEEDS_FSDP2_ON_CPU, cases
+from tests.harness.cases import cases
 from tests.harness.noise_floor import (
     BROKEN_MARGIN,
     MNIST_ARGS,
@@ -332,13 +332,10 @@ def warm_runner(script: str, flags: list[str], nproc: int | None, run_dir: Path)
 
 
 TRANSFORMER_DATA = ["--block-size", "32", "--train-sequences", "600", "--heldout-sequences", "61"]
-CHECKED_SCRIPTS = [
-    "ddp/train_mnist.py",
-    "fsdp/train_mnist.py",
-    "ddp/train_transformer.py",
-    "fsdp/train_transformer.py",
-    pytest.param("fsdp/train_transformer_fsdp2.py", marks=NEEDS_FSDP2_ON_CPU),
-]
+# The command on the MNIST scripts' flags and on FSDP2 is test_start_from_a_copy.py's: it checks copies
+# of fsdp/train_mnist.py and of the FSDP2 script. That every script, unchanged, trains as one process
+# does is test_*_matches_one_process's, judged by the same plan and noise floor as the command's.
+CHECKED_SCRIPTS = ["ddp/train_mnist.py", "ddp/train_transformer.py", "fsdp/train_transformer.py"]
 
 
 @pytest.mark.parametrize("script", CHECKED_SCRIPTS)
@@ -485,3 +482,20 @@ def test_compare_runs_names_a_torn_file(tmp_path: Path, capsys: pytest.CaptureFi
     assert compare_runs_main([str(first), str(second), "--loss-rtol", "1e-5"]) == 2
     error = capsys.readouterr().err
     assert f"{second / 'metrics.jsonl'}, line 3: not a whole record" in error, error
+
+
+def test_compare_runs_refuses_runs_of_other_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The synthetic tokens' vocabulary (16) against a text's (65): one message naming what differs, by the
+    final records' model_config and, where a run has none, by the tensors' shapes; not a tensor-size traceback."""
+    runs = [write_run(tmp_path / name, [2.0, 1.0]) for name in ("markov", "text")]
+    for run, vocab in zip(runs, (16, 65), strict=True):
+        torch.save({"tok_emb.weight": torch.zeros(vocab, 4)}, run / "model.pt")
+    assert compare_runs_main([str(runs[0]), str(runs[1]), "--param-atol", "1e-5"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("error:") == 1 and "tok_emb.weight is [16, 4] in one, [65, 4] in the other" in error, error
+    for run, vocab in zip(runs, (16, 65), strict=True):
+        with (run / "metrics.jsonl").open("a") as metrics:
+            metrics.write(json.dumps({"event": "final", "model_config": {"vocab_size": vocab, "n_layer": 2}}) + "\n")
+    assert compare_runs_main([str(runs[0]), str(runs[1]), "--noise", str(runs[0])]) == 2
+    error = capsys.readouterr().err
+    assert error.count("error:") == 1 and f"vocab_size 16 in {runs[0]}, 65 in {runs[1]}" in error, error
