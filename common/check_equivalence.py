@@ -33,6 +33,7 @@ from pathlib import Path
 
 from common.cli import LAUNCH_VARIABLES, HelpFormatter, positive_float, positive_int
 from common.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
+from common.outputs import write_text
 
 DEFAULT_STEPS = 20
 MAX_TWINS = 6
@@ -169,7 +170,7 @@ def check(
         how = "1 process" if run.nproc is None else f"{run.nproc} processes"
         started = time.perf_counter()
         code, output = runner(script, run.flags, run.nproc, runs_dir / run.name)
-        (runs_dir / f"{run.name}.log").write_text(output)
+        write_text(runs_dir / f"{run.name}.log", output, overwrite=True)  # beside this check's own run
         if code != 0:
             tail = "\n".join(output.splitlines()[-20:])
             print(f"{run.name} ({how}) failed with exit code {code}; its last lines:\n{tail}\n"

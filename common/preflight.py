@@ -41,6 +41,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from common.outputs import open_log, write_text
+
 STEPS = 3  # the third step is the one StepObserver measures: collectives_per_step needs it
 CHECKPOINT_INTERVAL = 2  # a checkpoint before step 3
 EVAL_INTERVAL = 2  # an evaluation mid-run (the MNIST scripts evaluate at the end of each epoch instead)
@@ -241,9 +243,8 @@ def stop_before_collective(lockstep: Lockstep, report_dir: Path, fp: Fingerprint
 
 
 def write_report(report_dir: Path, rank: int, report: dict) -> None:
-    temporary = report_dir / f".rank-{rank}.json.tmp"
-    temporary.write_text(json.dumps(report | {"rank": rank}))
-    os.replace(temporary, report_dir / f"rank-{rank}.json")  # a reader never sees half a report
+    # Renamed into place whole: a reader never sees half a report. Each rank writes its own, once.
+    write_text(report_dir / f"rank-{rank}.json", json.dumps(report | {"rank": rank}), overwrite=True)
 
 
 def job_store(prefix: str) -> Any:
@@ -559,7 +560,7 @@ def launch_ranks(
 ) -> Launched:
     """Run torchrun to its end, or until a rank reports a problem (its peers then need no more time), or the
     timeout; then kill whatever it started that is still there."""
-    with log.open("w") as out:
+    with open_log(log, append=False) as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     tree, timed_out = ProcessTree(process.pid), False
     deadline, settle_until = time.monotonic() + timeout, None
