@@ -23,6 +23,14 @@ import torch
 
 from common.cli import HelpFormatter
 from common.compare_strategies import STRATEGIES, launch
+from common.outputs import (
+    OVERWRITE_FLAG,
+    add_overwrite_flag,
+    check_output_path,
+    holds_something,
+    output_folder,
+    write_text,
+)
 
 BENCHMARKED = ("ddp", "fsdp1_full_shard", "fsdp2")
 GIB = 2**30
@@ -46,12 +54,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="steps before the clock starts (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="measured steps (default: %(default)s)")
     parser.add_argument(
-        "--out", type=Path, default=Path("runs/benchmark/benchmark.json"), help="(default: %(default)s)"
+        "--out",
+        type=Path,
+        default=Path("runs/benchmark/benchmark.json"),
+        help="the table as JSON; each strategy's run goes beside it, in a folder of its name (default: %(default)s)",
     )
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
     if min(args.nproc, args.batch_size, args.warmup, args.steps) < 1:
         parser.error("--nproc, --batch-size, --warmup and --steps must be positive")
+    check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
+    taken = [str(folder) for folder in run_dirs(args.out).values() if holds_something(folder)]
+    if taken and not args.overwrite:
+        parser.error(
+            f"--out {args.out}: {', '.join(taken)} hold an earlier benchmark's runs; pass {OVERWRITE_FLAG} to "
+            "replace each once its new run has finished, or choose another --out folder"
+        )
     return args
+
+
+def run_dirs(out: Path) -> dict[str, Path]:
+    """Where each benchmarked strategy's run goes: beside --out, in a folder of the strategy's name."""
+    return {name: out.parent / name for name in BENCHMARKED}
 
 
 def training_flags(args: argparse.Namespace) -> list[str]:
@@ -95,12 +119,21 @@ def main(argv: list[str] | None = None) -> int:
     flags = training_flags(args)
     rows = []
     for strategy in (s for s in STRATEGIES if s.name in BENCHMARKED):
-        record = launch(strategy, args.nproc, args.out.parent / strategy.name, flags)
+        # Run in a folder of its own, which takes the run dir's name once the run has finished.
+        with output_folder(run_dirs(args.out)[strategy.name], args.overwrite) as run_dir:
+            record = launch(strategy, args.nproc, run_dir, flags)
         rows.append(row(record))
     print()
     print(table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "batch_size": args.batch_size, "runs": rows}, indent=2) + "\n")
+    try:
+        summary = {"model": args.model, "batch_size": args.batch_size, "runs": rows}
+        write_text(args.out, json.dumps(summary, indent=2) + "\n", args.overwrite)
+    except OSError as err:
+        print(
+            f"error: could not write --out {args.out}: {err.strerror or err}. The table above holds it all",
+            file=sys.stderr,
+        )
+        return 1
     print(f"\nwritten to {args.out}")
     return 0
 

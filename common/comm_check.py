@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from common.checkpoint import nearest_existing
 from common.cli import (
     HelpFormatter,
     Parser,
@@ -49,6 +47,7 @@ from common.communication import ring_link_bytes
 from common.compat import all_gather_single, reduce_scatter_single
 from common.distributed import (
     DistContext,
+    FatalError,
     distributed,
     env_num_nodes,
     env_world_size,
@@ -56,6 +55,7 @@ from common.distributed import (
     print0,
     wants_cuda,
 )
+from common.outputs import add_overwrite_flag, check_output_path, write_text
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -123,23 +123,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SECONDS",
         help="how long a collective waits for the other ranks before failing",
     )
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
     check_launch_environment(parser)
     check_sizes(parser, args)
-    check_out(parser, args.out)
+    # Before the measurement, not with a traceback after it (a folder, a path under a file, /proc, a taken name).
+    check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
     args.ops = list(dict.fromkeys(args.ops))  # each once, in the order given
     return args
-
-
-def check_out(parser: argparse.ArgumentParser, out: Path) -> None:
-    """An --out that cannot be written is refused before the measurement, not with a traceback after it."""
-    if out.is_dir():
-        parser.error(f"--out {out} is a folder; give the JSON file's name")
-    existing = nearest_existing(out.parent)
-    if not existing.is_dir():
-        parser.error(f"--out {out}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):  # also answers for a read-only file system, and for root
-        parser.error(f"--out {out}: cannot write in {existing}")
 
 
 def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -283,12 +274,19 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_json(summary: dict[str, Any], path: Path) -> None:
-    """Atomically: a reader (the estimator, a test, a job's next step) never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(temporary, path)
+def write_json(summary: dict[str, Any], path: Path, overwrite: bool) -> None:
+    """Through common.outputs: a reader (the estimator, a test, a job's next step) never sees half a file.
+
+    If it cannot be written after all (a full disk, a file that took its name meanwhile), the figures
+    are not lost: the table printed above holds them, and the message says so.
+    """
+    try:
+        write_text(path, json.dumps(summary, indent=2) + "\n", overwrite)
+    except OSError as err:
+        raise FatalError(
+            f"could not write --out {path}: {err.strerror or err}. The table above holds every figure measured",
+            exit_code=1,
+        ) from None
 
 
 @record  # a crash's traceback reaches torchrun's error summary
@@ -298,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         summary = report(args, ctx, measure(args, ctx))
         if ctx.is_main:
             print0(table(summary))
-            write_json(summary, args.out)
+            write_json(summary, args.out, args.overwrite)
             print0(f"\nwritten: {args.out}")
 
 

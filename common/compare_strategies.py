@@ -31,6 +31,15 @@ import torch
 from common.cli import HelpFormatter
 from common.estimate_communication import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
+from common.outputs import (
+    OVERWRITE_FLAG,
+    add_overwrite_flag,
+    check_output_folder,
+    check_output_path,
+    holds_something,
+    output_folder,
+    write_by_name,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -148,7 +157,7 @@ def markdown_table(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], mic
     return "\n".join(lines)
 
 
-def bar_chart(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], path: Path) -> bool:
+def bar_chart(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], path: Path, overwrite: bool) -> bool:
     """Measured and estimated model state per rank as bars; False when matplotlib is not installed."""
     try:
         import matplotlib
@@ -171,8 +180,10 @@ def bar_chart(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], path: Pa
     axes.set_ylabel("model state per rank (MiB)")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    try:
+        write_by_name(path, figure.savefig, overwrite)  # matplotlib picks the format from the name's suffix
+    finally:
+        plt.close(figure)
     return True
 
 
@@ -211,10 +222,35 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         help="each run's folder goes in here, as STRATEGY-WORLDSIZE (default: %(default)s)",
     )
     parser.add_argument("--png", type=Path, help="also draw a bar chart here (needs matplotlib)")
+    add_overwrite_flag(parser)
     args = parser.parse_args(own)
     if args.steps < 1 or min(args.world_sizes) < 1:
         parser.error("--steps and --world-sizes must be positive")
+    check_out_dir(parser, args)
+    if args.png is not None:
+        check_output_path(parser, args.png, "--png", overwrite=args.overwrite)
     return args, passed_on
+
+
+def planned_runs(args: argparse.Namespace) -> list[tuple[Strategy, int, Path]]:
+    """Each run this command starts: its strategy, world size and run dir, in order."""
+    return [
+        (strategy, world_size, args.out_dir / f"{strategy.name}-{world_size}")
+        for world_size in args.world_sizes
+        for strategy in STRATEGIES
+        if strategy.name in args.strategies and strategy.runs_at(world_size)
+    ]
+
+
+def check_out_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--out-dir is a folder this command can write in, and holds no earlier run unless --overwrite says so."""
+    check_output_folder(parser, args.out_dir, "--out-dir")
+    taken = [str(run_dir) for _, _, run_dir in planned_runs(args) if holds_something(run_dir)]
+    if taken and not args.overwrite:
+        parser.error(
+            f"--out-dir {args.out_dir}: {', '.join(taken)} hold earlier runs; pass {OVERWRITE_FLAG} to replace "
+            "each once its new run has finished, or choose another --out-dir"
+        )
 
 
 def micro_steps(flags: Sequence[str]) -> int:
@@ -233,11 +269,10 @@ def main(argv: list[str] | None = None) -> None:
         *passed_on,  # last, so that they win over the flags above
     ]
     runs = []
-    for world_size in args.world_sizes:
-        for strategy in STRATEGIES:
-            if strategy.name in args.strategies and strategy.runs_at(world_size):
-                run_dir = args.out_dir / f"{strategy.name}-{world_size}"
-                runs.append((launch(strategy, world_size, run_dir, common_flags), parameter_shapes(run_dir)))
+    for strategy, world_size, final_dir in planned_runs(args):
+        # Run in a folder of its own, which takes the run dir's name once the run has finished.
+        with output_folder(final_dir, args.overwrite) as run_dir:
+            runs.append((launch(strategy, world_size, run_dir, common_flags), parameter_shapes(run_dir)))
     print()
     print(markdown_table(runs, micro_steps(common_flags)))
     print(
@@ -248,7 +283,10 @@ def main(argv: list[str] | None = None) -> None:
         "from each rank for them. Estimates: common.estimate_communication's."
     )
     if args.png is not None:
-        drawn = bar_chart(runs, args.png)
+        try:
+            drawn = bar_chart(runs, args.png, args.overwrite)
+        except OSError as err:
+            sys.exit(f"error: could not write --png {args.png}: {err.strerror or err}; the table above holds it all")
         print(f"chart: {args.png}" if drawn else "no chart: matplotlib is not installed")
 
 

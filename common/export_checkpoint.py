@@ -10,7 +10,8 @@ checkpoint is read in one process with torch.distributed.checkpoint, model
 tensors only (not the optimizer's), so the machine needs memory for the whole
 model. Nothing in the checkpoint runs as code: a sharded checkpoint whose
 metadata holds more than DCP's own records is refused unless
---trust-checkpoint is given.
+--trust-checkpoint is given. An existing output file, a run's own model.pt
+among them, is replaced only with --overwrite.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from common.checkpoint import (
     UntrustedCheckpoint,
     checkpoint_step,
     describe_failure,
+    load_file,
     root_failure,
-    save_atomic,
     sharded_reader,
 )
 from common.cli import HelpFormatter, add_trust_flag
+from common.outputs import add_overwrite_flag, check_output_path, save_torch
 
 MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
 
@@ -41,7 +43,7 @@ def read_model_state(checkpoint: Path, trust: bool = False) -> dict[str, torch.T
     """The model's full state dict from a sharded or full checkpoint."""
     if checkpoint.is_dir():
         return read_sharded_model_state(checkpoint, trust)
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    saved = load_file(checkpoint)
     model = saved.get("model") if isinstance(saved, dict) else None
     if not isinstance(model, dict) or not all(isinstance(value, torch.Tensor) for value in model.values()):
         raise ValueError("it holds no model state dict (a training checkpoint has one under 'model')")
@@ -71,16 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step-N (a folder) or step-N.pt")
     parser.add_argument("output", type=Path, help="where to write the model's state dict")
     add_trust_flag(parser)
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
     if checkpoint_step(args.checkpoint) is None or not args.checkpoint.exists():
         parser.error(f"{args.checkpoint}: not a checkpoint (those are RUN_DIR/checkpoints/step-N or step-N.pt)")
-    if args.output.is_dir():
-        parser.error(f"{args.output} is a folder; give the path of the file to write")
     if overwrites_a_checkpoint(args.output, args.checkpoint):
         parser.error(
             f"{args.output}: that is where a run keeps its checkpoints, and --resume would take a bare state dict "
             "there for one; write it beside them, e.g. RUN_DIR/model-step-N.pt"
         )
+    # A run's own model.pt is an existing file like any other: replaced only when the user says so.
+    check_output_path(parser, args.output, "", [args.checkpoint], args.overwrite)
     try:
         state = read_model_state(args.checkpoint, trust=args.trust_checkpoint)
     # DCP's CheckpointException is a BaseException, so it is named here.
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail(cause.refusal(args.checkpoint))
         return fail(f"cannot read {args.checkpoint}: {describe_failure(err)}")
     try:
-        save_atomic(state, args.output)
+        save_torch(state, args.output, args.overwrite)
     except OSError as err:
         return fail(f"cannot write {args.output}: {err.strerror or err}")
     parameters = sum(tensor.numel() for tensor in state.values())

@@ -11,20 +11,24 @@ sentencepiece model's ``encode`` and its vocabulary size. Ids are stored as uint
 
 The files are read a chunk at a time and the ids appended as they come, so memory stays the same
 whatever the corpus's size. TOKENS is written under a temporary name and renamed when complete;
-TOKENS.json beside it says what it holds (vocabulary, count, sources). An existing TOKENS is never
-replaced.
+TOKENS.json beside it says what it holds (vocabulary, count, sources). An existing TOKENS is
+replaced only with --overwrite, and an input never; a file that is not UTF-8 text is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
+from common.outputs import add_overwrite_flag, check_output_path, write_output, write_text
 from common.tokens import token_metadata_path
 
 VOCAB_SIZE = 256  # YOUR TOKENIZER: its vocabulary size
@@ -38,56 +42,108 @@ def encode(chunk: bytes) -> np.ndarray | list[int]:
     return np.frombuffer(chunk, dtype=np.uint8)
 
 
-def write_tokens(sources: list[Path], output: Path) -> int:
-    """Append every source's token ids to ``output``; returns how many were written."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    temporary = output.with_name(f".{output.name}.tmp")
-    count = 0
+class NotText(ValueError):
+    """A source that is not UTF-8 text: the tokens of a binary file would train on noise."""
+
+
+def checked_text(source: Path, chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """``chunks`` of ``source`` as they come, or ``NotText`` at the first byte that UTF-8 text cannot hold."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    for chunk in chunks:
+        if b"\0" in chunk:
+            raise NotText(f"{source} holds a NUL byte (at byte {offset + chunk.index(0)}): a binary file, not text")
+        try:
+            decoder.decode(chunk)
+        except UnicodeDecodeError as err:
+            raise NotText(f"{source}: not UTF-8 text (byte {offset + err.start})") from None
+        offset += len(chunk)
+        yield chunk
     try:
-        with temporary.open("wb") as out:
-            for source in sources:
-                with source.open("rb") as text:
-                    while chunk := text.read(CHUNK_BYTES):
-                        ids = np.asarray(encode(chunk), dtype=np.int64)
-                        if ids.size and not 0 <= ids.min() <= ids.max() < VOCAB_SIZE <= 1 << 16:
-                            raise ValueError(
-                                f"the tokenizer gave ids {ids.min()} to {ids.max()}, outside 0 to VOCAB_SIZE - 1 "
-                                f"({VOCAB_SIZE - 1}), and uint16 holds at most 65535"
-                            )
-                        ids.astype("<u2").tofile(out)  # little-endian uint16, as --token-file reads it
-                        count += ids.size
-            out.flush()
-            os.fsync(out.fileno())
-        described = {"tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "dtype": "uint16", "tokens": count}
-        sources_named = {"sources": [str(source) for source in sources]}
-        token_metadata_path(output).write_text(json.dumps({**described, **sources_named}, indent=1))
-        os.replace(temporary, output)
-    finally:
-        temporary.unlink(missing_ok=True)
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise NotText(f"{source}: not UTF-8 text (it ends inside a character)") from None
+
+
+def read_chunks(source: Path) -> Iterator[bytes]:
+    with source.open("rb") as text:
+        while chunk := text.read(CHUNK_BYTES):
+            yield chunk
+
+
+def append_ids(sources: list[Path], out: IO[bytes]) -> int:
+    """Write every source's token ids to ``out``; returns how many were written."""
+    count = 0
+    for source in sources:
+        for chunk in checked_text(source, read_chunks(source)):
+            ids = np.asarray(encode(chunk), dtype=np.int64)
+            if ids.size and not 0 <= ids.min() <= ids.max() < VOCAB_SIZE <= 1 << 16:
+                raise ValueError(
+                    f"the tokenizer gave ids {ids.min()} to {ids.max()}, outside 0 to VOCAB_SIZE - 1 "
+                    f"({VOCAB_SIZE - 1}), and uint16 holds at most 65535"
+                )
+            out.write(ids.astype("<u2").tobytes())  # little-endian uint16, as --token-file reads it
+            count += ids.size
+    if count == 0:
+        raise ValueError("the text files are empty: no tokens")
     return count
 
 
+def write_tokens(sources: list[Path], output: Path, overwrite: bool = False) -> int:
+    """Write ``output`` and its metadata through common.outputs; returns how many tokens it holds.
+
+    The token file is published first: another writer that takes the name meanwhile makes this one
+    fail before its metadata is written, so a pair never mixes two writers' files.
+    """
+    counted = []
+    write_output(output, lambda out: counted.append(append_ids(sources, out)), overwrite)
+    described = {"tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "dtype": "uint16", "tokens": counted[0]}
+    sources_named = {"sources": [str(source) for source in sources]}
+    try:
+        write_text(token_metadata_path(output), json.dumps({**described, **sources_named}, indent=1), overwrite)
+    except BaseException:
+        output.unlink(missing_ok=True)  # this run's own, just written: without its metadata it cannot be read
+        raise
+    return counted[0]
+
+
+def source_problem(source: Path) -> str | None:
+    """Why ``source`` cannot be read as a text file, or None."""
+    if source.is_dir():
+        return f"{source} is a folder; give the text files in it (e.g. {source}/*.txt)"
+    if not source.exists():
+        return f"{source}: no such file"
+    if not source.is_file():
+        return f"{source} is not a regular file (a device or a pipe); give a text file"
+    if not os.access(source, os.R_OK):
+        return f"{source}: cannot read it (permission denied)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.prepare_tokens",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("sources", nargs="+", type=Path, metavar="TEXT_FILE", help="UTF-8 text files, in order")
     parser.add_argument("--output", type=Path, required=True, metavar="TOKENS", help="the token file to write")
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
     for source in args.sources:
-        if not source.is_file():
-            parser.error(f"{source}: no such file")
-    if args.output.exists():
-        parser.error(f"--output {args.output} exists; choose another name, or delete it first")
+        problem = source_problem(source)
+        if problem is not None:
+            parser.error(problem)
+    check_output_path(parser, args.output, "--output", args.sources, args.overwrite)
+    metadata = token_metadata_path(args.output)
+    check_output_path(parser, metadata, f"--output {args.output}: its metadata", args.sources, args.overwrite)
     try:
-        count = write_tokens(args.sources, args.output)
-    except OSError as err:
+        count = write_tokens(args.sources, args.output, args.overwrite)
+    except ValueError as err:  # not text, no text, or YOUR TOKENIZER and VOCAB_SIZE disagree
+        parser.error(str(err))
+    except OSError as err:  # a full disk, a file that took the name meanwhile (OutputExists)
         print(f"error: could not write {args.output}: {err.strerror or err}", file=sys.stderr)
         return 1
-    except ValueError as err:  # YOUR TOKENIZER and VOCAB_SIZE disagree: an id the model has no row for
-        parser.error(str(err))
-    if count == 0:
-        args.output.unlink()
-        token_metadata_path(args.output).unlink()
-        parser.error("the text files are empty: no tokens")
     print(f"{args.output}: {count:,} {TOKENIZER} tokens (vocabulary {VOCAB_SIZE}) from {len(args.sources)} file(s)")
     return 0
 

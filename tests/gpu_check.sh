@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The first thing to run on a machine with GPUs: the tests that need CUDA, then the benchmark.
-# About 5 minutes on one GPU. The benchmark's table also lands in runs/benchmark/gpu.json.
+# About 5 minutes on one GPU. The benchmark's table also lands in runs/benchmark/gpu.json, replacing an earlier one.
 #
 #   bash tests/gpu_check.sh
 set -euo pipefail
@@ -11,4 +11,4 @@ python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version
 # bf16, fp16 with the gradient scaler, CPU offload, torch.compile, resuming with the CUDA random state, and
 # common.estimate_memory's peak per rank against torch.cuda.max_memory_allocated (tests/test_activations.py).
 python -m pytest -m cuda -v -p no:cacheprovider
-python -m common.benchmark --out runs/benchmark/gpu.json
+python -m common.benchmark --out runs/benchmark/gpu.json --overwrite  # a second check replaces the first

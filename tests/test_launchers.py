@@ -123,7 +123,7 @@ def run_launcher_with_fake_slurm(launcher: str, tmp_path: Path, **env: str) -> t
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_comm_check_runs_before_training_and_its_failure_stops_the_job(launcher: str, tmp_path: Path) -> None:
-    check = f"-m common.comm_check --out {tmp_path}/run/comm_check.json --max-bytes 1M"
+    check = f"-m common.comm_check --out {tmp_path}/run/comm_check.json --overwrite --max-bytes 1M"
     flags = {"COMM_CHECK": "1", "COMM_CHECK_FLAGS": "--max-bytes 1M"}
     result, calls = run_launcher_with_fake_slurm(launcher, tmp_path, **flags)
     assert result.returncode == 0, result.stdout + result.stderr
