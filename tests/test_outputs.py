@@ -1,0 +1,302 @@
+"""One way to write an output (common.outputs): whole or not at all, never over an input or a file the run
+did not create unless --overwrite says so, and refused before any work when it cannot be written.
+
+The first test is the rule: it reads every module of common/, ddp/ and fsdp/ and fails, naming
+file:line, on any call that writes a file anywhere but common/outputs.py. The others are the
+defects of issue 37 that broke the rule, each as a user meets it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import benchmark, comm_check, compare_strategies, export_checkpoint, prepare_tokens
+from tests.harness.runs import REPO
+
+SCANNED = ("common", "ddp", "fsdp")
+HELPER = "common/outputs.py"
+# Calls that write a file whatever their arguments: by function, or by method name on any object.
+WRITING_FUNCTIONS = {
+    "torch.save",
+    "json.dump",
+    "pickle.dump",
+    "np.save",
+    "np.savez",
+    "np.savez_compressed",
+    "np.savetxt",
+    "os.replace",
+    "os.rename",
+    "os.link",
+    "os.symlink",
+    "shutil.move",
+    "shutil.copy",
+    "shutil.copy2",
+    "shutil.copyfile",
+    "shutil.copytree",
+}
+WRITING_METHODS = {
+    "write_text",
+    "write_bytes",
+    "tofile",
+    "touch",
+    "rename",
+    "symlink_to",
+    "hardlink_to",
+    "savefig",
+    "export_chrome_trace",
+}
+OPENING = {"open", "io.open", "os.fdopen"}  # and any object's .open(): a write if its mode says so
+CREATING_FLAGS = {"O_CREAT", "O_WRONLY", "O_RDWR", "O_APPEND", "O_TRUNC"}
+# Not outputs, with the reason. torch.distributed.checkpoint's dcp.save is torch's own writer for
+# sharded checkpoints and is not matched at all: it fills a temporary folder that checkpoint.py
+# renames into place through common.outputs.
+EXEMPT = {
+    ("common/run_lock.py", "os.open"): "the run's lock file: flock needs one inode that every run opens; no result",
+}
+
+
+def dotted(node: ast.expr) -> str:
+    """``a.b.c`` for a name or attribute chain, else ''."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = dotted(node.value)
+        return f"{inner}.{node.attr}" if inner else f"?.{node.attr}"
+    return ""
+
+
+def opening_mode(call: ast.Call, name: str) -> str | None:
+    """The mode string of an open()-like call, 'r' when none is given, None when it is not a literal."""
+    position = 0 if name.endswith(".open") and name not in OPENING else 1
+    given = [kw.value for kw in call.keywords if kw.arg == "mode"] or call.args[position : position + 1]
+    if not given:
+        return "r"
+    return given[0].value if isinstance(given[0], ast.Constant) and isinstance(given[0].value, str) else None
+
+
+def writes_a_file(call: ast.Call) -> str | None:
+    """What kind of write ``call`` is, or None."""
+    name = dotted(call.func)
+    method = name.rsplit(".", 1)[-1]
+    if name in WRITING_FUNCTIONS or (name.startswith("?.") or "." in name) and method in WRITING_METHODS:
+        return name
+    # Path.replace(target) takes one argument; str.replace takes two.
+    if method == "replace" and "." in name and name != "os.replace" and len(call.args) == 1:
+        return name
+    if name in OPENING or (method == "open" and "." in name and name != "os.open"):
+        mode = opening_mode(call, name)
+        return name if mode is None or set(mode) & set("wax+") else None
+    if name == "os.open":
+        flags = {node.attr for node in ast.walk(call) if isinstance(node, ast.Attribute)}
+        return name if flags & CREATING_FLAGS else None
+    return None
+
+
+def file_writes(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = [(node.lineno, writes_a_file(node)) for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    return sorted((line, kind) for line, kind in found if kind is not None)
+
+
+def test_every_file_write_goes_through_common_outputs() -> None:
+    offenders = []
+    for folder in SCANNED:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            relative = path.relative_to(REPO).as_posix()
+            if relative == HELPER:
+                continue
+            offenders += [
+                f"{relative}:{line}: {kind}" for line, kind in file_writes(path) if (relative, kind) not in EXEMPT
+            ]
+    assert not offenders, "files written outside common/outputs.py (use its helpers):\n" + "\n".join(offenders)
+
+
+def test_the_scan_sees_each_kind_of_write(tmp_path: Path) -> None:
+    """The rule's own check: each way of writing a file is found, and reading is not."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "open(p, 'w')\nPath(p).open('ab')\ntorch.save(x, f)\njson.dump(x, f)\nos.replace(a, b)\n"
+        "p.write_text(t)\nids.tofile(f)\np.replace(q)\nos.open(p, os.O_CREAT | os.O_WRONLY)\nopen(p, mode)\n"
+        "open(p)\nPath(p).open('rb')\ns.replace('a', 'b')\nos.open(p, os.O_RDONLY)\njson.dumps(x)\n"
+    )
+    assert [line for line, _ in file_writes(sample)] == list(range(1, 11))
+
+
+# -- the defects, from the user's side --------------------------------------------------------------
+
+
+def run_main(main, argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``main(argv)``'s exit status, whether it returns it or exits, and what it printed."""
+    try:
+        code = main(argv) or 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+        if isinstance(exit_.code, str):
+            print(exit_.code, file=sys.stderr)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error(err: str) -> str:
+    """The single error line of a refusal (and nothing that looks like a traceback)."""
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_prepare_tokens_never_writes_its_metadata_over_an_input(tmp_path: Path, capsys) -> None:
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text("some text that the user wants to keep\n")
+    code, _, err = run_main(prepare_tokens.main, [str(corpus), "--output", str(tmp_path / "corpus")], capsys)
+    assert code == 2 and "is also an input" in one_error(err) and str(corpus) in err
+    assert corpus.read_text() == "some text that the user wants to keep\n"
+    assert not (tmp_path / "corpus").exists()
+
+
+def test_prepare_tokens_refuses_text_that_is_not_utf8(tmp_path: Path, capsys) -> None:
+    (tmp_path / "latin1.txt").write_bytes("a café in Latin-1".encode("latin-1"))
+    (tmp_path / "picture.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    for name, says in [("latin1.txt", "latin1.txt: not UTF-8 text (byte 5)"), ("picture.png", "a binary file")]:
+        code, _, err = run_main(prepare_tokens.main, [str(tmp_path / name), "--output", str(tmp_path / "x")], capsys)
+        assert code == 2 and says in one_error(err)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latin1.txt", "picture.png"]  # nothing left behind
+
+
+def test_two_prepare_tokens_on_one_output_each_report_their_own(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A second writer finishes while the first is mid-way: the file and its count are the second's."""
+    first, second, output = tmp_path / "first.txt", tmp_path / "second.txt", tmp_path / "out.tokens"
+    first.write_text("a" * 1000)
+    second.write_text("b" * 10)
+    encode, codes = prepare_tokens.encode, []
+
+    def encode_then_let_the_other_writer_run(chunk: bytes):
+        if chunk.startswith(b"a") and not codes:
+            codes.append(None)  # the other writer's own chunks come through here too
+            codes[0] = prepare_tokens.main([str(second), "--output", str(output)])
+        return encode(chunk)
+
+    monkeypatch.setattr(prepare_tokens, "encode", encode_then_let_the_other_writer_run)
+    code, out, err = run_main(prepare_tokens.main, [str(first), "--output", str(output)], capsys)
+    assert codes == [0] and code == 1, (out, err)
+    assert "10 bytes tokens" in out and "1,000" not in out, out  # only the writer whose file it is says so
+    assert "appeared while this command ran" in one_error(err)
+    assert output.read_bytes() == b"b\x00" * 10
+    assert json.loads((tmp_path / "out.tokens.json").read_text())["tokens"] == 10
+    left = sorted(path.name for path in tmp_path.iterdir())
+    assert left == ["first.txt", "out.tokens", "out.tokens.json", "second.txt"]  # no temporary stays
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        (["book.txt", "--output", "book.txt/x.tokens"], "book.txt is a file, not a folder"),
+        (["texts", "--output", "x.tokens"], "texts is a folder"),
+    ],
+)
+def test_prepare_tokens_says_what_is_wrong(tmp_path: Path, capsys, monkeypatch, arguments, says) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("book.txt").write_text("text\n")
+    Path("texts").mkdir()
+    code, _, err = run_main(prepare_tokens.main, arguments, capsys)
+    assert code == 2 and says in one_error(err)
+
+
+def small_run(tmp_path: Path) -> Path:
+    """A finished run's files as a training script leaves them: checkpoints/step-2.pt, model.pt, metrics.jsonl."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    optimizer = {"exp_avg": torch.zeros(2048)}  # 8 KiB: a cut beyond torch's first 4 KiB is the case it misnames
+    torch.save(
+        {"model": {"w": torch.zeros(2)}, "optimizer": optimizer, "trainer": {}}, run / "checkpoints" / "step-2.pt"
+    )
+    torch.save({"w": torch.ones(2)}, run / "model.pt")
+    (run / "metrics.jsonl").write_text(json.dumps({"event": "final", "step": 4}) + "\n")
+    return run
+
+
+def test_export_checkpoint_keeps_a_runs_model_unless_told_to_overwrite(tmp_path: Path, capsys) -> None:
+    run = small_run(tmp_path)
+    argv = [str(run / "checkpoints" / "step-2.pt"), str(run / "model.pt")]
+    code, _, err = run_main(export_checkpoint.main, argv, capsys)
+    assert code == 2 and "model.pt exists; choose another name, or pass --overwrite" in one_error(err)
+    assert torch.load(run / "model.pt", weights_only=True)["w"].tolist() == [1.0, 1.0]
+
+    code, out, _ = run_main(export_checkpoint.main, [*argv, "--overwrite"], capsys)
+    assert code == 0 and "wrote" in out
+    assert torch.load(run / "model.pt", weights_only=True)["w"].tolist() == [0.0, 0.0]
+    assert sorted(path.name for path in run.iterdir()) == ["checkpoints", "metrics.jsonl", "model.pt"]
+
+
+def test_a_truncated_checkpoint_is_called_truncated(tmp_path: Path, capsys) -> None:
+    run = small_run(tmp_path)
+    step = run / "checkpoints" / "step-2.pt"
+    step.write_bytes(step.read_bytes()[:-100])  # a copy that did not finish
+    code, _, err = run_main(export_checkpoint.main, [str(step), str(tmp_path / "out.pt")], capsys)
+    assert code == 2 and "truncated" in one_error(err) and "Errno" not in err
+
+
+def test_comm_check_refuses_an_out_it_cannot_create_before_measuring(capsys, monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    code, _, err = run_main(comm_check.parse_args, ["--device", "cpu", "--out", "/proc/foo/x.json"], capsys)
+    assert code == 2 and "/proc/foo/x.json: cannot create anything in /proc" in one_error(err)
+
+
+def fake_training_run(strategy, world_size: int, run_dir: Path, flags: list[str]) -> dict:
+    """What a training script does with its run dir, without training: it refuses one that holds a run."""
+    if (run_dir / "metrics.jsonl").exists():
+        sys.exit(f"error: --run-dir {run_dir} already holds an earlier run (metrics.jsonl)")
+    record = {"event": "final", "strategy": strategy.name, "world_size": world_size, "peak_memory_bytes": 0}
+    record |= {"tokens_per_s": 1.0, "mfu": None, "step_ms": 1.0}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    return record
+
+
+def gpu_check_benchmark_flags() -> list[str]:
+    """The flags tests/gpu_check.sh gives common.benchmark."""
+    (line,) = [line for line in (REPO / "tests/gpu_check.sh").read_text().splitlines() if "-m common.benchmark" in line]
+    return line.split("#", 1)[0].split("-m common.benchmark", 1)[1].split()
+
+
+def test_a_second_gpu_check_benchmark_replaces_the_first(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(benchmark, "launch", fake_training_run)
+    flags = gpu_check_benchmark_flags()
+    assert run_main(benchmark.main, flags, capsys)[0] == 0
+    first = Path("runs/benchmark/ddp/metrics.jsonl").stat().st_ino
+    code, out, err = run_main(benchmark.main, flags, capsys)
+    assert code == 0, (out, err)
+    assert Path("runs/benchmark/ddp/metrics.jsonl").stat().st_ino != first  # the new run's
+    assert sorted(path.name for path in Path("runs/benchmark").iterdir()) == [*benchmark.BENCHMARKED, "gpu.json"]
+
+
+def test_benchmark_run_again_on_one_out_is_refused_up_front(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(benchmark, "launch", fake_training_run)
+    argv = ["--nproc", "1", "--out", str(tmp_path / "b.json")]
+    assert run_main(benchmark.main, argv, capsys)[0] == 0
+
+    def no_launch(*args) -> None:
+        raise AssertionError("launched a run before refusing")
+
+    monkeypatch.setattr(benchmark, "launch", no_launch)
+    code, _, err = run_main(benchmark.main, argv, capsys)
+    assert code == 2 and "b.json exists; choose another name, or pass --overwrite" in one_error(err)
+
+
+def test_compare_strategies_run_again_on_one_out_dir(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(compare_strategies, "launch", fake_training_run)
+    monkeypatch.setattr(compare_strategies, "parameter_shapes", lambda run_dir: {})
+    monkeypatch.setattr(compare_strategies, "markdown_table", lambda runs, micro_steps: "")
+    argv = ["--world-sizes", "1", "--strategies", "ddp", "--out-dir", str(tmp_path / "cmp")]
+    assert run_main(compare_strategies.main, argv, capsys)[0] == 0
+    code, _, err = run_main(compare_strategies.main, argv, capsys)
+    assert code == 2 and "ddp-1 hold earlier runs; pass --overwrite" in one_error(err)
+    assert run_main(compare_strategies.main, [*argv, "--overwrite"], capsys)[0] == 0
+    assert sorted(path.name for path in (tmp_path / "cmp").iterdir()) == ["ddp-1"]
