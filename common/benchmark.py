@@ -23,6 +23,7 @@ import torch
 
 from common.cli import HelpFormatter
 from common.compare_strategies import STRATEGIES, launch
+from common.processes import exit_code_of
 from common.outputs import (
     OVERWRITE_FLAG,
     add_overwrite_flag,
@@ -139,4 +140,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code_of(main, "python -m common.benchmark"))

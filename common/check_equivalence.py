@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from common.cli import LAUNCH_VARIABLES, HelpFormatter, positive_float, positive_int
 from common.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
+from common.processes import exit_code_of, output_of
 from common.outputs import write_text
 
 DEFAULT_STEPS = 20
@@ -136,14 +136,8 @@ def run_in_subprocess(script: str, flags: list[str], nproc: int | None, run_dir:
     # One thread per process in every run, torchrun's own default for its workers: on the CPU two
     # threads add a layer's partial sums in another order than one, which the twins would not share.
     env.setdefault("OMP_NUM_THREADS", "1")
-    finished = subprocess.run(
-        [*launcher, script, *flags, "--run-dir", str(run_dir)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    return finished.returncode, finished.stdout
+    # In a process tree that ends with this command, stopped or not (common.processes).
+    return output_of([*launcher, script, *flags, "--run-dir", str(run_dir)], env=env)
 
 
 def check(
@@ -211,4 +205,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code_of(main, "python -m common.check_equivalence"))

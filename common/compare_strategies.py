@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch
 from common.cli import HelpFormatter
 from common.estimate_communication import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
+from common.processes import exit_code_of, output_of
 from common.outputs import (
     OVERWRITE_FLAG,
     add_overwrite_flag,
@@ -83,9 +83,9 @@ def launch(strategy: Strategy, world_size: int, run_dir: Path, common_flags: lis
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share this machine's cores
     print(f"$ {' '.join(command)}", flush=True)
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{strategy.name} at {world_size} failed (exit code {done.returncode}):\n{done.stdout}{done.stderr}")
+    returncode, output = output_of(command, env=env, cwd=REPO)  # nothing of it outlives this command
+    if returncode != 0:
+        sys.exit(f"{strategy.name} at {world_size} failed (exit code {returncode}):\n{output}")
     return final_record(run_dir)
 
 
@@ -291,4 +291,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code_of(main, "python -m common.compare_strategies"))

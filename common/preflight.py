@@ -29,17 +29,17 @@ import json
 import linecache
 import os
 import runpy
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from common.processes import exit_code_of, run_tree, scratch_folder
 
 from common.outputs import open_log, write_text
 
@@ -447,10 +447,24 @@ def cell(fp: dict | None, key: str) -> str:
     return ", ".join(value) if isinstance(value, list) and key != "group" else str(value)
 
 
+def read_records(run_dir: Path) -> list[dict] | None:
+    """The run's metrics.jsonl records, lines that are no JSON object left out; None when there is no such
+    file: a script of the user's own need not write one, nor one that ends early on purpose."""
+    try:
+        text = (run_dir / "metrics.jsonl").read_text(errors="replace")
+    except OSError:
+        return None
+    records = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    return [record for record in records if isinstance(record, dict)]
+
+
 def describe_clean_run(reports: dict[int, dict], run_dir: Path, nproc: int, script: str) -> str:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    final = next((r for r in reversed(records) if r.get("event") == "final"), {})
-    evaluations = sum(1 for r in records if r.get("event") == "eval")
+    records = read_records(run_dir)
+    final = next((r for r in reversed(records or []) if r.get("event") == "final"), {})
+    evaluations = sum(1 for r in records or [] if r.get("event") == "eval")
     checkpoints = len(list((run_dir / "checkpoints").glob("step-*")))
     saved = (run_dir / "model.pt").exists()
     totals = reports[0]["totals"]
@@ -467,6 +481,8 @@ def describe_clean_run(reports: dict[int, dict], run_dir: Path, nproc: int, scri
     lines.append(
         "  whole run, rank 0:  " + kinds_line({k: (totals[f"{k} count"], totals[f"{k} bytes"]) for k in kinds})
     )
+    if records is None:
+        lines.append("  note: the script wrote no metrics.jsonl: its steps, evaluations and checkpoints are not known")
     if nproc == 1:
         lines.append("  note: one rank has no other to be compared with; run --nproc 2 or more")
     if not evaluations or not checkpoints or not saved:
@@ -484,59 +500,6 @@ def human_bytes(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
-
-
-class ProcessTree:
-    """Every process below ``pid``, remembered as it is seen: torchrun starts its workers in sessions of their
-    own, and a worker orphaned by torchrun's end is no longer below it."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.seen: dict[int, str] = {}  # pid -> its start time, so that a reused pid is never killed
-
-    def refresh(self) -> None:
-        for pid in descendants(self.pid):
-            self.seen.setdefault(pid, start_time(pid))
-
-    def kill_all(self) -> None:
-        self.refresh()
-        for pid, started in [(self.pid, start_time(self.pid)), *self.seen.items()]:
-            if started and start_time(pid) == started:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-
-    def alive(self) -> list[int]:
-        return [pid for pid, started in self.seen.items() if started and start_time(pid) == started]
-
-    def gone_within(self, seconds: float) -> list[int]:
-        """Those still alive after ``seconds``: a SIGKILLed process takes a moment to end (its exit, then its
-        parent's reaping), so a look right after the kill would name processes that are on their way out."""
-        deadline = time.monotonic() + seconds
-        while (left := self.alive()) and time.monotonic() < deadline:
-            time.sleep(0.05)  # polling the kernel's process table, with a bound
-        return left
-
-
-def descendants(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = [int(child) for child in (task / "children").read_text().split()]
-        except OSError:
-            continue
-        for child in children:
-            found += [child, *descendants(child)]
-    return found
-
-
-def start_time(pid: int) -> str:
-    """Field 22 of /proc/PID/stat, the process's start time; empty once it is gone (or a zombie reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    fields = stat.rsplit(")", 1)[1].split()
-    return "" if fields[0] == "Z" else fields[19]
 
 
 def rank_env(project: Path) -> dict[str, str]:
@@ -560,34 +523,30 @@ def launch_ranks(
 ) -> Launched:
     """Run torchrun to its end, or until a rank reports a problem (its peers then need no more time), or the
     timeout; then kill whatever it started that is still there."""
-    with open_log(log, append=False) as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    tree, timed_out = ProcessTree(process.pid), False
-    deadline, settle_until = time.monotonic() + timeout, None
-    try:
-        while process.poll() is None:
-            tree.refresh()
-            now = time.monotonic()
-            reports = read_reports(report_dir)
-            if settle_until is None and any(r["verdict"] in REPORT_ORDER for r in reports.values()):
-                settle_until = now + 3.0  # a moment for the peers' own reports, then no more waiting
-            settled = settle_until is not None and (now >= settle_until or len(reports) == nproc)
-            if now >= deadline or settled:
-                timed_out = now >= deadline
-                break
-            time.sleep(0.1)  # polling a child with a bound, not synchronisation
-    finally:
-        tree.kill_all()
-        process.wait(timeout=30)
-    left = tree.gone_within(5.0)
-    return Launched(process.returncode, log.read_text(errors="replace"), timed_out, left)
+    with log.open("w") as out:
+        ended = run_tree(command, out, env=env, timeout=timeout, done=results_in(report_dir, nproc))
+    return Launched(ended.returncode, log.read_text(errors="replace"), ended.timed_out, ended.left_running)
+
+
+def results_in(report_dir: Path, nproc: int) -> Callable[[], bool]:
+    """Whether the run's result is in: every rank has reported, or one reported a problem 3 s ago (a moment
+    for its peers' own reports, then no more waiting)."""
+    settle_until: float | None = None
+
+    def done() -> bool:
+        nonlocal settle_until
+        reports = read_reports(report_dir)
+        if settle_until is None and any(r["verdict"] in REPORT_ORDER for r in reports.values()):
+            settle_until = time.monotonic() + 3.0
+        return settle_until is not None and (time.monotonic() >= settle_until or len(reports) == nproc)
+
+    return done
 
 
 def preflight(script: str, flags: list[str], nproc: int, wait_s: float, timeout: float) -> Verdict:
     project = Path(__file__).resolve().parents[1]
     env = rank_env(project)
-    with tempfile.TemporaryDirectory(prefix="preflight-") as scratch:
-        root = Path(scratch)
+    with scratch_folder("preflight-") as root:
         planned = plan(script, flags, root, wait_s)
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         command = [*torchrun, "--max-restarts=0", "-m", "common.preflight", *planned.rank_argv]
@@ -632,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank:
         run_rank(args.script, args.flags, args.report_dir, args.wait)
         return OK
+    # Not on the ranks: torchrun stops them with SIGTERM, and that must stay the script's own business.
+    return exit_code_of(lambda: report(args), "python -m common.preflight")
+
+
+def report(args: argparse.Namespace) -> int:
     verdict = preflight(args.script, args.flags, args.nproc, args.wait, args.timeout)
     print(verdict.text)
     return verdict.code
