@@ -57,6 +57,26 @@ def test_unbroken_script_passes(script: str, tmp_path: Path, tiny_mnist_dir: Pat
     assert "per training step:" in verdict.text, verdict.text
 
 
+# Scripts of the user's own that write no metrics.jsonl: each still gets its verdict, not a traceback.
+NO_METRICS = [
+    ("exits-0-early", "import sys\n\nsys.exit(0)\n"),
+    ("plain-process-group", "import torch\nimport torch.distributed as dist\n\n"
+     "dist.init_process_group('gloo')\ndist.all_reduce(torch.ones(3))\ndist.destroy_process_group()\n"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "text"), NO_METRICS, ids=[case for case, _ in NO_METRICS])
+def test_a_script_without_metrics_gets_its_verdict(case: str, text: str, tmp_path: Path) -> None:
+    script = tmp_path / "project" / "plain.py"
+    script.parent.mkdir()
+    script.write_text(text)
+    verdict, _ = run_preflight(str(script), [], tmp_path / "preflight")
+    assert verdict.code == preflight.OK, verdict.text
+    assert "the script wrote no metrics.jsonl" in verdict.text, verdict.text
+    collectives = 1 if case == "plain-process-group" else 0
+    assert f"all {collectives} collectives matched" in verdict.text, verdict.text
+
+
 def broken_copy(script: str, find: str, replace: str, folder: Path) -> tuple[Path, int]:
     """``script`` with the one line that holds ``find`` (its first) changed as ``replace`` says; the copy and
     that line's number."""
