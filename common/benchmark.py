@@ -23,7 +23,6 @@ import torch
 
 from common.cli import HelpFormatter
 from common.compare_strategies import STRATEGIES, launch
-from common.processes import exit_code_of
 from common.outputs import (
     OVERWRITE_FLAG,
     add_overwrite_flag,
@@ -32,6 +31,7 @@ from common.outputs import (
     output_folder,
     write_text,
 )
+from common.processes import exit_code_of
 
 BENCHMARKED = ("ddp", "fsdp1_full_shard", "fsdp2")
 GIB = 2**30

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from common.cli import LAUNCH_VARIABLES, HelpFormatter, positive_float, positive_int
 from common.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
-from common.processes import exit_code_of, output_of
 from common.outputs import write_text
+from common.processes import exit_code_of, output_of
 
 DEFAULT_STEPS = 20
 MAX_TWINS = 6

@@ -30,7 +30,6 @@ import torch
 from common.cli import HelpFormatter
 from common.estimate_communication import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
-from common.processes import exit_code_of, output_of
 from common.outputs import (
     OVERWRITE_FLAG,
     add_overwrite_flag,
@@ -40,6 +39,7 @@ from common.outputs import (
     output_folder,
     write_by_name,
 )
+from common.processes import exit_code_of, output_of
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20

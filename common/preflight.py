@@ -39,9 +39,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from common.processes import exit_code_of, run_tree, scratch_folder
-
 from common.outputs import open_log, write_text
+from common.processes import exit_code_of, run_tree, scratch_folder
 
 STEPS = 3  # the third step is the one StepObserver measures: collectives_per_step needs it
 CHECKPOINT_INTERVAL = 2  # a checkpoint before step 3
@@ -523,7 +522,7 @@ def launch_ranks(
 ) -> Launched:
     """Run torchrun to its end, or until a rank reports a problem (its peers then need no more time), or the
     timeout; then kill whatever it started that is still there."""
-    with log.open("w") as out:
+    with open_log(log, append=False) as out:
         ended = run_tree(command, out, env=env, timeout=timeout, done=results_in(report_dir, nproc))
     return Launched(ended.returncode, log.read_text(errors="replace"), ended.timed_out, ended.left_running)
 
