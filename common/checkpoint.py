@@ -23,15 +23,16 @@ through an unpickler that builds DCP's own metadata records and nothing else
 
 from __future__ import annotations
 
+import argparse
+import os
 import pickle
 import random
 import re
 import shutil
 import warnings
-import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,32 +61,30 @@ from common.distributed import (
     print0,
     shard_group_size,
 )
-from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place, save_torch
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
+TEMPORARY_PREFIX = ".tmp-"
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
 FORMAT_VERSION = 1
 
 
 def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` through ``common.outputs``: a temporary beside it, renamed into place.
+    """``torch.save`` to a temporary file beside ``path``, then rename it into place.
 
     The rename is atomic on POSIX file systems: readers see the old file or the
-    complete new one, never a truncated mix, even if the job dies mid-save. The
-    files saved here are the run's own (its checkpoints, its model.pt), so an
-    earlier one is replaced.
+    complete new one, never a truncated mix, even if the job dies mid-save.
     """
-    save_torch(obj, path, overwrite=True)
-
-
-def load_file(path: Path) -> Any:
-    """``torch.load(weights_only=True)`` onto the CPU; a file cut short (a copy or a save that did not finish)
-    is an EOFError, which describe_failure calls truncated: torch itself says "[Errno 22] Invalid argument"."""
-    with path.open("rb") as file:
-        zipped = file.read(4) == b"PK\x03\x04"  # torch.save's format: a zip archive, its directory at the end
-    if zipped and not zipfile.is_zipfile(path):
-        raise EOFError(f"{path} ends before its zip archive's directory")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.name}")
+    try:
+        with temporary.open("wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a half-written file holds disk space and nothing else
+        raise
 
 
 def write_failure(write: Callable[[], None]) -> str | None:
@@ -135,6 +134,11 @@ def save_model_file(state: dict[str, torch.Tensor] | None, path: Path, ctx: Dist
         raise FatalError(problem or "rank 0 could not write the model", exit_code=1)
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` or the closest of its parents that exists: where a folder not made yet would go."""
+    return next((folder for folder in (path, *path.parents) if folder.exists()), Path("."))
+
+
 def what_is_kept(run_dir: Path) -> str:
     """What a user can still resume from after a failed write, for its message."""
     kept = complete_checkpoints(run_dir)
@@ -180,6 +184,63 @@ def restore_rng(state: dict[str, Any]) -> None:
 class Resumed:
     step: int
     path: Path | None  # None: a fresh start
+    changed: dict[str, list[Any]] = field(default_factory=dict)  # flag: [the checkpoint's value, this run's]
+
+
+# Flags that only say where the run writes or computes, what it reports, how it saves, or where it starts
+# from: none of them changes what is trained, so a resume may change them without a word. Every other flag
+# of a script, one added later included, is a training setting: recorded in each checkpoint, compared on
+# resume, and each change named.
+NOT_TRAINING_SETTINGS = frozenset(
+    {
+        *("--run-dir", "--data-dir", "--device", "--dist-timeout"),  # where, and how long a collective waits
+        *("--log-interval", "--profile"),  # what is reported; neither touches the weights or the data order
+        *("--eval-interval", "--eval-batch-size", "--test-batch-size"),  # evaluation never updates a weight
+        *("--checkpoint-interval", "--keep-checkpoints", "--checkpoint-format", "--trust-checkpoint"),  # saving
+        *("--resume", "--resume-from", "--init-from"),  # where the run starts; a resume starts from a checkpoint
+    }
+)
+
+
+def training_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """Every flag of ``parser`` but NOT_TRAINING_SETTINGS, by its long name, with the value ``args`` holds.
+
+    Taken from the parser, not from a list, so that a flag a script gains later is recorded from the day
+    it is added. Call it on what the user gave (right after parsing), before checks fill in derived values
+    (a per-rank batch, a preset's width) that would differ at another world size without being asked for.
+    """
+    settings = {}
+    for action in parser._actions:
+        if action.option_strings and hasattr(args, action.dest):
+            flag = max(action.option_strings, key=len)
+            if flag not in NOT_TRAINING_SETTINGS:
+                settings[flag] = plain_setting(getattr(args, action.dest))
+    return settings
+
+
+def plain_setting(value: Any) -> Any:
+    """``value`` as data that a checkpoint (weights_only) and metrics.jsonl (JSON) both hold."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [plain_setting(item) for item in value]
+    return str(value)  # a Path, or anything else a flag's type makes
+
+
+NOT_RECORDED = "(not recorded)"  # a flag that the script which wrote the checkpoint did not have yet
+
+
+def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, list[Any]]:
+    """``flag: [recorded, current]`` for each training setting that differs."""
+    return {
+        flag: [recorded.get(flag, NOT_RECORDED), value]
+        for flag, value in current.items()
+        if recorded.get(flag, NOT_RECORDED) != value
+    }
+
+
+def describe_changes(changed: dict[str, list[Any]]) -> str:
+    return ", ".join(f"{flag} {old} -> {new}" for flag, (old, new) in changed.items())
 
 
 # Entries of a scheduler's state that count where it is, not how it was set up.
@@ -213,9 +274,9 @@ class Settings:
         }
         return cls(groups, schedulers)
 
-    def apply(self, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> list[str]:
-        """Put these settings back after a checkpoint's were loaded; ``--flag old -> new`` for each change."""
-        changed: dict[str, str] = {}
+    def apply(self, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, list[Any]]:
+        """Put these settings back after a checkpoint's were loaded; ``flag: [old, new]`` for each change."""
+        changed: dict[str, list[Any]] = {}
         for wanted, group in zip(self.groups, optimizer.param_groups, strict=True):
             for key, value in wanted.items():
                 if key in group and plain(group[key]) == plain(value):
@@ -223,17 +284,17 @@ class Settings:
                 elif key in group:
                     if key == "initial_lr":  # the same point of the schedule, from the new peak
                         group["lr"] *= value / group["initial_lr"]
-                    changed[key] = f"{SETTING_FLAGS.get(key, key)} {group[key]} -> {value}"
+                    changed[SETTING_FLAGS.get(key, key)] = [group[key], value]
                     group[key] = value
         for name, wanted in self.schedulers.items():
             scheduler = extra[name]
             for key, value in wanted.items():
                 if getattr(scheduler, key) != value:
-                    changed[key] = f"{SETTING_FLAGS.get(key, key)} {getattr(scheduler, key)} -> {value}"
+                    changed[SETTING_FLAGS.get(key, key)] = [getattr(scheduler, key), value]
                     setattr(scheduler, key, value)
             scheduler.base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
             scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
-        return list(changed.values())
+        return changed
 
 
 def plain(value: Any) -> Any:
@@ -245,6 +306,8 @@ class Checkpointer:
 
     ``identity`` says what the checkpoint belongs to (the script and the model's
     shape); a checkpoint written for anything else is refused, not half-loaded.
+    ``settings`` are the run's training settings (``training_settings``): each
+    checkpoint records them, and a resume names every one that differs.
     ``extra`` holds the objects with a ``state_dict`` beside model and optimizer
     (LR scheduler, gradient scaler). ``trust`` loads a sharded checkpoint whose
     metadata holds more than DCP's own records (--trust-checkpoint).
@@ -261,6 +324,7 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         extra: dict[str, Any],
         identity: dict[str, Any],
+        settings: dict[str, Any],
         global_batch_size: int,
         sharded: bool,
         interval: int,
@@ -274,6 +338,7 @@ class Checkpointer:
         self.optimizer = optimizer
         self.extra = extra
         self.identity = identity
+        self.settings = settings
         self.global_batch_size = global_batch_size
         self.sharded = sharded
         self.interval = interval
@@ -358,6 +423,7 @@ class Checkpointer:
         trainer = {
             "format_version": FORMAT_VERSION,
             "identity": self.identity,
+            "settings": self.settings,
             "step": step,
             "world_size": self.ctx.world_size,
             "global_batch_size": self.global_batch_size,
@@ -400,7 +466,7 @@ class Checkpointer:
         if self.ctx.is_main:
             if path.exists():  # from an abandoned run that went further; this one replaces it
                 shutil.rmtree(path)
-            rename_into_place(temporary, path)
+            os.replace(temporary, path)
         return path
 
     def _prune(self, keep_newest: Path) -> None:
@@ -439,7 +505,10 @@ class Checkpointer:
             trainer = self._load(path)
         for name, obj in self.extra.items():
             obj.load_state_dict(trainer["extra"][name])
-        changed = settings.apply(self.optimizer, self.extra)
+        applied = settings.apply(self.optimizer, self.extra)
+        # A checkpoint from before settings were recorded names only what the optimizer and schedulers hold.
+        recorded = trainer.get("settings")
+        changed = changed_settings(recorded, self.settings) if isinstance(recorded, dict) else applied
         restore_rng(trainer["rng"])
         if path.parent == self.folder:
             self.last_saved = path
@@ -448,7 +517,7 @@ class Checkpointer:
             f"(saved by {trainer['world_size']} process(es), now {self.ctx.world_size})"
         )
         if changed:
-            print0(f"from step {trainer['step']} on, as the flags ask: {', '.join(changed)}")
+            print0(f"from step {trainer['step']} on, as the flags ask: {describe_changes(changed)}")
         self._set_aside_newer_than(path)
         if trainer["global_batch_size"] != self.global_batch_size:
             # The position in the epoch is kept in steps: at another global batch
@@ -457,7 +526,7 @@ class Checkpointer:
                 f"warning: the global batch was {trainer['global_batch_size']} sequences or images, now "
                 f"{self.global_batch_size}; keep it (--global-batch-size) to continue exactly"
             )
-        return Resumed(trainer["step"], path)
+        return Resumed(trainer["step"], path, changed)
 
     def _set_aside_newer_than(self, resumed: Path) -> None:
         """Resuming from an older checkpoint of this run starts another branch; the newer checkpoints
@@ -475,7 +544,7 @@ class Checkpointer:
                 aside = aside.with_name(f"after-step-{step}-{tries}")
             aside.mkdir(parents=True)
             for path in newer:
-                rename_into_place(path, aside / path.name)
+                os.replace(path, aside / path.name)
             print0(
                 f"{', '.join(path.name for path in newer)} went further than {resumed.name}: moved to {aside} "
                 "(kept; --resume-from there goes back to that run)"
@@ -485,11 +554,13 @@ class Checkpointer:
     def _load(self, path: Path) -> dict[str, Any]:
         """Load ``path`` into model, optimizer and ``extra``; every rank fails together, with one message."""
         if path.is_dir():
-            trainer = self._agree(path, lambda: load_file(path / TRAINER_FILE), every_rank=True)
+            trainer = self._agree(path, lambda: torch.load(path / TRAINER_FILE, weights_only=True), every_rank=True)
         else:
             # DISTRIBUTED: only rank 0 reads the file; the set_*_state_dict calls below
             # broadcasts the tensors and every rank keeps what it needs.
-            checkpoint = self._agree(path, lambda: load_file(path), every_rank=False)
+            checkpoint = self._agree(
+                path, lambda: torch.load(path, map_location="cpu", weights_only=True), every_rank=False
+            )
             trainer = broadcast_object(checkpoint["trainer"] if self.ctx.is_main else None)
         # Tensors of another shape fail with an unhelpful message; say what differs first.
         mismatch = self._identity_mismatch(trainer)
@@ -579,7 +650,7 @@ def start_from_weights(model: torch.nn.Module, path: Path, ctx: DistContext) -> 
     problem = None
     if ctx.is_main:
         try:
-            state = load_file(path)
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any failure to read it is one message, below
             problem = f"cannot be loaded ({describe_failure(err)})"
         else:

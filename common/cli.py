@@ -16,7 +16,7 @@ from typing import IO
 from common.checkpoint import checkpoint_step, complete_checkpoints, nearest_existing
 from common.distributed import env_rank, env_world_size, wants_cuda
 from common.models import GPT_PRESETS, GPTConfig
-from common.tokens import read_token_metadata
+from common.tokens import BadTokenFile, first_id_outside, read_token_metadata, token_metadata_path
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -350,19 +350,31 @@ def check_text_file(parser: Parser, path: Path, block_size: int) -> None:
 
 
 def check_token_file(parser: Parser, path: Path, block_size: int) -> None:
+    """A token file and its TOKENS.json that agree, and every id in the file inside the vocabulary: the model
+    has a row for each, instead of an IndexError (a device assert on a GPU) at the first batch that holds one."""
     if not path.is_file():
         parser.error(f"--token-file {path}: no such file")
     try:
         metadata = read_token_metadata(path)
-        tokens = int(metadata["tokens"])
-    except (OSError, ValueError, KeyError, TypeError):
-        parser.error(f"--token-file {path}: no readable {path.name}.json beside it; common.prepare_tokens writes both")
-    if path.stat().st_size != 2 * tokens:
-        parser.error(f"--token-file {path} holds {path.stat().st_size} bytes; its .json says {tokens} uint16 tokens")
+    except BadTokenFile as err:
+        parser.error(f"--token-file {path}: {err}")
+    size = path.stat().st_size
+    if size != 2 * metadata.tokens:
+        parser.error(f"--token-file {path} holds {size} bytes; its .json says {metadata.tokens} uint16 tokens")
     # 90% trains and 10% is held out; each part needs at least one window.
     needed = 10 * (block_size + 2)
-    if tokens < needed:
-        parser.error(f"--token-file {path} has {tokens} tokens; --block-size {block_size} needs at least {needed}")
+    if metadata.tokens < needed:
+        parser.error(
+            f"--token-file {path} has {metadata.tokens} tokens; --block-size {block_size} needs at least {needed}"
+        )
+    outside = first_id_outside(path, metadata.tokens, metadata.vocab_size)
+    if outside is not None:
+        position, token = outside
+        parser.error(
+            f"--token-file {path} holds id {token} (token {position:,}), but {token_metadata_path(path).name} says "
+            f"vocab_size {metadata.vocab_size}: the model would have no row for it. Was either file changed after "
+            "common.prepare_tokens wrote them?"
+        )
 
 
 RUN_RESULTS = ("metrics.jsonl", "model.pt")  # what a run leaves in its run dir besides checkpoints

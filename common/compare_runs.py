@@ -64,9 +64,13 @@ def train_records(run_dir: Path) -> dict[int, dict]:
     return {record["step"]: record for record in read_records(run_dir) if record["event"] == "train"}
 
 
-def final_eval_loss(run_dir: Path) -> float | None:
+def final_record(run_dir: Path) -> dict:
     finals = [record for record in read_records(run_dir) if record["event"] == "final"]
-    return finals[-1].get("eval_loss") if finals else None
+    return finals[-1] if finals else {}
+
+
+def final_eval_loss(run_dir: Path) -> float | None:
+    return final_record(run_dir).get("eval_loss")
 
 
 def relative(a: float, b: float) -> float:
@@ -81,7 +85,36 @@ def parameter_drifts(state_a: dict[str, torch.Tensor], state_b: dict[str, torch.
     """The largest absolute difference in each tensor."""
     if state_a.keys() != state_b.keys():
         raise ValueError("the runs' model.pt files hold different parameter names")
+    reshaped = [
+        f"{name} is {list(state_a[name].shape)} in one, {list(state_b[name].shape)} in the other"
+        for name in state_a
+        if state_a[name].shape != state_b[name].shape
+    ]
+    if reshaped:
+        raise ValueError(
+            f"the runs' model.pt files hold tensors of other shapes ({'; '.join(reshaped[:3])}): they are not the "
+            "same model, so no drift between them means anything"
+        )
     return {name: (state_a[name].double() - state_b[name].double()).abs().max().item() for name in state_a}
+
+
+def check_same_model(runs: list[Path]) -> None:
+    """Runs of other models (another vocabulary, another width) are no comparison: refused, naming what differs.
+
+    The final record's ``model_config`` says it where a run has one (the transformer scripts).
+    """
+    configs = {run: config for run in runs if (config := final_record(run).get("model_config")) is not None}
+    if len(configs) < 2:
+        return
+    (first, expected), *others = configs.items()
+    for run, config in others:
+        differs = [
+            f"{key} {expected.get(key)} in {first}, {config.get(key)} in {run}"
+            for key in sorted(expected.keys() | config.keys())
+            if expected.get(key) != config.get(key)
+        ]
+        if differs:
+            raise ValueError(f"the runs trained different models ({'; '.join(differs)}): compare runs of one model")
 
 
 def shared_steps(runs: dict[Path, dict[int, dict]]) -> list[int]:
@@ -104,6 +137,7 @@ def describe_steps(steps: list[int]) -> str:
 
 
 def compare(run_a: Path, run_b: Path) -> Comparison:
+    check_same_model([run_a, run_b])
     records_a, records_b = train_records(run_a), train_records(run_b)
     shared = shared_steps({run_a: records_a, run_b: records_b})
     abs_diff = {step: abs(records_a[step]["loss"] - records_b[step]["loss"]) for step in shared}
@@ -234,6 +268,7 @@ def compare_with_noise(
     if not twins:
         raise ValueError("the noise floor needs at least one twin run")
     runs = [reference, candidate, *twins]
+    check_same_model(runs)
     records = [train_records(run) for run in runs]
     steps = shared_steps(dict(zip(runs, records, strict=True)))
     missing = [str(run) for run in runs if not (run / "model.pt").exists()]

@@ -16,7 +16,6 @@ import torch.nn as nn
 from common.checkpoint import what_is_kept, write_failure
 from common.distributed import DistContext, FatalError, all_ranks_agree, local_state_bytes, max_over_ranks
 from common.models import GPT
-from common.outputs import open_log, write_text
 
 # Dense bf16 tensor-core peaks from NVIDIA's data sheets (half the "with sparsity" figure), per GPU,
 # for MFU. More specific names first: the NVL and PCIe boards must not match the SXM figure of
@@ -31,6 +30,11 @@ PEAK_BF16_TFLOPS = {
 }
 
 
+# Each restart logs one of these; every other record describes the state at its step, which is the same
+# however often a run restarts there.
+PER_RESTART_EVENTS = {"resume"}
+
+
 class MetricsLog:
     """Appends one JSON object per line to ``run_dir/metrics.jsonl`` on rank 0.
 
@@ -38,7 +42,9 @@ class MetricsLog:
     that fails its checks writes nothing over an earlier run's metrics. A run
     resumed at step N keeps the records up to N and drops the later ones: the
     steps after the checkpoint are trained again and logged again. A line that
-    is not a whole record (a write cut short) is left out, and said so.
+    is not a whole record (a write cut short) is left out, and said so. A record
+    of the state at a step that the kept ones already hold (the final evaluation
+    of a run resumed at its end) is not written twice.
     """
 
     def __init__(self, run_dir: Path, ctx: DistContext, resumed_at: int | None = None) -> None:
@@ -46,6 +52,7 @@ class MetricsLog:
         self.ctx = ctx
         self.resumed_at = resumed_at
         self._file = None
+        self._kept: set[tuple[str, int]] = set()  # (event, step) of the records kept from before the resume
 
     def write(self, event: str, **fields: Any) -> None:
         """Append one record. Every rank calls it at the same point; if rank 0 cannot write, all stop."""
@@ -66,12 +73,15 @@ class MetricsLog:
             self._file = None  # _open makes the folder again and, the file being gone, starts a new one
         if self._file is None:
             self._file = self._open()
+        if record["event"] not in PER_RESTART_EVENTS and (record["event"], record.get("step")) in self._kept:
+            return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def _open(self) -> IO[str]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.resumed_at is None or not self.path.exists():
-            return open_log(self.path, append=False)
+            return self.path.open("w", encoding="utf-8")
         kept, torn, replaced = [], [], 0
         for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
             try:
@@ -81,6 +91,7 @@ class MetricsLog:
                 continue
             if record.get("step", math.inf) <= self.resumed_at:
                 kept.append(line)
+                self._kept.add((record.get("event"), record["step"]))
             else:
                 replaced += 1
         if replaced:
@@ -93,8 +104,10 @@ class MetricsLog:
             lines = ", ".join(map(str, torn))
             print(f"{self.path}: left out {len(torn)} line(s) cut off mid-write (line {lines})", flush=True)
         # Replaced in one rename, so a kill here cannot lose the earlier history.
-        write_text(self.path, "".join(line + "\n" for line in kept), overwrite=True)  # this run's own file
-        return open_log(self.path, append=True)
+        temporary = self.path.with_name(f".{self.path.name}.tmp")
+        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(temporary, self.path)
+        return self.path.open("a", encoding="utf-8")
 
     def close(self) -> None:
         if self._file is not None:

@@ -210,8 +210,78 @@ def token_metadata_path(tokens: Path) -> Path:
     return tokens.with_name(tokens.name + ".json")
 
 
-def read_token_metadata(path: Path) -> dict[str, Any]:
-    return json.loads(token_metadata_path(path).read_text(encoding="utf-8"))
+# Ids are stored as little-endian uint16, so no token file holds an id of a larger vocabulary.
+MAX_VOCAB_SIZE = 1 << 16
+SCAN_CHUNK_IDS = 1 << 24  # ids read at a time while a file is checked: 32 MiB of it mapped, whatever its size
+
+
+class BadTokenFile(ValueError):
+    """A token file, or the TOKENS.json beside it, that training cannot use; the message says why."""
+
+
+@dataclass(frozen=True)
+class TokenFileInfo:
+    """What TOKENS.json says, each field checked for what common.prepare_tokens writes."""
+
+    tokens: int
+    vocab_size: int
+    tokenizer: str
+
+
+def read_token_metadata(path: Path) -> TokenFileInfo:
+    """The TOKENS.json beside ``path``; BadTokenFile if it is missing, not JSON, or a field is not what
+    common.prepare_tokens writes (a vocab_size of 0, of a trillion, a word)."""
+    described = token_metadata_path(path)
+    try:
+        metadata = json.loads(described.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadTokenFile(f"no {described.name} beside it; common.prepare_tokens writes both") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadTokenFile(f"{described} cannot be read as JSON ({type(err).__name__}: {err})") from None
+    if not isinstance(metadata, dict):
+        raise BadTokenFile(f"{described} holds a {type(metadata).__name__}, not the object prepare_tokens writes")
+    tokenizer = metadata.get("tokenizer")
+    if not isinstance(tokenizer, str) or not tokenizer:
+        raise BadTokenFile(f"{described}: tokenizer is {tokenizer!r}, not the name of one")
+    if metadata.get("dtype", "uint16") != "uint16":
+        raise BadTokenFile(f"{described}: dtype is {metadata['dtype']!r}; token files hold uint16 ids")
+    return TokenFileInfo(
+        tokens=whole_number(metadata, "tokens", described, 0, None),
+        vocab_size=whole_number(metadata, "vocab_size", described, 1, MAX_VOCAB_SIZE),
+        tokenizer=tokenizer,
+    )
+
+
+def whole_number(metadata: dict[str, Any], key: str, described: Path, low: int, high: int | None) -> int:
+    if key not in metadata:
+        raise BadTokenFile(f"{described} has no {key}; common.prepare_tokens writes it")
+    value = metadata[key]
+    # bool is an int to Python, but true is no count.
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        limits = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        why = " (the ids are uint16)" if key == "vocab_size" else ""
+        raise BadTokenFile(f"{described}: {key} is {value!r}; it must be a whole number {limits}{why}")
+    return value
+
+
+def first_id_outside(path: Path, tokens: int, vocab_size: int) -> tuple[int, int] | None:
+    """(position, id) of the first id of ``path`` that is not below ``vocab_size``; None if there is none.
+
+    The whole file is read, SCAN_CHUNK_IDS at a time through a memory map, so memory stays flat however
+    large it is: what TOKENS.json says cannot vouch for bytes that were changed after it was written.
+    """
+    if vocab_size >= MAX_VOCAB_SIZE or tokens == 0:  # every uint16 is an id of the vocabulary
+        return None
+    ids = np.memmap(path, dtype="<u2", mode="r", shape=(tokens,))
+    try:
+        for start in range(0, tokens, SCAN_CHUNK_IDS):
+            chunk = ids[start : start + SCAN_CHUNK_IDS]
+            if chunk.max() >= vocab_size:
+                offset = int(np.argmax(chunk >= vocab_size))
+                return start + offset, int(chunk[offset])
+        return None
+    finally:
+        del ids  # unmapped now, not whenever the garbage collector runs
 
 
 def token_file_data(path: Path, block_size: int, heldout_windows: int) -> TokenData:
@@ -219,13 +289,13 @@ def token_file_data(path: Path, block_size: int, heldout_windows: int) -> TokenD
     train; every window before them trains. A fixed held-out count keeps an evaluation's cost the same
     whatever the corpus's size."""
     metadata = read_token_metadata(path)
-    total = metadata["tokens"]
+    total = metadata.tokens
     held = max(1, min(heldout_windows, total // 10 // block_size))
     split = total - held * block_size - 1
     train = TokenWindows(path, 0, (split - 1) // block_size, block_size)
     heldout = TokenWindows(path, split, held, block_size)
     description = (
-        f"{total:,} {metadata['tokenizer']} tokens of {path} (vocab {metadata['vocab_size']}), memory-mapped: "
+        f"{total:,} {metadata.tokenizer} tokens of {path} (vocab {metadata.vocab_size}), memory-mapped: "
         f"{len(train):,} train / {len(heldout):,} held-out windows"
     )
-    return TokenData(train, heldout, metadata["vocab_size"], None, description, {"tokenizer": metadata["tokenizer"]})
+    return TokenData(train, heldout, metadata.vocab_size, None, description, {"tokenizer": metadata.tokenizer})

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import Checkpointer, save_model_file, start_from_weights
+from common.checkpoint import Checkpointer, save_model_file, start_from_weights, training_settings
 from common.cli import (
     add_checkpoint_flags,
     add_compute_flags,
@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None):
     add_compute_flags(parser, precisions=["fp32", "bf16"])
     add_checkpoint_flags(parser, sharded=False)
     args = parser.parse_args(argv)
+    args.training_settings = training_settings(parser, args)  # as given: the checks below derive values
     check_training_flags(parser, args)
     check_transformer_flags(parser, args)
     check_checkpoint_flags(parser, args)
@@ -126,6 +127,7 @@ def train(args, ctx: DistContext) -> None:
         optimizer=optimizer,
         extra={"scheduler": scheduler},
         identity={"script": "ddp/train_transformer.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY
+        settings=args.training_settings,  # recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=False,
         interval=args.checkpoint_interval,
@@ -140,7 +142,13 @@ def train(args, ctx: DistContext) -> None:
 
     log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
     if resumed.path:
-        log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
+        log.write(
+            "resume",
+            step=resumed.step,
+            checkpoint=str(resumed.path),
+            world_size=ctx.world_size,
+            changed=resumed.changed,  # each training setting that differs from the checkpoint's: [old, new]
+        )
     progress = ProgressReporter(
         log, ctx, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
     )

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from torch.optim.lr_scheduler import StepLR
 
-from common.checkpoint import Checkpointer, save_model_file, start_from_weights
+from common.checkpoint import Checkpointer, save_model_file, start_from_weights, training_settings
 from common.cli import (
     add_checkpoint_flags,
     add_mnist_flags,
@@ -73,6 +73,7 @@ def parse_args(argv: list[str] | None = None):
     )
     add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
+    args.training_settings = training_settings(parser, args)  # as given: the checks below derive values
     check_training_flags(parser, args)
     check_checkpoint_flags(parser, args)
     return args
@@ -121,6 +122,7 @@ def train(args, ctx: DistContext) -> None:
         optimizer=optimizer,
         extra={"scheduler": scheduler},
         identity={"script": "fsdp/train_mnist.py"},  # YOUR CHECKPOINT IDENTITY
+        settings=args.training_settings,  # recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",
         trust=args.trust_checkpoint,
@@ -136,7 +138,13 @@ def train(args, ctx: DistContext) -> None:
 
     log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
     if resumed.path:
-        log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
+        log.write(
+            "resume",
+            step=resumed.step,
+            checkpoint=str(resumed.path),
+            world_size=ctx.world_size,
+            changed=resumed.changed,  # each training setting that differs from the checkpoint's: [old, new]
+        )
     progress = ProgressReporter(log, ctx, total_steps, global_batch, unit="samples", first_step=resumed.step)
     step = resumed.step
     result = None

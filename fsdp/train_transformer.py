@@ -42,7 +42,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from common.checkpoint import Checkpointer, save_model_file, start_from_weights
+from common.checkpoint import Checkpointer, save_model_file, start_from_weights, training_settings
 from common.cli import (
     add_checkpoint_flags,
     add_compute_flags,
@@ -114,6 +114,7 @@ def parse_args(argv: list[str] | None = None):
     )
     add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
+    args.training_settings = training_settings(parser, args)  # as given: the checks below derive values
     check_training_flags(parser, args)
     check_checkpoint_flags(parser, args)
     check_transformer_flags(parser, args)
@@ -235,6 +236,7 @@ def train(args, ctx: DistContext) -> None:
         optimizer=optimizer,
         extra={"scheduler": scheduler, "scaler": scaler},
         identity={"script": "fsdp/train_transformer.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY
+        settings=args.training_settings,  # recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",
         trust=args.trust_checkpoint,
@@ -250,7 +252,13 @@ def train(args, ctx: DistContext) -> None:
 
     log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
     if resumed.path:
-        log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
+        log.write(
+            "resume",
+            step=resumed.step,
+            checkpoint=str(resumed.path),
+            world_size=ctx.world_size,
+            changed=resumed.changed,  # each training setting that differs from the checkpoint's: [old, new]
+        )
     progress = ProgressReporter(
         log, ctx, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
     )

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from common.checkpoint import Checkpointer, save_model_file, start_from_weights
+from common.checkpoint import Checkpointer, save_model_file, start_from_weights, training_settings
 from common.cli import (
     add_checkpoint_flags,
     add_compute_flags,
@@ -90,6 +90,7 @@ def parse_args(argv: list[str] | None = None):
     )
     add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
+    args.training_settings = training_settings(parser, args)  # as given: the checks below derive values
     check_training_flags(parser, args)
     check_checkpoint_flags(parser, args)
     check_transformer_flags(parser, args)
@@ -193,6 +194,7 @@ def train(args, ctx: DistContext) -> None:
         optimizer=optimizer,
         extra={"scheduler": scheduler},
         identity={"script": "fsdp/train_transformer_fsdp2.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY
+        settings=args.training_settings,  # recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",
         trust=args.trust_checkpoint,
@@ -208,7 +210,13 @@ def train(args, ctx: DistContext) -> None:
 
     log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
     if resumed.path:
-        log.write("resume", step=resumed.step, checkpoint=str(resumed.path), world_size=ctx.world_size)
+        log.write(
+            "resume",
+            step=resumed.step,
+            checkpoint=str(resumed.path),
+            world_size=ctx.world_size,
+            changed=resumed.changed,  # each training setting that differs from the checkpoint's: [old, new]
+        )
     progress = ProgressReporter(
         log, ctx, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
     )

@@ -67,8 +67,6 @@ NOT_A_PROMISE: dict[tuple[str, str], str] = {
 # Promises that no test checks yet: (page, words of the sentence). Mark each with its test once there
 # is one, and take it off this list.
 NO_TEST_YET: set[tuple[str, str]] = {
-    # False today for --warmup-steps, --min-lr-ratio, --grad-clip and --seed (issue 37, item 7).
-    ("docs/checkpoints.md", "the run names each one that changed"),
     ("docs/checkpoints.md", "no rank holds more than the one copy rank 0 read"),
     ("docs/checkpoints.md", "SIGTERM to torchrun itself stops the run cleanly too"),
     # A restart after the last evaluation writes a second eval record for its step (issue 37, item 19).

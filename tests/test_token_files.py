@@ -7,6 +7,7 @@ as byte tokens by common.prepare_tokens itself.
 from __future__ import annotations
 
 import json
+import runpy
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from common import prepare_tokens, sample
-from tests.harness.runs import Run, run_script, run_until_stopped
+from tests.harness.runs import REPO, Run, run_script, run_until_stopped
 from tests.harness.wrappers import OBSERVE
 
 ALPHABET = b"etaoinshrdlu cmfwypvbgkjqxz\n"
@@ -147,3 +148,34 @@ def test_sample_continues_a_prompt_in_the_runs_own_text(
         decoding = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["decoding"]
         assert decoding == {"tokenizer": "bytes"}
         assert sample.decode(sample.encode("héllo, wörld", decoding), decoding) == "héllo, wörld"
+
+
+# What TOKENS.json or the token file says, and the one line that refuses it (the user's edit, or a
+# tokenizer plugged in with the wrong size). Before, each gave a traceback: one an IndexError mid-run.
+BAD_TOKEN_FILES = {
+    "a vocabulary of a trillion": ({"vocab_size": 10**12}, None, "vocab_size is 1000000000000; it must be a whole"),
+    "an empty vocabulary": ({"vocab_size": 0}, None, "vocab_size is 0; it must be a whole number from 1 to 65536"),
+    "a word for a vocabulary": ({"vocab_size": "256"}, None, "vocab_size is '256'; it must be a whole number"),
+    "no vocabulary": ({"vocab_size": None}, None, "text.tokens.json has no vocab_size"),
+    "a vocabulary smaller than its ids": ({"vocab_size": 100}, None, "but text.tokens.json says vocab_size 100"),
+    "an id written after prepare": ({}, 300, "holds id 300 (token 1,000), but text.tokens.json says vocab_size 256"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TOKEN_FILES))
+def test_a_token_file_that_its_metadata_does_not_describe_is_refused_at_parse_time(
+    case: str, token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fields, written_id, message = BAD_TOKEN_FILES[case]
+    tokens = tmp_path / token_file.name
+    ids = np.fromfile(token_file, dtype="<u2")
+    if written_id is not None:
+        ids[1000] = written_id
+    ids.tofile(tokens)
+    metadata = {**json.loads(Path(f"{token_file}.json").read_text()), **fields}
+    Path(f"{tokens}.json").write_text(json.dumps({key: value for key, value in metadata.items() if value is not None}))
+    parse_args = runpy.run_path(str(REPO / "ddp/train_transformer.py"))["parse_args"]
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--token-file", str(tokens), "--run-dir", str(tmp_path / "run"), *SMALL])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and error.count("error:") == 1 and message in error, error
