@@ -24,12 +24,12 @@ through an unpickler that builds DCP's own metadata records and nothing else
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
 import random
 import re
 import shutil
 import warnings
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -61,30 +61,32 @@ from common.distributed import (
     print0,
     shard_group_size,
 )
+from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place, save_torch
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
-TEMPORARY_PREFIX = ".tmp-"
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
 FORMAT_VERSION = 1
 
 
 def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then rename it into place.
+    """``torch.save`` to ``path`` through ``common.outputs``: a temporary beside it, renamed into place.
 
     The rename is atomic on POSIX file systems: readers see the old file or the
-    complete new one, never a truncated mix, even if the job dies mid-save.
+    complete new one, never a truncated mix, even if the job dies mid-save. The
+    files saved here are the run's own (its checkpoints, its model.pt), so an
+    earlier one is replaced.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.name}")
-    try:
-        with temporary.open("wb") as file:
-            torch.save(obj, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)  # a half-written file holds disk space and nothing else
-        raise
+    save_torch(obj, path, overwrite=True)
+
+
+def load_file(path: Path) -> Any:
+    """``torch.load(weights_only=True)`` onto the CPU; a file cut short (a copy or a save that did not finish)
+    is an EOFError, which describe_failure calls truncated: torch itself says "[Errno 22] Invalid argument"."""
+    with path.open("rb") as file:
+        zipped = file.read(4) == b"PK\x03\x04"  # torch.save's format: a zip archive, its directory at the end
+    if zipped and not zipfile.is_zipfile(path):
+        raise EOFError(f"{path} ends before its zip archive's directory")
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def write_failure(write: Callable[[], None]) -> str | None:
@@ -132,11 +134,6 @@ def save_model_file(state: dict[str, torch.Tensor] | None, path: Path, ctx: Dist
             problem = failure and f"could not write {path}: {failure}. {what_is_kept(path.parent)}"
     if not all_ranks_agree(problem is None, ctx):
         raise FatalError(problem or "rank 0 could not write the model", exit_code=1)
-
-
-def nearest_existing(path: Path) -> Path:
-    """``path`` or the closest of its parents that exists: where a folder not made yet would go."""
-    return next((folder for folder in (path, *path.parents) if folder.exists()), Path("."))
 
 
 def what_is_kept(run_dir: Path) -> str:
@@ -466,7 +463,7 @@ class Checkpointer:
         if self.ctx.is_main:
             if path.exists():  # from an abandoned run that went further; this one replaces it
                 shutil.rmtree(path)
-            os.replace(temporary, path)
+            rename_into_place(temporary, path)
         return path
 
     def _prune(self, keep_newest: Path) -> None:
@@ -544,7 +541,7 @@ class Checkpointer:
                 aside = aside.with_name(f"after-step-{step}-{tries}")
             aside.mkdir(parents=True)
             for path in newer:
-                os.replace(path, aside / path.name)
+                rename_into_place(path, aside / path.name)
             print0(
                 f"{', '.join(path.name for path in newer)} went further than {resumed.name}: moved to {aside} "
                 "(kept; --resume-from there goes back to that run)"
@@ -554,13 +551,11 @@ class Checkpointer:
     def _load(self, path: Path) -> dict[str, Any]:
         """Load ``path`` into model, optimizer and ``extra``; every rank fails together, with one message."""
         if path.is_dir():
-            trainer = self._agree(path, lambda: torch.load(path / TRAINER_FILE, weights_only=True), every_rank=True)
+            trainer = self._agree(path, lambda: load_file(path / TRAINER_FILE), every_rank=True)
         else:
             # DISTRIBUTED: only rank 0 reads the file; the set_*_state_dict calls below
             # broadcasts the tensors and every rank keeps what it needs.
-            checkpoint = self._agree(
-                path, lambda: torch.load(path, map_location="cpu", weights_only=True), every_rank=False
-            )
+            checkpoint = self._agree(path, lambda: load_file(path), every_rank=False)
             trainer = broadcast_object(checkpoint["trainer"] if self.ctx.is_main else None)
         # Tensors of another shape fail with an unhelpful message; say what differs first.
         mismatch = self._identity_mismatch(trainer)
@@ -650,7 +645,7 @@ def start_from_weights(model: torch.nn.Module, path: Path, ctx: DistContext) -> 
     problem = None
     if ctx.is_main:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_file(path)
         except Exception as err:  # noqa: BLE001 - any failure to read it is one message, below
             problem = f"cannot be loaded ({describe_failure(err)})"
         else:

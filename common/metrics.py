@@ -16,6 +16,7 @@ import torch.nn as nn
 from common.checkpoint import what_is_kept, write_failure
 from common.distributed import DistContext, FatalError, all_ranks_agree, local_state_bytes, max_over_ranks
 from common.models import GPT
+from common.outputs import open_log, write_text
 
 # Dense bf16 tensor-core peaks from NVIDIA's data sheets (half the "with sparsity" figure), per GPU,
 # for MFU. More specific names first: the NVL and PCIe boards must not match the SXM figure of
@@ -79,9 +80,8 @@ class MetricsLog:
         self._file.flush()
 
     def _open(self) -> IO[str]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.resumed_at is None or not self.path.exists():
-            return self.path.open("w", encoding="utf-8")
+            return open_log(self.path, append=False)
         kept, torn, replaced = [], [], 0
         for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
             try:
@@ -104,10 +104,8 @@ class MetricsLog:
             lines = ", ".join(map(str, torn))
             print(f"{self.path}: left out {len(torn)} line(s) cut off mid-write (line {lines})", flush=True)
         # Replaced in one rename, so a kill here cannot lose the earlier history.
-        temporary = self.path.with_name(f".{self.path.name}.tmp")
-        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(temporary, self.path)
-        return self.path.open("a", encoding="utf-8")
+        write_text(self.path, "".join(line + "\n" for line in kept), overwrite=True)  # this run's own file
+        return open_log(self.path, append=True)
 
     def close(self) -> None:
         if self._file is not None:
