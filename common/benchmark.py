@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
-from common.cli import HelpFormatter
+from common.cli import HelpFormatter, positive_int
 from common.compare_strategies import STRATEGIES, launch
+from common.flags import output_file
+from common.models import GPT_PRESETS
 from common.outputs import (
     OVERWRITE_FLAG,
     add_overwrite_flag,
@@ -41,29 +43,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     on_gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
-        "--nproc", type=int, default=torch.cuda.device_count() or 2, help="processes (default: the GPUs, else 2)"
+        "--nproc",
+        type=positive_int,
+        default=torch.cuda.device_count() or 2,
+        help="processes (default: the GPUs, else 2)",
     )
     parser.add_argument(
-        "--model", default="gpt2" if on_gpu else "tiny", help="--model preset (default: gpt2 on GPUs, else tiny)"
+        "--model",
+        choices=sorted(GPT_PRESETS),
+        default="gpt2" if on_gpu else "tiny",
+        help="--model preset (default: gpt2 on GPUs, else tiny)",
     )
     parser.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int,
         default=16 if on_gpu else 8,
         help="sequences per process per step (default: 16 on GPUs, else 8)",
     )
-    parser.add_argument("--warmup", type=int, default=5, help="steps before the clock starts (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=20, help="measured steps (default: %(default)s)")
+    parser.add_argument(
+        "--warmup", type=positive_int, default=5, help="steps before the clock starts (default: %(default)s)"
+    )
+    parser.add_argument("--steps", type=positive_int, default=20, help="measured steps (default: %(default)s)")
     parser.add_argument(
         "--out",
-        type=Path,
+        type=output_file,
         default=Path("runs/benchmark/benchmark.json"),
         help="the table as JSON; each strategy's run goes beside it, in a folder of its name (default: %(default)s)",
     )
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    if min(args.nproc, args.batch_size, args.warmup, args.steps) < 1:
-        parser.error("--nproc, --batch-size, --warmup and --steps must be positive")
     check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
     taken = [str(folder) for folder in run_dirs(args.out).values() if holds_something(folder)]
     if taken and not args.overwrite:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from common.cli import LAUNCH_VARIABLES, HelpFormatter, positive_float, positive_int
 from common.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
+from common.flags import existing_file, output_dir
 from common.outputs import write_text
 from common.processes import exit_code_of, output_of
 
@@ -94,6 +95,14 @@ class BadFlags(ValueError):
     """The flags cannot give a fair comparison."""
 
 
+def script_count(text: str, flag: str) -> int:
+    """A positive count among the script's flags, read here first: the plan divides by it."""
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as err:
+        raise BadFlags(f"the script's {flag}: {err}") from None
+
+
 def plan(flags: list[str], nproc: int) -> list[Planned]:
     """The reference, the twins and the candidate, with the flags each runs with."""
     if flag_value(flags, "--run-dir") is not None:
@@ -104,7 +113,8 @@ def plan(flags: list[str], nproc: int) -> list[Planned]:
             "give the script --global-batch-size G (G divisible by --nproc times --grad-accum-steps): "
             "without it, each process count trains on another batch"
         )
-    global_batch, micro_steps = int(global_batch_text), int(flag_value(flags, "--grad-accum-steps") or 1)
+    global_batch = script_count(global_batch_text, "--global-batch-size")
+    micro_steps = script_count(flag_value(flags, "--grad-accum-steps") or "1", "--grad-accum-steps")
     if global_batch % (nproc * micro_steps):
         raise BadFlags(
             f"--global-batch-size {global_batch} does not split into {nproc} processes x {micro_steps} micro-steps"
@@ -181,12 +191,12 @@ def check(
     return SAME if verdict.same else DIFFERENT
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--nproc", type=positive_int, required=True, help="processes of the candidate run")
     parser.add_argument(
         "--runs-dir",
-        type=Path,
+        type=output_dir,
         help="where the runs go, one folder each (default: runs/equivalence/SCRIPT-NAME-NPROC)",
     )
     parser.add_argument(
@@ -195,13 +205,25 @@ def main(argv: list[str] | None = None) -> int:
         default=NOISE_FACTOR,
         help="how many times the twins' drift is still SAME",
     )
-    parser.add_argument("script", help="the training script: this repository's or your copy")
+    parser.add_argument("script", type=existing_file, help="the training script: this repository's or your copy")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="the script's flags, as you would give them")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command's own flags, checked; check() refuses the script's flags that the plan cannot use."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.nproc < 2:
         parser.error("--nproc must be 2 or more: the reference already runs one process")
-    runs_dir = args.runs_dir or Path("runs") / "equivalence" / f"{Path(args.script).stem}-{args.nproc}"
-    return check(args.script, args.flags, args.nproc, runs_dir, factor=args.noise_factor)
+    args.script = str(args.script)
+    args.runs_dir = args.runs_dir or Path("runs") / "equivalence" / f"{Path(args.script).stem}-{args.nproc}"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return check(args.script, args.flags, args.nproc, args.runs_dir, factor=args.noise_factor)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from common.distributed import (
     print0,
     wants_cuda,
 )
+from common.flags import NUMBER, flag_kind, output_file
 from common.outputs import add_overwrite_flag, check_output_path, write_text
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -76,6 +77,11 @@ def bus_factor(op: str, world_size: int) -> float:
     return ring_link_bytes(op, 1.0, world_size)
 
 
+# Past this, the buffers of one message (all_gather's output is world size times it) fit no GPU.
+MAX_MESSAGE_BYTES = 64 * 2**30
+
+
+@flag_kind(NUMBER)
 def byte_size(text: str) -> int:
     """A byte count such as 65536, 64K, 4M or 1G (powers of 1024)."""
     number, unit = (text[:-1], text[-1].upper()) if text[-1:].upper() in UNITS else (text, "")
@@ -87,6 +93,8 @@ def byte_size(text: str) -> int:
         ) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
+    if value > MAX_MESSAGE_BYTES:
+        raise argparse.ArgumentTypeError(f"must be at most 64G: one message's buffers would fit no GPU, got {text}")
     return value
 
 
@@ -114,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=positive_int, default=5, help="untimed iterations per size")
     parser.add_argument("--iters", type=positive_int, default=20, help="timed iterations per size")
     parser.add_argument(
-        "--out", type=Path, default=Path("runs/comm_check/comm_check.json"), help="where rank 0 writes the JSON"
+        "--out", type=output_file, default=Path("runs/comm_check/comm_check.json"), help="where rank 0 writes the JSON"
     )
     parser.add_argument(
         "--dist-timeout",

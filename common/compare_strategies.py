@@ -27,9 +27,11 @@ from pathlib import Path
 
 import torch
 
-from common.cli import HelpFormatter
+from common.cli import HelpFormatter, positive_int
 from common.estimate_communication import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
+from common.flags import output_dir, output_file
+from common.models import GPT_PRESETS
 from common.outputs import (
     OVERWRITE_FLAG,
     add_overwrite_flag,
@@ -197,9 +199,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--model", default="tiny", help="the scripts' --model preset (default: %(default)s)")
     parser.add_argument(
-        "--world-sizes", type=int, nargs="+", default=[1, 2, 4], metavar="N", help="(default: %(default)s)"
+        "--model",
+        choices=sorted(GPT_PRESETS),
+        default="tiny",
+        help="the scripts' --model preset (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--world-sizes", type=positive_int, nargs="+", default=[1, 2, 4], metavar="N", help="(default: %(default)s)"
     )
     parser.add_argument(
         "--strategies",
@@ -208,7 +215,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         default=[s.name for s in STRATEGIES],
         help="(default: all)",
     )
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default: %(default)s)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps per run (default: %(default)s)")
     parser.add_argument(
         "--device",
         choices=["cpu", "cuda", "auto"],
@@ -217,15 +224,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     )
     parser.add_argument(
         "--out-dir",
-        type=Path,
+        type=output_dir,
         default=Path("runs/compare_strategies"),
         help="each run's folder goes in here, as STRATEGY-WORLDSIZE (default: %(default)s)",
     )
-    parser.add_argument("--png", type=Path, help="also draw a bar chart here (needs matplotlib)")
+    parser.add_argument("--png", type=output_file, help="also draw a bar chart here (needs matplotlib)")
     add_overwrite_flag(parser)
     args = parser.parse_args(own)
-    if args.steps < 1 or min(args.world_sizes) < 1:
-        parser.error("--steps and --world-sizes must be positive")
     check_out_dir(parser, args)
     if args.png is not None:
         check_output_path(parser, args.png, "--png", overwrite=args.overwrite)

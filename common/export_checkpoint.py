@@ -34,6 +34,7 @@ from common.checkpoint import (
     sharded_reader,
 )
 from common.cli import HelpFormatter, add_trust_flag
+from common.flags import existing_path, output_file
 from common.outputs import add_overwrite_flag, check_output_path, save_torch
 
 MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
@@ -68,10 +69,10 @@ def read_sharded_model_state(folder: Path, trust: bool) -> dict[str, torch.Tenso
     return model
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/step-N (a folder) or step-N.pt")
-    parser.add_argument("output", type=Path, help="where to write the model's state dict")
+    parser.add_argument("checkpoint", type=existing_path, help="RUN_DIR/checkpoints/step-N (a folder) or step-N.pt")
+    parser.add_argument("output", type=output_file, help="where to write the model's state dict")
     add_trust_flag(parser)
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
@@ -84,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     # A run's own model.pt is an existing file like any other: replaced only when the user says so.
     check_output_path(parser, args.output, "", [args.checkpoint], args.overwrite)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         state = read_model_state(args.checkpoint, trust=args.trust_checkpoint)
     # DCP's CheckpointException is a BaseException, so it is named here.

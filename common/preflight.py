@@ -39,6 +39,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from common.flags import existing_file, float_in_range, output_dir, positive_int, timeout_seconds
 from common.outputs import open_log, write_text
 from common.processes import exit_code_of, run_tree, scratch_folder
 
@@ -560,28 +561,29 @@ def preflight(script: str, flags: list[str], nproc: int, wait_s: float, timeout:
         return verdict
 
 
+# A run's limit: above a week, time arithmetic with it overflows (OverflowError at --wait inf, before).
+run_limit = float_in_range(1, 7 * 24 * 3600, unit=" seconds", name="run_limit")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    # Not common.cli's helpers: they import torch, which this process never needs (its ranks do).
+    # common.flags' types, not common.cli: that imports torch, which this process never needs (its ranks do).
     parser = argparse.ArgumentParser(prog="python -m common.preflight", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--nproc", type=int, help="ranks to run, as torchrun's --nproc_per_node")
-    parser.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="S",
+    parser.add_argument("--nproc", type=positive_int, help="ranks to run, as torchrun's --nproc_per_node")
+    # The script's --dist-timeout takes it, so it has that flag's range.
+    parser.add_argument("--wait", type=timeout_seconds, default=DEFAULT_WAIT_S, metavar="S",
                         help="how long a rank waits for the others at one collective (rank 0 saving a "
                              "checkpoint while the others wait must fit)")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+    parser.add_argument("--timeout", type=run_limit, default=DEFAULT_TIMEOUT_S, metavar="S",
                         help="the whole run's limit; then every process it started is killed")  # fmt: skip
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # one rank, as torchrun starts it
-    parser.add_argument("--report-dir", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("script", help="the training script: this repository's or your copy")
+    parser.add_argument("--report-dir", type=output_dir, help=argparse.SUPPRESS)
+    parser.add_argument("script", type=existing_file, help="the training script: this repository's or your copy")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="the script's flags, as you would give them")
     args = parser.parse_args(argv)
-    if not args.rank:
-        if args.nproc is None or args.nproc < 1:
-            parser.error(f"--nproc N: the number of ranks, 1 or more (got {args.nproc})")
-        if not Path(args.script).is_file():
-            parser.error(f"{args.script}: no such script")
-        if not (args.wait > 0 and args.timeout > 0):
-            parser.error("--wait and --timeout must be positive numbers of seconds")
+    if not args.rank and args.nproc is None:
+        parser.error("--nproc N: the number of ranks, 1 or more")
+    args.script = str(args.script)
     return args
 
 

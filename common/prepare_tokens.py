@@ -28,6 +28,7 @@ from typing import IO
 
 import numpy as np
 
+from common.flags import existing_file, output_file
 from common.outputs import add_overwrite_flag, check_output_path, write_output, write_text
 from common.tokens import token_metadata_path
 
@@ -120,15 +121,23 @@ def source_problem(source: Path) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m common.prepare_tokens",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("sources", nargs="+", type=Path, metavar="TEXT_FILE", help="UTF-8 text files, in order")
-    parser.add_argument("--output", type=Path, required=True, metavar="TOKENS", help="the token file to write")
+    parser.add_argument(
+        "sources", nargs="+", type=existing_file, metavar="TEXT_FILE", help="UTF-8 text files, in order"
+    )
+    parser.add_argument("--output", type=output_file, required=True, metavar="TOKENS", help="the token file to write")
     add_overwrite_flag(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser (main refuses bad text with it later) and the flags, checked before anything is read."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     for source in args.sources:
         problem = source_problem(source)
@@ -137,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     check_output_path(parser, args.output, "--output", args.sources, args.overwrite)
     metadata = token_metadata_path(args.output)
     check_output_path(parser, metadata, f"--output {args.output}: its metadata", args.sources, args.overwrite)
+    return parser, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, args = parse_args(argv)
     try:
         count = write_tokens(args.sources, args.output, args.overwrite)
     except ValueError as err:  # not text, no text, or YOUR TOKENIZER and VOCAB_SIZE disagree

@@ -197,8 +197,8 @@ def test_every_wait_is_bounded_and_an_ended_rank_is_seen_at_once(tmp_path: Path)
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--nproc", "0", "ddp/train_mnist.py"], "--nproc N"),
-        (["--nproc", "2", "no/such/script.py"], "no such script"),
+        (["ddp/train_mnist.py"], "--nproc N"),
+        (["--nproc", "2", "no/such/script.py"], "no/such/script.py: no such file"),
     ],
 )
 def test_bad_input_is_one_message_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

@@ -221,7 +221,7 @@ def test_export_refuses_other_input_with_one_message(tmp_path: Path, capsys: pyt
     cases = [
         ([crafted, output], "more than tensors and plain data"),  # a full checkpoint runs no code either
         ([tensor, output], "it holds no model state dict"),
-        ([tmp_path / "nowhere" / "step-3", output], "not a checkpoint"),
+        ([tmp_path / "nowhere" / "step-3", output], "step-3: no such file or folder"),
         ([tensor, tmp_path], "is a folder"),
     ]
     for args, message in cases:
