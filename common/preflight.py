@@ -17,7 +17,8 @@ group has published its n-th, or has ended. If they differ, no rank issues it: t
 and one report shows the two collectives side by side with their lines (exit 1). A clean run
 prints the collectives per training step and of the whole run (exit 0). A script that fails
 prints its error (exit 1). The whole run is bounded by --timeout, after which every process it
-started is killed.
+started is killed; a SIGTERM, SIGINT or SIGHUP kills them too, removes the temporary folder, and the
+pre-flight exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
