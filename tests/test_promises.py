@@ -78,8 +78,6 @@ NO_TEST_YET: set[tuple[str, str]] = {
     ("docs/slurm.md", "`PreemptMode=CANCEL` was tried by hand"),
     ("docs/slurm.md", "Without SLURM installed these tests skip"),
     ("docs/troubleshooting.md", "on a file system without locks the run says so"),
-    # False today on SIGTERM and SIGINT (issue 37, item 3); the --timeout itself has no test.
-    ("docs/your-own-project.md", "bounds the whole run and kills every process it started"),
     ("tests/README.md", "a hard timeout that kills every process it started"),
 }
 
