@@ -239,6 +239,7 @@ def output_folder(path: Path, overwrite: bool) -> Iterator[Path]:
     An earlier ``path`` is replaced only with ``overwrite`` (else ``OutputExists``), and only once
     the new one is complete: a failure leaves it as it was and removes the temporary.
     """
+    path = path.absolute()  # a child that runs elsewhere (torchrun from the repository) fills the same folder
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = temporary_beside(path)
     temporary.unlink()

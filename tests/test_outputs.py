@@ -250,6 +250,8 @@ def test_comm_check_refuses_an_out_it_cannot_create_before_measuring(capsys, mon
 
 def fake_training_run(strategy, world_size: int, run_dir: Path, flags: list[str]) -> dict:
     """What a training script does with its run dir, without training: it refuses one that holds a run."""
+    if not run_dir.is_absolute():  # launch starts torchrun in the repository, not in this command's folder
+        sys.exit(f"error: {run_dir} is relative: the run would write elsewhere than the command reads")
     if (run_dir / "metrics.jsonl").exists():
         sys.exit(f"error: --run-dir {run_dir} already holds an earlier run (metrics.jsonl)")
     record = {"event": "final", "strategy": strategy.name, "world_size": world_size, "peak_memory_bytes": 0}
