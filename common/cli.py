@@ -1,20 +1,33 @@
 """Command-line flags shared by the scripts, checked before any process group starts.
 
 A typo should cost a second, not a queue wait: every flag is parsed and checked
-first, and a mistake is reported once (by rank 0) with exit code 2.
+first, and a mistake is reported once (by rank 0) with exit code 2. Each number and path
+flag reads its value with a type of common.flags, as the commands' flags do.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
 from typing import IO
 
-from common.checkpoint import checkpoint_step, complete_checkpoints, nearest_existing
+from common.checkpoint import checkpoint_step, complete_checkpoints
 from common.distributed import env_rank, env_world_size, wants_cuda
+from common.flags import (
+    existing_file,
+    existing_path,
+    learning_rate,
+    non_negative_float,
+    non_negative_int,
+    output_dir,
+    positive_float,
+    positive_int,
+    probability,
+    seed_value,
+    timeout_seconds,
+)
 from common.models import GPT_PRESETS, GPTConfig
 from common.tokens import BadTokenFile, first_id_outside, read_token_metadata, token_metadata_path
 
@@ -47,89 +60,6 @@ class Parser(argparse.ArgumentParser):
         sys.exit(status)
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be zero or a positive integer, got {text}")
-    return value
-
-
-def finite_float(text: str) -> float:
-    """A number; inf, nan and what overflows to them (1e400) are refused: no flag means them."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = finite_float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = finite_float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be zero or a positive number, got {text}")
-    return value
-
-
-# The optimizers compute in float32, and Adam's first step divides the lr by 1 - beta1 = 0.1: a larger
-# lr overflows inside AdamW.step (a RuntimeError in torch 2.14, found with --lr 1e38).
-LR_LIMIT = 3.4028234663852886e38 / 10
-
-
-def learning_rate(text: str) -> float:
-    value = positive_float(text)
-    if value > LR_LIMIT:
-        raise argparse.ArgumentTypeError(
-            f"must be at most {LR_LIMIT:.3g}: the optimizer's float32 arithmetic overflows, got {text}"
-        )
-    return value
-
-
-# Below this, ordinary waits fail a healthy run: ranks start seconds apart, and all of them wait
-# while rank 0 writes a checkpoint. Above it, gloo's clock overflows (1e13 s fails in torch 2.14).
-DIST_TIMEOUT_RANGE_S = (10, 7 * 24 * 3600)
-
-
-def timeout_seconds(text: str) -> float:
-    value = finite_float(text)
-    low, high = DIST_TIMEOUT_RANGE_S
-    if not low <= value <= high:
-        raise argparse.ArgumentTypeError(
-            f"must be from {low} to {high} seconds (a week), got {text}: ranks start seconds apart and wait "
-            "while rank 0 saves, so a shorter limit fails a healthy run"
-        )
-    return value
-
-
-SEED_LIMIT = 2**32  # numpy's range, and far from the 64 bits torch's generators take with the epoch added
-
-
-def seed_value(text: str) -> int:
-    value = int(text)
-    if not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {SEED_LIMIT - 1}, got {text}")
-    return value
-
-
-def probability(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
-
-
 def add_device_flag(container: argparse._ActionsContainer) -> None:
     """--device as every script and the commands that start ranks take it."""
     container.add_argument(
@@ -159,7 +89,10 @@ def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> 
         help="seeds the initial weights, the data order and dropout, the same on every rank",
     )
     run.add_argument(
-        "--run-dir", type=Path, default=Path(run_dir), help="where metrics.jsonl and model.pt go (default: %(default)s)"
+        "--run-dir",
+        type=output_dir,
+        default=Path(run_dir),
+        help="where metrics.jsonl and model.pt go (default: %(default)s)",
     )
     run.add_argument(
         "--log-interval",
@@ -253,7 +186,7 @@ def add_mnist_flags(parser: Parser, *, gamma: float) -> None:
     group = parser.add_argument_group("MNIST")
     group.add_argument(
         "--data-dir",
-        type=Path,
+        type=output_dir,
         default=Path("./data"),
         help="holds MNIST/raw/; downloaded there if missing (default: %(default)s)",
     )
@@ -277,11 +210,13 @@ def add_transformer_flags(parser: Parser) -> None:
     group.add_argument("--block-size", type=positive_int, help="override the preset's context length")
     group.add_argument("--dropout", type=probability, default=0.0, help="dropout probability in every Block")
     group.add_argument(
-        "--text-file", type=Path, help="train character-level on this UTF-8 file instead of the synthetic Markov tokens"
+        "--text-file",
+        type=existing_file,
+        help="train character-level on this UTF-8 file instead of the synthetic Markov tokens",
     )
     group.add_argument(
         "--token-file",
-        type=Path,
+        type=existing_file,
         metavar="TOKENS",
         help="train on a file of token ids that python -m common.prepare_tokens wrote, memory-mapped: a corpus "
         "of any size; its last 10%% is held out",
@@ -512,11 +447,14 @@ def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
         help="continue from the newest checkpoint in --run-dir; start from step 0 if there is none",
     )
     group.add_argument(
-        "--resume-from", type=Path, metavar="PATH", help="continue from this checkpoint (RUN_DIR/checkpoints/step-N)"
+        "--resume-from",
+        type=existing_path,
+        metavar="PATH",
+        help="continue from this checkpoint (RUN_DIR/checkpoints/step-N)",
     )
     group.add_argument(
         "--init-from",
-        type=Path,
+        type=existing_path,
         metavar="PATH",
         help="start from these weights: a state dict of this model (a run's model.pt, or python -m "
         "common.export_checkpoint's output), at step 0 with a fresh optimizer; with --resume, a checkpoint "
@@ -544,15 +482,14 @@ def add_trust_flag(group: argparse._ActionsContainer) -> None:
 
 
 def check_run_dir(parser: Parser, run_dir: Path) -> None:
-    """A --run-dir the run cannot write is refused now, not after the model is built or trained."""
-    if run_dir.exists() and not run_dir.is_dir():
-        parser.error(f"--run-dir {run_dir} is a file, not a folder")
-    existing = nearest_existing(run_dir)
-    if not existing.is_dir():
-        parser.error(f"--run-dir {run_dir}: {existing} is a file, not a folder")
-    # access() also answers for a read-only file system, and for root.
-    if not os.access(existing, os.W_OK | os.X_OK):
-        parser.error(f"--run-dir {run_dir}: cannot write in {existing}")
+    """A --run-dir the run cannot write is refused now, not after the model is built or trained.
+
+    The flag's type checks what the user gives; this checks the default too.
+    """
+    try:
+        output_dir(str(run_dir))
+    except argparse.ArgumentTypeError as err:
+        parser.error(f"argument --run-dir: {err}")
 
 
 def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:

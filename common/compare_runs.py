@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from common.cli import HelpFormatter, non_negative_float, positive_float
+from common.flags import existing_dir
 
 # How far beyond the twins' drift a candidate may go and still be the same training. Measured on
 # both torch ends and three CPU kernels: healthy runs reached 3.7x, broken copies 2,775x and more
@@ -338,13 +339,13 @@ def tolerance_verdict(result: Comparison, args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("run_a", type=Path, metavar="REFERENCE")
-    parser.add_argument("run_b", type=Path, metavar="CANDIDATE")
+    parser.add_argument("run_a", type=existing_dir, metavar="REFERENCE")
+    parser.add_argument("run_b", type=existing_dir, metavar="CANDIDATE")
     parser.add_argument(
         "--noise",
-        type=Path,
+        type=existing_dir,
         nargs="+",
         metavar="TWIN",
         help="runs of REFERENCE's training in another summation order (one process, --grad-accum-steps K): "
@@ -369,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     tolerances = (args.loss_rtol, args.grad_norm_rtol, args.param_atol)
     if args.noise and any(tolerance is not None for tolerance in tolerances):
         parser.error("give --noise or tolerances, not both: with --noise the twins set the band")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         if args.noise:
             verdict = compare_with_noise(args.run_a, args.run_b, args.noise, args.noise_factor)

@@ -281,7 +281,7 @@ def test_a_disk_too_small_for_the_run_is_refused_before_training(tmp_path: Path)
 
 def test_a_read_only_run_dir_is_refused_first(tmp_path: Path) -> None:
     run = run_on_a_small_disk(tmp_path, SCRIPT, SMALL, None, read_only=True)
-    one_message(run, f"--run-dir {tmp_path}/disk/run: cannot write in")
+    one_message(run, f"--run-dir: {tmp_path}/disk/run: cannot create anything in {tmp_path}/disk/run (Read-only")
     assert "model:" not in run.output, "refused before the model was built"
 
 

@@ -147,7 +147,7 @@ def test_sample_continues_a_prompt_in_the_runs_own_text(
         # Bytes: any text goes in, and what comes out is the UTF-8 its ids spell.
         decoding = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["decoding"]
         assert decoding == {"tokenizer": "bytes"}
-        assert sample.decode(sample.encode("héllo, wörld", decoding), decoding) == "héllo, wörld"
+        assert sample.decode(sample.encode("héllo, wörld", decoding, 256), decoding) == "héllo, wörld"
 
 
 # What TOKENS.json or the token file says, and the one line that refuses it (the user's edit, or a
