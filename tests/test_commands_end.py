@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from common.outputs import TEMPORARY_PREFIX
 from tests.harness.runs import REPO, clean_env, kill_all, start
 
 MARKER, FAKE_TORCHRUN = "TEST_COMMANDS_END_FIFO", "TEST_COMMANDS_END_STAND_IN_TORCHRUN"
@@ -144,6 +145,8 @@ def test_a_command_stopped_mid_run_leaves_nothing(
         survivors = processes_with(marker)
         assert survivors == [], f"still running: {survivors}\n{described}"
         assert sorted(os.listdir(temporary)) == [], described
+        # Nor an output's temporary (benchmark's and compare_strategies' run folders are made under one).
+        assert sorted(tmp_path.rglob(f"{TEMPORARY_PREFIX}*")) == [], described
         assert command.returncode == exit_code, described
         assert output.count(last_line) == 1, described
     finally:
