@@ -302,7 +302,10 @@ def check_token_file(parser: Parser, path: Path, block_size: int) -> None:
         parser.error(
             f"--token-file {path} has {metadata.tokens} tokens; --block-size {block_size} needs at least {needed}"
         )
-    outside = first_id_outside(path, metadata.tokens, metadata.vocab_size)
+    try:
+        outside = first_id_outside(path, metadata.tokens, metadata.vocab_size)
+    except OSError as err:
+        parser.error(f"--token-file {path}: cannot read it ({err.strerror or err})")
     if outside is not None:
         position, token = outside
         parser.error(

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.checkpoint import describe_failure, load_file
 from common.cli import HelpFormatter, non_negative_float, positive_float
 from common.flags import existing_dir
 
@@ -79,7 +80,15 @@ def relative(a: float, b: float) -> float:
 
 
 def load_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "model.pt", weights_only=True)
+    """A run's model.pt; ValueError, naming it, if it cannot be read or is no state dict."""
+    path = run_dir / "model.pt"
+    try:
+        state = load_file(path)
+    except Exception as err:  # noqa: BLE001 - whatever is wrong with it, the comparison cannot use it
+        raise ValueError(f"{path} cannot be loaded ({describe_failure(err)})") from None
+    if not isinstance(state, dict) or not all(isinstance(tensor, torch.Tensor) for tensor in state.values()):
+        raise ValueError(f"{path} is not a state dict (tensors by name), as the model.pt a run writes is")
+    return state
 
 
 def parameter_drifts(state_a: dict[str, torch.Tensor], state_b: dict[str, torch.Tensor]) -> dict[str, float]:

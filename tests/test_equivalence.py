@@ -499,3 +499,17 @@ def test_compare_runs_refuses_runs_of_other_models(tmp_path: Path, capsys: pytes
     assert compare_runs_main([str(runs[0]), str(runs[1]), "--noise", str(runs[0])]) == 2
     error = capsys.readouterr().err
     assert error.count("error:") == 1 and f"vocab_size 16 in {runs[0]}, 65 in {runs[1]}" in error, error
+
+
+def test_compare_runs_names_a_model_it_cannot_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model.pt cut short, or one that holds no state dict: one message naming it, not torch's traceback."""
+    first, second = write_run(tmp_path / "a", [2.0, 1.0]), write_run(tmp_path / "b", [2.0, 1.0])
+    whole = (second / "model.pt").read_bytes()
+    for content, message in ((whole[:100], "cannot be loaded (EOFError"), (None, "is not a state dict")):
+        if content is None:
+            torch.save([1.0, 2.0], second / "model.pt")
+        else:
+            (second / "model.pt").write_bytes(content)
+        assert compare_runs_main([str(first), str(second), "--param-atol", "1e-5"]) == 2
+        error = capsys.readouterr().err
+        assert error.count("error:") == 1 and f"{second / 'model.pt'} {message}" in error, error
