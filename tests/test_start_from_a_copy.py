@@ -160,13 +160,12 @@ def test_the_fsdp1_cnn_script_trains_a_torchvision_resnet(tmp_path: Path, capsys
             model_line: "    model = digit_resnet().to(ctx.device)  # YOUR MODEL",
             identity: '"script": "train/train.py", "model": "digit_resnet"},  # YOUR CHECKPOINT IDENTITY',
             imports: f"{imports}from model import digit_resnet\n",
-            # Your data too: a test set of 100 images. The check compares the training steps and the
-            # weights; evaluating 500 images on a ResNet-18 was nearly half of each of its five runs.
-            data_line: f"{data_line}    test_set = torch.utils.data.Subset(test_set, range(100))\n",
+            # Your data too: a test set of 500 images. The ResNet's evaluation of 2,000 was a third of each run.
+            data_line: f"{data_line}    test_set = torch.utils.data.Subset(test_set, range(500))\n",
         },
     )
     # lr 0.05, 12 steps: where fixed tolerances had failed. A global batch of 16 has three twins (2, 4 and 8
-    # micro-steps): each run here trains a ResNet-18, and 24 would take two runs more.
+    # micro-steps): each run here evaluates 500 images on a ResNet-18, and 24 would take two runs more.
     flags = ["--synthetic", "--lr", "0.05", "--global-batch-size", "16", "--max-steps", "12"]
     check = check_the_copy_warm(project, flags, capsys)
     assert "12 steps compared" in check.output, check.describe()
