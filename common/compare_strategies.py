@@ -18,9 +18,13 @@ synthetic data set (--train-sequences 2000 --heldout-sequences 200).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
+import runpy
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,7 +238,36 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     check_out_dir(parser, args)
     if args.png is not None:
         check_output_path(parser, args.png, "--png", overwrite=args.overwrite)
+    scripts = sorted({strategy.script for strategy in STRATEGIES if strategy.name in args.strategies})
+    check_script_flags(parser, scripts, script_flags(args, passed_on))
     return args, passed_on
+
+
+def script_flags(args: argparse.Namespace, passed_on: list[str]) -> list[str]:
+    """The flags every training script gets: this command's settings, then the user's after ``--``."""
+    return [
+        *("--device", args.device, "--model", args.model, "--max-steps", str(args.steps)),
+        *("--log-interval", str(max(1, args.steps // 4)), "--eval-interval", str(args.steps)),
+        # Memory and speed do not depend on how much data there is; generating less starts faster.
+        *("--train-sequences", "2000", "--heldout-sequences", "200"),
+        *passed_on,  # last, so that they win over the flags above
+    ]
+
+
+def check_script_flags(parser: argparse.ArgumentParser, scripts: list[str], flags: list[str]) -> None:
+    """Each script's own parser reads the flags now, in this process at one rank: a typo after ``--``
+    is one line before any run, not a failed torchrun after the first runs finished."""
+    with tempfile.TemporaryDirectory() as scratch:
+        for script in scripts:
+            said = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+                    runpy.run_path(str(REPO / script))["parse_args"]([*flags, "--run-dir", f"{scratch}/run"])
+            except SystemExit as stop:
+                if stop.code:
+                    lines = [line for line in said.getvalue().splitlines() if "error: " in line]
+                    error = lines[-1].split("error: ", 1)[1] if lines else said.getvalue().strip()
+                    parser.error(f"the flags for {script}: {error}")
 
 
 def planned_runs(args: argparse.Namespace) -> list[tuple[Strategy, int, Path]]:
@@ -266,13 +299,7 @@ def micro_steps(flags: Sequence[str]) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args, passed_on = parse_args(argv)
-    common_flags = [
-        *("--device", args.device, "--model", args.model, "--max-steps", str(args.steps)),
-        *("--log-interval", str(max(1, args.steps // 4)), "--eval-interval", str(args.steps)),
-        # Memory and speed do not depend on how much data there is; generating less starts faster.
-        *("--train-sequences", "2000", "--heldout-sequences", "200"),
-        *passed_on,  # last, so that they win over the flags above
-    ]
+    common_flags = script_flags(args, passed_on)
     runs = []
     for strategy, world_size, final_dir in planned_runs(args):
         # Run in a folder of its own, which takes the run dir's name once the run has finished.

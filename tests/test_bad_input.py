@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import check_equivalence, sample
+from common import check_equivalence, compare_strategies, sample
 from common.cli import Parser, check_launch_environment
 from common.models import GPT, GPTConfig
 from tests.harness.mnist_fixture import write_fake_mnist
@@ -308,3 +308,16 @@ def test_sample_refuses_what_the_model_cannot_take(
         sample.main([str(run_dir), *args])
     error = capsys.readouterr().err
     assert stopped.value.code == 2 and error.count("error:") == 1 and message in error, error
+
+
+def test_compare_strategies_reads_the_flags_after_the_dashes_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Read by the scripts' own parsers before any run: one line, not torchrun's failure after the first runs."""
+    argv = ["--device", "cpu", "--strategies", "ddp", "fsdp2", "--out-dir", str(tmp_path / "out"), "--", "--lr", "nan"]
+    with pytest.raises(SystemExit) as stopped:
+        compare_strategies.parse_args(argv)
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2 and error.count("error:") == 1, error
+    assert "the flags for ddp/train_transformer.py: argument --lr: must be a finite number, got nan" in error
+    assert not (tmp_path / "out").exists()
