@@ -60,6 +60,7 @@ class _SignalState:
         self.held = 0
         self.pending: int | None = None
         self.stopping = False
+        self.outlived: list[int] = []  # processes still there after their tree was killed, for the last line
 
     def handle(self, signum: int, frame: object) -> None:
         if self.stopping:
@@ -101,7 +102,9 @@ def exit_code_of(main: Callable[[], int | None], prog: str) -> int:
     try:
         return main() or 0
     except Stopped as stop:
-        print(f"{prog}: {stop}; it ended every process it had started", file=sys.stderr, flush=True)
+        left = _SIGNALS.outlived
+        ended = f"processes {left} it started outlived the kill" if left else "it ended every process it had started"
+        print(f"{prog}: {stop}; {ended}", file=sys.stderr, flush=True)
         return stop.exit_code
     finally:
         for signum, handler in previous.items():
@@ -218,6 +221,7 @@ def run_tree(
                 tree.kill_all()
                 process.wait()
                 left = tree.gone_within(5.0)
+                _SIGNALS.outlived += left
     return Ended(process.returncode, timed_out, left)
 
 
