@@ -503,7 +503,6 @@ class Checkpointer:
         for name, obj in self.extra.items():
             obj.load_state_dict(trainer["extra"][name])
         applied = settings.apply(self.optimizer, self.extra)
-        # A checkpoint from before settings were recorded names only what the optimizer and schedulers hold.
         recorded = trainer.get("settings")
         changed = changed_settings(recorded, self.settings) if isinstance(recorded, dict) else applied
         restore_rng(trainer["rng"])
@@ -513,6 +512,11 @@ class Checkpointer:
             f"resumed from {path} at step {trainer['step']} "
             f"(saved by {trainer['world_size']} process(es), now {self.ctx.world_size})"
         )
+        if not isinstance(recorded, dict):
+            print0(
+                f"{path} records no flags (it was written before checkpoints did): of the settings, only the "
+                "optimizer's and the LR scheduler's are compared"
+            )
         if changed:
             print0(f"from step {trainer['step']} on, as the flags ask: {describe_changes(changed)}")
         self._set_aside_newer_than(path)

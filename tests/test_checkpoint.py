@@ -316,6 +316,15 @@ def test_resume_names_every_training_setting_that_changed(tmp_path: Path) -> Non
     assert resumed.output.count(message) == 1, resumed.describe()
     expected = {"--seed": [1, 7], "--grad-clip": [1.0, 0.001], "--warmup-steps": [30, 5], "--min-lr-ratio": [0.1, 0.9]}
     assert resumed.events("resume")[0]["changed"] == expected, resumed.describe()
+    # A checkpoint written before checkpoints recorded their flags: what cannot be compared is said, too.
+    state = torch.load(checkpoint, weights_only=True)
+    del state["trainer"]["settings"]
+    (tmp_path / "older").mkdir()
+    torch.save(state, tmp_path / "older" / "step-5.pt")
+    older = [*args, "--lr", "1e-4", "--seed", "7", "--resume-from", str(tmp_path / "older" / "step-5.pt")]
+    legacy = run_script("ddp/train_transformer.py", older, tmp_path / "third").check()
+    assert legacy.output.count("records no flags (it was written before checkpoints did)") == 1, legacy.describe()
+    assert legacy.output.count("as the flags ask: --lr 0.01 -> 0.0001\n") == 1, legacy.describe()
 
 
 def test_a_flag_added_later_is_a_recorded_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
