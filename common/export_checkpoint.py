@@ -36,6 +36,7 @@ from common.checkpoint import (
 from common.cli import HelpFormatter, add_trust_flag
 from common.flags import existing_path, output_file
 from common.outputs import add_overwrite_flag, check_output_path, save_torch
+from common.processes import exit_code_of
 
 MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
 
@@ -119,4 +120,5 @@ def fail(message: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A SIGTERM unwinds as Ctrl-C does, so the output's temporary is removed rather than left behind.
+    sys.exit(exit_code_of(main, "python -m common.export_checkpoint"))

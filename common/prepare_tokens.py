@@ -30,6 +30,7 @@ import numpy as np
 
 from common.flags import existing_file, output_file
 from common.outputs import add_overwrite_flag, check_output_path, write_output, write_text
+from common.processes import exit_code_of
 from common.tokens import token_metadata_path
 
 VOCAB_SIZE = 256  # YOUR TOKENIZER: its vocabulary size
@@ -163,4 +164,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A SIGTERM unwinds as Ctrl-C does, so the output's temporary is removed rather than left behind.
+    sys.exit(exit_code_of(main, "python -m common.prepare_tokens"))
