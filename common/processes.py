@@ -203,13 +203,15 @@ def run_tree(
     with scratch_folder("torchrun-logs-") as logs:
         env = {**(os.environ if env is None else env)}
         env.setdefault("PET_LOG_DIR", str(logs))
-        with _SIGNALS.holding():
-            process = subprocess.Popen(
-                command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            tree = ProcessTree(process.pid)
+        tree: ProcessTree | None = None
         deadline, timed_out = time.monotonic() + timeout, False
         try:
+            # A signal held here is raised as the block ends: inside the try, so the tree is ended too.
+            with _SIGNALS.holding():
+                process = subprocess.Popen(
+                    command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+                )
+                tree = ProcessTree(process.pid)
             while process.poll() is None and not done():
                 tree.refresh()
                 if time.monotonic() >= deadline:
@@ -217,11 +219,12 @@ def run_tree(
                     break
                 time.sleep(POLL_S)  # polling a child with a bound, not synchronisation
         finally:
-            with _SIGNALS.holding():
-                tree.kill_all()
-                process.wait()
-                left = tree.gone_within(5.0)
-                _SIGNALS.outlived += left
+            if tree is not None:  # else Popen failed, and its error is on its way up
+                with _SIGNALS.holding():
+                    tree.kill_all()
+                    process.wait()
+                    left = tree.gone_within(5.0)
+                    _SIGNALS.outlived += left
     return Ended(process.returncode, timed_out, left)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from common import processes
 from common.outputs import TEMPORARY_PREFIX
 from tests.harness.runs import REPO, clean_env, kill_all, start
 
@@ -152,5 +153,34 @@ def test_a_command_stopped_mid_run_leaves_nothing(
     finally:
         os.close(fifo)
         for pid in processes_with(marker):  # today's survivors, so that the test leaves none itself
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stop_while_a_child_starts_still_ends_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A signal that comes while Popen starts the child waits until the tree knows the child, then ends it.
+
+    In process, the signal's handler called where the kernel would run it: inside Popen, once the child exists.
+    """
+    real_popen = subprocess.Popen
+
+    def popen_then_stop(*args: object, **kwargs: object) -> subprocess.Popen:
+        child = real_popen(*args, **kwargs)
+        processes._SIGNALS.handle(signal.SIGTERM, None)
+        return child
+
+    monkeypatch.setattr(subprocess, "Popen", popen_then_stop)
+    marker = f"{MARKER}={tmp_path}"
+    env = clean_env() | {MARKER: str(tmp_path)}
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    try:
+        code = processes.exit_code_of(lambda: processes.output_of(sleeper, env=env)[0], "prog")
+        assert code == 128 + signal.SIGTERM
+        assert processes_with(marker) == []
+        assert capsys.readouterr().err == "prog: stopped by SIGTERM; it ended every process it had started\n"
+    finally:
+        for pid in processes_with(marker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
