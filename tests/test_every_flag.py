@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import json
 import os
 import runpy
 import time
@@ -105,8 +106,8 @@ class Places:
         (self.root / "a-file.txt").write_text("some text, as a user's file holds\n")
         (self.root / "old-run" / "checkpoints" / "step-2.pt").write_bytes(b"a checkpoint")
         config = {"vocab_size": 50, "block_size": 8, "n_layer": 1, "n_head": 1, "d_model": 8}
-        final = f'{{"event": "final", "model_config": {str(config).replace(chr(39), chr(34))}}}\n'
-        (self.root / "finished-run" / "metrics.jsonl").write_text(final)
+        final = {"event": "final", "model_config": config}  # what common.sample checks before it loads model.pt
+        (self.root / "finished-run" / "metrics.jsonl").write_text(json.dumps(final) + "\n")
         (self.root / "finished-run" / "model.pt").write_bytes(b"weights")
 
 
