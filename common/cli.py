@@ -18,6 +18,7 @@ from common.distributed import env_rank, env_world_size, wants_cuda
 from common.flags import (
     existing_file,
     existing_path,
+    folder,
     learning_rate,
     non_negative_float,
     non_negative_int,
@@ -186,7 +187,7 @@ def add_mnist_flags(parser: Parser, *, gamma: float) -> None:
     group = parser.add_argument_group("MNIST")
     group.add_argument(
         "--data-dir",
-        type=output_dir,
+        type=folder,
         default=Path("./data"),
         help="holds MNIST/raw/; downloaded there if missing (default: %(default)s)",
     )

@@ -204,6 +204,19 @@ def output_file(text: str) -> Path:
 
 
 @flag_kind(OUTPUT_DIR)
+def folder(text: str) -> Path:
+    """A folder that is there or can be made: not a file, not below a file. No write is asked of it: a
+    data set on a read-only share is read where it is, and only a download needs to write."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    existing = nearest_existing(path)
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, not a folder")
+    return path
+
+
+@flag_kind(OUTPUT_DIR)
 def output_dir(text: str) -> Path:
     """A folder this run may create or write in: not a file, not below a file."""
     path = Path(text)
