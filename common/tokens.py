@@ -182,11 +182,14 @@ class TokenWindows(Dataset):
     on, one window every ``block_size`` tokens: each token is a target once.
 
     The file is memory-mapped, and opened in each process on first use: a window is read when it is
-    asked for, so a rank's memory holds the windows it trains on, never the corpus.
+    asked for, so a rank's memory holds the windows it trains on, never the corpus. An id outside
+    ``vocab_size`` (the file was changed after the run checked it) stops the rank with a message that
+    names the file, before the embedding's IndexError, or a GPU's device assert, could.
     """
 
-    def __init__(self, path: Path, first: int, count: int, block_size: int) -> None:
+    def __init__(self, path: Path, first: int, count: int, block_size: int, vocab_size: int) -> None:
         self.path, self.first, self.count, self.block_size = path, first, count, block_size
+        self.vocab_size = vocab_size
         self._tokens: np.memmap | None = None
 
     def __len__(self) -> int:
@@ -198,7 +201,14 @@ class TokenWindows(Dataset):
         if not 0 <= index < self.count:
             raise IndexError(index)
         start = self.first + index * self.block_size
-        window = torch.from_numpy(self._tokens[start : start + self.block_size + 1].astype(np.int64))
+        ids = self._tokens[start : start + self.block_size + 1]
+        if ids.max() >= self.vocab_size:  # numpy's max on the uint16 ids: a few microseconds a window
+            position = start + int(np.argmax(ids >= self.vocab_size))
+            raise ValueError(
+                f"{self.path} changed under the run: token {position:,} is id {int(self._tokens[position])}, outside "
+                f"its vocabulary of {self.vocab_size}. Check the file, or prepare it again with common.prepare_tokens"
+            )
+        window = torch.from_numpy(ids.astype(np.int64))
         return window[:-1], window[1:]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -292,8 +302,8 @@ def token_file_data(path: Path, block_size: int, heldout_windows: int) -> TokenD
     total = metadata.tokens
     held = max(1, min(heldout_windows, total // 10 // block_size))
     split = total - held * block_size - 1
-    train = TokenWindows(path, 0, (split - 1) // block_size, block_size)
-    heldout = TokenWindows(path, split, held, block_size)
+    train = TokenWindows(path, 0, (split - 1) // block_size, block_size, metadata.vocab_size)
+    heldout = TokenWindows(path, split, held, block_size, metadata.vocab_size)
     description = (
         f"{total:,} {metadata.tokenizer} tokens of {path} (vocab {metadata.vocab_size}), memory-mapped: "
         f"{len(train):,} train / {len(heldout):,} held-out windows"

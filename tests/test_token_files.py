@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from common import prepare_tokens, sample
+from common.tokens import token_file_data
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
 from tests.harness.wrappers import OBSERVE
 
@@ -179,3 +180,19 @@ def test_a_token_file_that_its_metadata_does_not_describe_is_refused_at_parse_ti
         parse_args(["--token-file", str(tokens), "--run-dir", str(tmp_path / "run"), *SMALL])
     error = capsys.readouterr().err
     assert refused.value.code == 2 and error.count("error:") == 1 and message in error, error
+
+
+def test_an_id_written_under_a_running_job_stops_before_the_model_reads_it(token_file: Path, tmp_path: Path) -> None:
+    """The file changed after the parse-time check (another job rewrote it): the window that holds the id
+    stops the rank with the file's name, where the embedding would raise an IndexError (on a GPU, an assert)."""
+    tokens = tmp_path / token_file.name
+    tokens.write_bytes(token_file.read_bytes())
+    Path(f"{tokens}.json").write_text(Path(f"{token_file}.json").read_text())
+    data = token_file_data(tokens, 32, 20)
+    ids = np.memmap(tokens, dtype="<u2", mode="r+")
+    ids[5 * 32 + 3] = 300  # in the sixth training window, tokens 160 to 192
+    ids.flush()
+    del ids
+    assert data.train[4][1].max() < 256
+    with pytest.raises(ValueError, match=f"{tokens} changed under the run: token 163 is id 300, outside its vocab"):
+        data.train[5]
