@@ -60,6 +60,7 @@ class _SignalState:
         self.held = 0
         self.pending: int | None = None
         self.stopping = False
+        self.trees = 0  # how many process trees run_tree started, for the last line
         self.outlived: list[int] = []  # processes still there after their tree was killed, for the last line
 
     def handle(self, signum: int, frame: object) -> None:
@@ -102,14 +103,19 @@ def exit_code_of(main: Callable[[], int | None], prog: str) -> int:
     try:
         return main() or 0
     except Stopped as stop:
-        left = _SIGNALS.outlived
-        ended = f"processes {left} it started outlived the kill" if left else "it ended every process it had started"
-        print(f"{prog}: {stop}; {ended}", file=sys.stderr, flush=True)
+        print(f"{prog}: {stop}{what_ended()}", file=sys.stderr, flush=True)
         return stop.exit_code
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _SIGNALS.__init__()
+
+
+def what_ended() -> str:
+    """The end of the stop line: whether the processes the command started ended; nothing if it started none."""
+    if _SIGNALS.outlived:
+        return f"; processes {_SIGNALS.outlived} it started outlived the kill"
+    return "; it ended every process it had started" if _SIGNALS.trees else ""
 
 
 def start_time(pid: int) -> str:
@@ -212,6 +218,7 @@ def run_tree(
                     command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
                 )
                 tree = ProcessTree(process.pid)
+                _SIGNALS.trees += 1
             while process.poll() is None and not done():
                 tree.refresh()
                 if time.monotonic() >= deadline:

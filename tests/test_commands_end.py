@@ -184,3 +184,12 @@ def test_a_stop_while_a_child_starts_still_ends_it(
         for pid in processes_with(marker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_command_that_started_nothing_says_only_that_it_stopped(capsys: pytest.CaptureFixture[str]) -> None:
+    def stopped_at_once() -> int:
+        processes._SIGNALS.handle(signal.SIGINT, None)  # where the kernel would run it
+        return 0
+
+    assert processes.exit_code_of(stopped_at_once, "prog") == 128 + signal.SIGINT
+    assert capsys.readouterr().err == "prog: stopped by SIGINT\n"
