@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     taken = [str(folder) for folder in run_dirs(args.out).values() if holds_something(folder)]
     if taken and not args.overwrite:
         parser.error(
-            f"--out {args.out}: {', '.join(taken)} hold an earlier benchmark's runs; pass {OVERWRITE_FLAG} to "
+            f"--out {args.out}: an earlier benchmark's runs are in {', '.join(taken)}; pass {OVERWRITE_FLAG} to "
             "replace each once its new run has finished, or choose another --out folder"
         )
     return args

@@ -286,7 +286,7 @@ def check_out_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     taken = [str(run_dir) for _, _, run_dir in planned_runs(args) if holds_something(run_dir)]
     if taken and not args.overwrite:
         parser.error(
-            f"--out-dir {args.out_dir}: {', '.join(taken)} hold earlier runs; pass {OVERWRITE_FLAG} to replace "
+            f"--out-dir {args.out_dir}: earlier runs are in {', '.join(taken)}; pass {OVERWRITE_FLAG} to replace "
             "each once its new run has finished, or choose another --out-dir"
         )
 

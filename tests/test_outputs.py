@@ -290,6 +290,9 @@ def test_benchmark_run_again_on_one_out_is_refused_up_front(tmp_path: Path, caps
     monkeypatch.setattr(benchmark, "launch", no_launch)
     code, _, err = run_main(benchmark.main, argv, capsys)
     assert code == 2 and "b.json exists; choose another name, or pass --overwrite" in one_error(err)
+    (tmp_path / "b.json").unlink()  # the table gone, its runs still there
+    code, _, err = run_main(benchmark.main, argv, capsys)
+    assert code == 2 and f"an earlier benchmark's runs are in {tmp_path / 'ddp'}" in one_error(err)
 
 
 def test_compare_strategies_run_again_on_one_out_dir(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -299,6 +302,6 @@ def test_compare_strategies_run_again_on_one_out_dir(tmp_path: Path, capsys, mon
     argv = ["--world-sizes", "1", "--strategies", "ddp", "--out-dir", str(tmp_path / "cmp")]
     assert run_main(compare_strategies.main, argv, capsys)[0] == 0
     code, _, err = run_main(compare_strategies.main, argv, capsys)
-    assert code == 2 and "ddp-1 hold earlier runs; pass --overwrite" in one_error(err)
+    assert code == 2 and "earlier runs are in " + str(tmp_path / "cmp" / "ddp-1") in one_error(err)
     assert run_main(compare_strategies.main, [*argv, "--overwrite"], capsys)[0] == 0
     assert sorted(path.name for path in (tmp_path / "cmp").iterdir()) == ["ddp-1"]
