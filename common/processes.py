@@ -180,7 +180,8 @@ class ProcessTree:
 
 
 def send(pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
+    # Gone meanwhile, or not ours to signal any more (a setuid program): gone_within names what stays.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signum)
 
 
