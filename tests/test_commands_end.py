@@ -13,6 +13,9 @@ Each case runs the real command in an interpreter of its own. What it starts is 
 Every process the command starts inherits its environment, which holds the FIFO's path: a process
 whose environment holds it once the command has ended is a survivor. The temporary directory is the
 test's own, so anything left in it is the command's.
+
+Two cases run in process, the signal's handler called where the kernel would run it: a signal while
+Popen starts a child (the child must still be ended), and a command stopped before it started anything.
 """
 
 from __future__ import annotations
