@@ -1,8 +1,9 @@
 """The argparse types of every flag that takes a number or a path: one way to read a flag.
 
 A type refuses what no flag means before any work starts: nan, inf and what overflows to them
-(1e999), a number outside the flag's range, a word where a number goes; a missing input, a folder
-where a file goes, a file where a folder goes, an output below a file or where nobody may write.
+(1e999), a number outside the flag's range, a word where a number goes; an empty path, a name too
+long for the file system, a missing input, a folder where a file goes, a file where a folder goes,
+an output below a file or where nothing can be created.
 argparse prints the refusal once as ``PROG: error: argument --FLAG: ...`` and exits with 2.
 
 Each type carries ``kind`` (NUMBER, EXISTING_FILE, ...): tests/test_every_flag.py reads it to
@@ -13,6 +14,7 @@ No torch here: common.preflight parses its flags without importing it.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -153,6 +155,26 @@ def timeout_seconds(text: str) -> float:
     return value
 
 
+def path_kind(kind: str) -> Callable[[Callable[[str], Path]], Callable[[str], Path]]:
+    """``flag_kind`` for a path: also refuses an empty path, and says what the system said of one (a name
+    too long, a loop of links) instead of raising it as a traceback."""
+
+    def mark(check: Callable[[str], Path]) -> Callable[[str], Path]:
+        @functools.wraps(check)
+        def parse(text: str) -> Path:
+            if not text:
+                raise argparse.ArgumentTypeError("an empty path")
+            try:
+                return check(text)
+            except OSError as err:
+                shown = text if len(text) <= 120 else f"{text[:120]}..."
+                raise argparse.ArgumentTypeError(f"{shown}: {err.strerror or err}") from None
+
+        return flag_kind(kind)(parse)
+
+    return mark
+
+
 def _refuse_unwritable(text: str, folder: Path) -> None:
     """Refuse a folder to write in whose nearest existing part is a file, or one where nothing can be created."""
     existing = nearest_existing(folder)
@@ -163,7 +185,14 @@ def _refuse_unwritable(text: str, folder: Path) -> None:
         raise argparse.ArgumentTypeError(f"{text}: cannot create anything in {existing} ({failure})")
 
 
-@flag_kind(EXISTING_FILE)
+def _refuse_long_names(text: str, path: Path) -> None:
+    """A name the file system would refuse to make (ENAMETOOLONG), refused now: the parts there already fit."""
+    longest = os.pathconf(nearest_existing(path), "PC_NAME_MAX")
+    if any(len(os.fsencode(name)) > longest for name in path.parts):
+        raise argparse.ArgumentTypeError(f"{text}: a name in it is longer than the {longest} bytes a name may have")
+
+
+@path_kind(EXISTING_FILE)
 def existing_file(text: str) -> Path:
     path = Path(text)
     if path.is_dir():
@@ -175,7 +204,7 @@ def existing_file(text: str) -> Path:
     return path
 
 
-@flag_kind(EXISTING_DIR)
+@path_kind(EXISTING_DIR)
 def existing_dir(text: str) -> Path:
     path = Path(text)
     if path.exists() and not path.is_dir():
@@ -185,7 +214,7 @@ def existing_dir(text: str) -> Path:
     return path
 
 
-@flag_kind(EXISTING_PATH)
+@path_kind(EXISTING_PATH)
 def existing_path(text: str) -> Path:
     path = Path(text)
     if not path.exists():
@@ -193,17 +222,18 @@ def existing_path(text: str) -> Path:
     return path
 
 
-@flag_kind(OUTPUT_FILE)
+@path_kind(OUTPUT_FILE)
 def output_file(text: str) -> Path:
     """A file this run may create (or replace, where its command allows that): not a folder, not below a file."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; give the name of the file to write")
     _refuse_unwritable(text, path.parent)
+    _refuse_long_names(text, path)
     return path
 
 
-@flag_kind(OUTPUT_DIR)
+@path_kind(OUTPUT_DIR)
 def folder(text: str) -> Path:
     """A folder that is there or can be made: not a file, not below a file. No write is asked of it: a
     data set on a read-only share is read where it is, and only a download needs to write."""
@@ -213,14 +243,16 @@ def folder(text: str) -> Path:
     existing = nearest_existing(path)
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, not a folder")
+    _refuse_long_names(text, path)
     return path
 
 
-@flag_kind(OUTPUT_DIR)
+@path_kind(OUTPUT_DIR)
 def output_dir(text: str) -> Path:
     """A folder this run may create or write in: not a file, not below a file."""
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
     _refuse_unwritable(text, path)
+    _refuse_long_names(text, path)
     return path

@@ -43,13 +43,14 @@ def is_command(path: Path) -> bool:
 COMMANDS = sorted(f"common.{path.stem}" for path in (REPO / "common").glob("*.py") if is_command(path))
 
 # Values a flag of that kind must refuse; an output flag is also tried with an input of its command.
+ANY_PATH = ["", "{too_long}"]  # an empty path; a name longer than a file system takes (ENAMETOOLONG)
 HOSTILE = {
     flags.NUMBER: ["nan", "inf", "0", "-1", "1e999", "many"],
-    flags.EXISTING_FILE: ["{missing}", "{folder}"],
-    flags.EXISTING_DIR: ["{missing}", "{file}"],
-    flags.EXISTING_PATH: ["{missing}", "{below_file}"],
-    flags.OUTPUT_FILE: ["{folder}", "{below_file}"],
-    flags.OUTPUT_DIR: ["{file}", "{below_file}"],
+    flags.EXISTING_FILE: ["{missing}", "{folder}", *ANY_PATH],
+    flags.EXISTING_DIR: ["{missing}", "{file}", *ANY_PATH],
+    flags.EXISTING_PATH: ["{missing}", "{below_file}", *ANY_PATH],
+    flags.OUTPUT_FILE: ["{folder}", "{below_file}", *ANY_PATH],
+    flags.OUTPUT_DIR: ["{file}", "{below_file}", *ANY_PATH],
 }
 NOT_A_CHOICE = "no-such-choice"
 
@@ -90,6 +91,7 @@ class Places:
             "folder": str(self.root / "a-folder"),
             "file": str(self.root / "a-file.txt"),
             "below_file": str(self.root / "a-file.txt" / "inside"),
+            "too_long": str(self.root / ("x" * 300) / "out"),
             "text": str(self.root / "a-file.txt"),
             "out": str(self.root / "outputs" / "out.json"),
             "runs": str(self.root / "runs"),
@@ -170,6 +172,11 @@ class Case:
     value: str
     argv: list[str]
     must_fail: bool
+    shown: str = ""  # how argparse names the flag in its message: the option, or a positional's metavar
+
+
+def shown_as(action: argparse.Action) -> str:
+    return action.option_strings[-1] if action.option_strings else str(action.metavar or action.dest)
 
 
 def command_line(
@@ -196,13 +203,13 @@ def cases(program: str, parser: argparse.ArgumentParser, places: dict[str, str])
         for value in values:
             argv = command_line(program, parser, {action: value}, places)
             must_fail = (name_of(action), value) not in VALID
-            yield Case(program, name_of(action), value.format(**places), argv, must_fail)
+            yield Case(program, name_of(action), value.format(**places), argv, must_fail, shown_as(action))
         if kind in (flags.OUTPUT_FILE, flags.OUTPUT_DIR):
             for source in inputs:
                 _, positionals = SCRIPT_BASE if program.endswith(".py") else BASE[program]
                 value = (positionals.get(source.dest) or ["{text}"])[0]
                 argv = command_line(program, parser, {source: value, action: value}, places)
-                yield Case(program, name_of(action), value.format(**places), argv, True)
+                yield Case(program, name_of(action), value.format(**places), argv, True, shown_as(action))
 
 
 def unchecked(program: str, parser: argparse.ArgumentParser) -> list[str]:
@@ -235,7 +242,7 @@ def outcome(parse_args: Callable[[list[str]], object], case: Case, capsys: pytes
         return None if code == 0 else f"exit {code}, though VALID declares it: {captured.err}"
     if code != 2 or len(errors) != 1 or "Traceback" in captured.err:
         return f"exit {code}, {len(errors)} error line(s): {captured.err or captured.out}"
-    if case.flag.lstrip("-") not in errors[0] and case.value not in errors[0]:
+    if case.shown not in errors[0] and case.value not in errors[0]:
         return f"the error names neither the flag nor the value: {errors[0]}"
     return None
 
