@@ -237,7 +237,12 @@ def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> dict[
 
 
 def describe_changes(changed: dict[str, list[Any]]) -> str:
-    return ", ".join(f"{flag} {old} -> {new}" for flag, (old, new) in changed.items())
+    """``--flag old -> new``, each; a flag left to its default (--global-batch-size, --n-layer) reads "unset"."""
+    return ", ".join(f"{flag} {shown(old)} -> {shown(new)}" for flag, (old, new) in changed.items())
+
+
+def shown(value: Any) -> str:
+    return "unset" if value is None else str(value)
 
 
 # Entries of a scheduler's state that count where it is, not how it was set up.

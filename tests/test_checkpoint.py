@@ -305,16 +305,18 @@ def test_resume_names_every_training_setting_that_changed(tmp_path: Path) -> Non
     run_script("ddp/train_transformer.py", args, first).check()
     checkpoint = first / "checkpoints" / "step-5.pt"
     changed = ["--warmup-steps", "5", "--min-lr-ratio", "0.9", "--grad-clip", "0.001", "--seed", "7"]
+    changed += ["--global-batch-size", "64"]  # left to the default before: 32 a rank, at 1 process
     unnamed = ["--log-interval", "1", "--eval-interval", "1", "--keep-checkpoints", "3"]
     resumed = run_script(
         "ddp/train_transformer.py", [*args, *changed, *unnamed, "--resume-from", str(checkpoint)], second, nproc=2
     ).check()
     message = (
-        "from step 5 on, as the flags ask: --seed 1 -> 7, --grad-clip 1.0 -> 0.001, --warmup-steps 30 -> 5, "
-        "--min-lr-ratio 0.1 -> 0.9\n"
+        "from step 5 on, as the flags ask: --seed 1 -> 7, --global-batch-size unset -> 64, --grad-clip 1.0 -> 0.001, "
+        "--warmup-steps 30 -> 5, --min-lr-ratio 0.1 -> 0.9\n"
     )
     assert resumed.output.count(message) == 1, resumed.describe()
-    expected = {"--seed": [1, 7], "--grad-clip": [1.0, 0.001], "--warmup-steps": [30, 5], "--min-lr-ratio": [0.1, 0.9]}
+    expected = {"--seed": [1, 7], "--global-batch-size": [None, 64], "--grad-clip": [1.0, 0.001]}
+    expected |= {"--warmup-steps": [30, 5], "--min-lr-ratio": [0.1, 0.9]}
     assert resumed.events("resume")[0]["changed"] == expected, resumed.describe()
     # A checkpoint written before checkpoints recorded their flags: what cannot be compared is said, too.
     state = torch.load(checkpoint, weights_only=True)
