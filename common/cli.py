@@ -266,6 +266,21 @@ def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
         check_token_file(parser, args.token_file, args.block_size)
     if args.variable_length and (args.text_file or args.token_file):
         parser.error("--variable-length cuts the synthetic sequences; the windows of a text or token file are whole")
+    if args.text_file is None and args.token_file is None:
+        check_synthetic_size(parser, args)
+
+
+def check_synthetic_size(parser: Parser, args: argparse.Namespace) -> None:
+    """Synthetic sequences that could not fit in this machine's memory are refused now, not by the allocator."""
+    sequences = args.train_sequences + args.heldout_sequences
+    needed = sequences * (args.block_size + 1) * 8  # int64 ids, one more than the context for the targets
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > memory:
+        parser.error(
+            f"--train-sequences {args.train_sequences} and --heldout-sequences {args.heldout_sequences} at "
+            f"--block-size {args.block_size}: the synthetic data would take {needed / 2**30:,.0f} GiB per process, "
+            f"more than this machine's {memory / 2**30:,.0f} GiB"
+        )
 
 
 def check_text_file(parser: Parser, path: Path, block_size: int) -> None:

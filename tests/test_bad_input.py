@@ -40,6 +40,8 @@ CASES = [
     ("ddp/train_transformer.py", ["--lr", "1e38"], "--lr: must be at most 3.4e+37: the optimizer's float32"),
     ("fsdp/train_mnist.py", ["--dist-timeout", "1e13"], "--dist-timeout: must be from 10 to 604800 seconds"),
     ("ddp/train_transformer.py", ["--seed", "99999999999999999999999"], "--seed: must be an integer from 0 to"),
+    ("ddp/train_transformer.py", ["--train-sequences", "1000000000000"], "the synthetic data would take 484,288 GiB"),
+    (FSDP2, ["--heldout-sequences", "10000000000000"], "--heldout-sequences 10000000000000 at --block-size 64: the"),
     # Found once the data is loaded, inside the process group: still one message and exit code 2.
     ("ddp/train_transformer.py", ["--train-sequences", "10"], "the training set is too small for one optimizer step"),
 ]
