@@ -56,14 +56,22 @@ def read_records(run_dir: Path) -> list[dict]:
     records = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}, line {number}: not a whole record ({err.msg}); was the run cut off?") from None
+        if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+            raise ValueError(f"{path}, line {number}: not a record of a run (an object with its event)")
+        records.append(record)
     return records
 
 
 def train_records(run_dir: Path) -> dict[int, dict]:
-    return {record["step"]: record for record in read_records(run_dir) if record["event"] == "train"}
+    records = [record for record in read_records(run_dir) if record["event"] == "train"]
+    for record in records:
+        numbers = [record.get(key) for key in ("loss", "grad_norm")]
+        if not isinstance(record.get("step"), int) or not all(isinstance(n, int | float) for n in numbers):
+            raise ValueError(f"{run_dir / 'metrics.jsonl'}: a train record without step, loss and grad_norm: {record}")
+    return {record["step"]: record for record in records}
 
 
 def final_record(run_dir: Path) -> dict:
@@ -113,7 +121,7 @@ def check_same_model(runs: list[Path]) -> None:
 
     The final record's ``model_config`` says it where a run has one (the transformer scripts).
     """
-    configs = {run: config for run in runs if (config := final_record(run).get("model_config")) is not None}
+    configs = {run: config for run in runs if isinstance(config := final_record(run).get("model_config"), dict)}
     if len(configs) < 2:
         return
     (first, expected), *others = configs.items()

@@ -513,3 +513,23 @@ def test_compare_runs_names_a_model_it_cannot_read(tmp_path: Path, capsys: pytes
         assert compare_runs_main([str(first), str(second), "--param-atol", "1e-5"]) == 2
         error = capsys.readouterr().err
         assert error.count("error:") == 1 and f"{second / 'model.pt'} {message}" in error, error
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("5", "line 3: not a record of a run"),
+        ('{"event": "train", "loss": 1.0, "grad_norm": 1.0}', "a train record without step, loss and grad_norm"),
+        ('{"event": "train", "step": 3, "loss": "low", "grad_norm": 1.0}', "a train record without step, loss"),
+    ],
+)
+def test_compare_runs_names_a_record_it_cannot_read(
+    line: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A metrics.jsonl edited by hand: one message naming the file, not a TypeError or KeyError traceback."""
+    first, second = write_run(tmp_path / "a", [2.0, 1.0]), write_run(tmp_path / "b", [2.0, 1.0])
+    with (second / "metrics.jsonl").open("a") as metrics:
+        metrics.write(line + "\n")
+    assert compare_runs_main([str(first), str(second), "--loss-rtol", "1e-5"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("error:") == 1 and f"{second / 'metrics.jsonl'}" in error and message in error, error
