@@ -522,6 +522,7 @@ def test_compare_runs_names_a_model_it_cannot_read(tmp_path: Path, capsys: pytes
         ('{"event": "train", "loss": 1.0, "grad_norm": 1.0}', "a train record without step, loss and grad_norm"),
         ('{"event": "train", "step": 3, "loss": "low", "grad_norm": 1.0}', "a train record without step, loss"),
     ],
+    ids=["a number", "no step", "a word for a loss"],
 )
 def test_compare_runs_names_a_record_it_cannot_read(
     line: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
