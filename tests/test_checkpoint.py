@@ -198,6 +198,8 @@ def test_resume_after_a_torn_metrics_line(tmp_path: Path) -> None:
         metrics.write('{"event": "train", "step": 21, "lo')  # no newline: the write stopped there
     resumed = run_script("ddp/train_transformer.py", [*SHORT_ARGS, "--resume"], run_dir).check()
     assert resumed.output.count("left out 1 line(s) cut off mid-write") == 1, resumed.describe()
+    # The finished run's final record is the one record after the checkpoint's step.
+    assert resumed.output.count("1 record(s) after step 20 are replaced by this run") == 1, resumed.describe()
     records = resumed.metrics()  # every line parses
     history = [json.loads(line) for line in whole.splitlines()]
     assert history[-1]["event"] == "final"  # a resumed run writes its own

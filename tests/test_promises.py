@@ -69,8 +69,6 @@ NOT_A_PROMISE: dict[tuple[str, str], str] = {
 NO_TEST_YET: set[tuple[str, str]] = {
     ("docs/checkpoints.md", "no rank holds more than the one copy rank 0 read"),
     ("docs/checkpoints.md", "SIGTERM to torchrun itself stops the run cleanly too"),
-    # A restart after the last evaluation writes a second eval record for its step (issue 37, item 19).
-    ("docs/checkpoints.md", "Records after the checkpoint's step are replaced"),
     ("docs/communication.md", "It says when the check ran on one node"),
     ("docs/communication.md", "writes it to `--out` as JSON (atomically)"),
     ("docs/equivalence.md", "the band never goes below the error of torch's norm"),
