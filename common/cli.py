@@ -19,6 +19,7 @@ from common.flags import (
     existing_file,
     existing_path,
     folder,
+    int_in_range,
     learning_rate,
     non_negative_float,
     non_negative_int,
@@ -202,13 +203,17 @@ def add_mnist_flags(parser: Parser, *, gamma: float) -> None:
     group.add_argument("--gamma", type=positive_float, default=gamma, help="StepLR's lr decay per epoch")
 
 
+# 128 Ki tokens: attention scores at that length already take 64 GiB per head and sequence in fp32.
+context_length = int_in_range(1, 2**17, name="context_length")
+
+
 def add_transformer_flags(parser: Parser) -> None:
     group = parser.add_argument_group("transformer")
     group.add_argument("--model", choices=sorted(GPT_PRESETS), default="tiny", help="size preset (default: tiny)")
     group.add_argument("--n-layer", type=positive_int, help="override the preset's number of Blocks")
     group.add_argument("--n-head", type=positive_int, help="override the preset's attention heads")
     group.add_argument("--d-model", type=positive_int, help="override the preset's width")
-    group.add_argument("--block-size", type=positive_int, help="override the preset's context length")
+    group.add_argument("--block-size", type=context_length, help="override the preset's context length")
     group.add_argument("--dropout", type=probability, default=0.0, help="dropout probability in every Block")
     group.add_argument(
         "--text-file",
@@ -268,13 +273,32 @@ def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("--variable-length cuts the synthetic sequences; the windows of a text or token file are whole")
     if args.text_file is None and args.token_file is None:
         check_synthetic_size(parser, args)
+    check_model_size(parser, args)
+
+
+def machine_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_model_size(parser: Parser, args: argparse.Namespace) -> None:
+    """A model whose fp32 weights alone exceed this machine's memory is refused now, not by the allocator.
+
+    Its Blocks' weights (12 d^2 each) and position embeddings are counted; the vocabulary's rows, which
+    depend on the data, are left out, so this refuses only what cannot be built.
+    """
+    weights = 4 * (12 * args.n_layer * args.d_model**2 + args.block_size * args.d_model)
+    if weights > machine_memory():
+        parser.error(
+            f"--n-layer {args.n_layer} --d-model {args.d_model} --block-size {args.block_size}: the weights alone "
+            f"would take {weights / 2**30:,.0f} GiB, more than this machine's {machine_memory() / 2**30:,.0f} GiB"
+        )
 
 
 def check_synthetic_size(parser: Parser, args: argparse.Namespace) -> None:
     """Synthetic sequences that could not fit in this machine's memory are refused now, not by the allocator."""
     sequences = args.train_sequences + args.heldout_sequences
     needed = sequences * (args.block_size + 1) * 8  # int64 ids, one more than the context for the targets
-    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    memory = machine_memory()
     if needed > memory:
         parser.error(
             f"--train-sequences {args.train_sequences} and --heldout-sequences {args.heldout_sequences} at "

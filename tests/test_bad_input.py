@@ -42,6 +42,8 @@ CASES = [
     ("ddp/train_transformer.py", ["--seed", "99999999999999999999999"], "--seed: must be an integer from 0 to"),
     ("ddp/train_transformer.py", ["--train-sequences", "1000000000000"], "the synthetic data would take 484,288 GiB"),
     (FSDP2, ["--heldout-sequences", "10000000000000"], "--heldout-sequences 10000000000000 at --block-size 64: the"),
+    ("ddp/train_transformer.py", ["--d-model", "1000000", "--n-head", "1"], "the weights alone would take 89,407 GiB"),
+    (FSDP1, ["--block-size", "200000"], "--block-size: must be an integer from 1"),
     # Found once the data is loaded, inside the process group: still one message and exit code 2.
     ("ddp/train_transformer.py", ["--train-sequences", "10"], "the training set is too small for one optimizer step"),
 ]
