@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from common.outputs import creation_failure, nearest_existing
+from common.outputs import creation_failure, nearest_existing, not_a_folder
 
 NUMBER = "number"
 EXISTING_FILE = "existing file"
@@ -179,7 +179,7 @@ def _refuse_unwritable(text: str, folder: Path) -> None:
     """Refuse a folder to write in whose nearest existing part is a file, or one where nothing can be created."""
     existing = nearest_existing(folder)
     if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, not a folder")
+        raise argparse.ArgumentTypeError(f"{text}: {existing} {not_a_folder(existing)}")
     failure = creation_failure(existing, make_folders=existing != folder)
     if failure is not None:
         raise argparse.ArgumentTypeError(f"{text}: cannot create anything in {existing} ({failure})")
@@ -242,7 +242,7 @@ def folder(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
     existing = nearest_existing(path)
     if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, not a folder")
+        raise argparse.ArgumentTypeError(f"{text}: {existing} {not_a_folder(existing)}")
     _refuse_long_names(text, path)
     return path
 

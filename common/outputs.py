@@ -9,7 +9,14 @@ already, unless the user passes ``--overwrite`` (``add_overwrite_flag``) or the 
 own (a checkpoint it rotates, its metrics.jsonl, the model.pt of its run dir): those callers say
 ``overwrite=True``. ``check_output_path`` refuses an output that cannot be written before any work
 starts; a file that appears under the output's name while the work runs is kept, and the writer
-fails with ``OutputExists`` instead of replacing it.
+fails with ``OutputExists`` instead of replacing it. Only regular files are replaced: a device,
+a pipe or a socket under the output's name (``/dev/null``, ``/dev/stdout``) is refused, ``--overwrite``
+or not, since a rename would put a file where the system's node was.
+
+Files that belong together (a token file and its metadata) are written with ``write_outputs``: each
+whole under its temporary first, then all renamed, with stopping signals held, so a full disk or a
+stop leaves the earlier pair as it was. A SIGKILL cannot be held: it may leave a temporary
+(``.tmp-NAME.PID.RANDOM``), which no later writer uses and which can be deleted.
 """
 
 from __future__ import annotations
@@ -19,15 +26,20 @@ import errno
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+import signal
+import stat
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
+
+from common.processes import STOPPING_SIGNALS
 
 OVERWRITE_FLAG = "--overwrite"
 TEMPORARY_PREFIX = ".tmp-"  # checkpoint pruning deletes what starts with it: leftovers of killed writes
 # Where a hard link cannot be made, publishing without replacing falls back to a check, then a rename.
 NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
+DEFAULT_NAME_MAX = 255  # where the file system does not say
 
 
 class OutputExists(FileExistsError):
@@ -55,9 +67,19 @@ def add_overwrite_flag(parser: argparse._ActionsContainer) -> None:
 
 
 def nearest_existing(path: Path) -> Path:
-    """``path`` or the closest of its parents that exists: where a folder not made yet would go."""
+    """``path`` or the closest of its parents that exists: where a folder not made yet would go.
+
+    A link to nothing counts as there: it holds the name, so no folder can be made in its place.
+    """
     # os.path's answers are False, not an exception, for a name under a file or in a folder one cannot read.
-    return next((folder for folder in (path, *path.parents) if os.path.exists(folder)), Path("."))
+    return next((folder for folder in (path, *path.parents) if os.path.lexists(folder)), Path("."))
+
+
+def not_a_folder(path: Path) -> str:
+    """What stands where a folder should be, for a message: a file, or a link to nothing."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"is a link to {os.readlink(path)}, which does not exist, not a folder"
+    return "is a file, not a folder"
 
 
 def same_file(a: Path, b: Path) -> bool:
@@ -87,6 +109,22 @@ def creation_failure(folder: Path, make_folders: bool) -> str | None:
     return None
 
 
+def name_max(folder: Path) -> int:
+    """The longest name, in bytes, that the file system holding ``folder`` (or its nearest existing parent) allows."""
+    try:
+        return os.pathconf(nearest_existing(folder), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return DEFAULT_NAME_MAX
+
+
+def not_a_regular_file(path: Path) -> bool:
+    """``path`` is, or links to, something that is not a plain file: a device, a pipe, a socket."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # nothing there, or a dangling link: a file may take the name
+        return False
+
+
 def output_problem(path: Path, flag: str, inputs: Iterable[Path] = (), overwrite: bool = False) -> str | None:
     """Why writing ``path`` (given as ``flag``) must not start, or None."""
     named = f"{flag} {path}".strip()
@@ -97,7 +135,15 @@ def output_problem(path: Path, flag: str, inputs: Iterable[Path] = (), overwrite
         return f"{named} is a folder; give the name of the file to write"
     existing = nearest_existing(path.parent)
     if not os.path.isdir(existing):
-        return f"{named}: {existing} is a file, not a folder"
+        return f"{named}: {existing} {not_a_folder(existing)}"
+    longest = name_max(path.parent)
+    if len(os.fsencode(path.name)) > longest:
+        return f"{named}: the name {path.name[:40]}... is longer than the {longest} bytes a name may have here"
+    if not_a_regular_file(path):
+        return (
+            f"{named} is not a regular file (a device, a pipe or a socket); outputs are written as files, "
+            f"and {OVERWRITE_FLAG} does not replace such a node: give a file name"
+        )
     if os.path.lexists(path) and not overwrite:
         return f"{named} exists; choose another name, or pass {OVERWRITE_FLAG} to replace it"
     failure = creation_failure(existing, make_folders=existing != path.parent)
@@ -123,7 +169,7 @@ def folder_problem(folder: Path, flag: str) -> str | None:
     """Why outputs cannot go into ``folder`` (given as ``flag``), made if need be; None if they can."""
     existing = nearest_existing(folder)
     if not os.path.isdir(existing):
-        return f"{flag} {folder}: {existing} is a file, not a folder"
+        return f"{flag} {folder}: {existing} {not_a_folder(existing)}"
     failure = creation_failure(existing, make_folders=True)
     if failure is not None:
         return f"{flag} {folder}: cannot create anything in {existing} ({failure})"
@@ -141,15 +187,39 @@ def temporary_beside(path: Path) -> Path:
     """A name in ``path``'s folder that no other writer uses, created empty (so no one else takes it).
 
     It keeps ``path``'s suffix: writers that take a file name (matplotlib) choose the format by it.
+    The stem is shortened where the extra parts would make a name the file system refuses, so any
+    name it allows for ``path`` can be written.
     """
     while True:
         unique = f"{os.getpid()}.{secrets.token_hex(4)}"
-        temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.stem}.{unique}{path.suffix}")
+        temporary = path.with_name(temporary_name(path, unique))
         try:
             os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # umask applies, as for open()
         except FileExistsError:
             continue
         return temporary
+
+
+def temporary_name(path: Path, unique: str) -> str:
+    """``.tmp-STEM.UNIQUE.SUFFIX``, within the folder's longest name (the stem, then the suffix, cut short)."""
+    room = name_max(path.parent)
+    suffix = path.suffix
+    if len(os.fsencode(f"{TEMPORARY_PREFIX}.{unique}{suffix}")) > room:
+        suffix = ""
+    stem_room = room - len(os.fsencode(f"{TEMPORARY_PREFIX}.{unique}{suffix}"))
+    stem = os.fsdecode(os.fsencode(path.name.removesuffix(suffix))[: max(stem_room, 0)])
+    return f"{TEMPORARY_PREFIX}{stem}.{unique}{suffix}"
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Stopping signals wait for the end of the block: a stop between two steps that belong together (a
+    temporary made and remembered, two files of a pair renamed) would leave one done and the other not."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a signal that came meanwhile is handled now
 
 
 def publish(temporary: Path, path: Path, overwrite: bool) -> None:
@@ -175,16 +245,50 @@ def write_output(path: Path, write: Callable[[IO[bytes]], None], overwrite: bool
     Parent folders are made. The temporary is removed whatever happens (a failed write holds disk
     space and nothing else); ``OutputExists`` if ``path`` appeared meanwhile and ``overwrite`` is False.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_beside(path)
+    write_outputs([(path, write)], overwrite)
+
+
+def write_outputs(writes: Sequence[tuple[Path, Callable[[IO[bytes]], None]]], overwrite: bool) -> None:
+    """``write_output`` for files that belong together: all of them, or none and the earlier ones kept.
+
+    Each is written whole under its temporary, in order (a later ``write`` may use what an earlier
+    one found), before any takes its name; the renames run with stopping signals held.
+    """
+    temporaries: list[Path] = []
     try:
-        with temporary.open("r+b") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        publish(temporary, path, overwrite)
+        for path, write in writes:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with signals_held():
+                temporaries.append(temporary_beside(path))
+            fill(temporaries[-1], write)
+        with signals_held():
+            publish_all(temporaries, [path for path, _ in writes], overwrite)
     finally:
-        temporary.unlink(missing_ok=True)  # after a hard link, the output keeps the data under its own name
+        with signals_held():
+            for temporary in temporaries:
+                temporary.unlink(missing_ok=True)  # after a hard link, the output keeps the data under its own name
+
+
+def fill(temporary: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """``write`` into ``temporary``, then flushed to the disk."""
+    with temporary.open("r+b") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def publish_all(temporaries: list[Path], paths: list[Path], overwrite: bool) -> None:
+    """``publish`` each; if one fails without ``overwrite``, the ones this call made are removed again."""
+    published: list[Path] = []
+    try:
+        for temporary, path in zip(temporaries, paths, strict=True):
+            publish(temporary, path, overwrite)
+            published.append(path)
+    except BaseException:
+        if not overwrite:
+            for path in published:
+                path.unlink(missing_ok=True)  # made by this call's hard link a moment ago: half a group is not kept
+        raise
 
 
 def write_text(path: Path, text: str, overwrite: bool) -> None:
@@ -195,7 +299,8 @@ def write_text(path: Path, text: str, overwrite: bool) -> None:
 def write_by_name(path: Path, write: Callable[[str], Any], overwrite: bool) -> None:
     """``write_output`` for writers that take a file's name rather than a file (a profiler's trace, a figure)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_beside(path)
+    with signals_held():
+        temporary = temporary_beside(path)
     try:
         write(str(temporary))
         with temporary.open("rb") as file:
@@ -241,9 +346,10 @@ def output_folder(path: Path, overwrite: bool) -> Iterator[Path]:
     """
     path = path.absolute()  # a child that runs elsewhere (torchrun from the repository) fills the same folder
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_beside(path)
-    temporary.unlink()
-    temporary.mkdir()
+    with signals_held():
+        temporary = temporary_beside(path)
+        temporary.unlink()
+        temporary.mkdir()
     try:
         yield temporary
         if holds_something(path) and not overwrite:

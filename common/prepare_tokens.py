@@ -29,7 +29,7 @@ from typing import IO
 import numpy as np
 
 from common.flags import existing_file, output_file
-from common.outputs import add_overwrite_flag, check_output_path, write_output, write_text
+from common.outputs import add_overwrite_flag, check_output_path, write_outputs
 from common.processes import exit_code_of
 from common.tokens import token_metadata_path
 
@@ -92,20 +92,20 @@ def append_ids(sources: list[Path], out: IO[bytes]) -> int:
 
 
 def write_tokens(sources: list[Path], output: Path, overwrite: bool = False) -> int:
-    """Write ``output`` and its metadata through common.outputs; returns how many tokens it holds.
+    """Write ``output`` and its metadata through common.outputs, as one pair; returns how many tokens it holds.
 
-    The token file is published first: another writer that takes the name meanwhile makes this one
-    fail before its metadata is written, so a pair never mixes two writers' files.
+    Both are complete before either takes its name: a disk that fills on the metadata, or another
+    writer that takes a name meanwhile, leaves the earlier pair (if any) as it was, never one file of each.
     """
-    counted = []
-    write_output(output, lambda out: counted.append(append_ids(sources, out)), overwrite)
-    described = {"tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "dtype": "uint16", "tokens": counted[0]}
-    sources_named = {"sources": [str(source) for source in sources]}
-    try:
-        write_text(token_metadata_path(output), json.dumps({**described, **sources_named}, indent=1), overwrite)
-    except BaseException:
-        output.unlink(missing_ok=True)  # this run's own, just written: without its metadata it cannot be read
-        raise
+    counted: list[int] = []
+
+    def metadata(out: IO[bytes]) -> None:
+        described = {"tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "dtype": "uint16", "tokens": counted[0]}
+        sources_named = {"sources": [str(source) for source in sources]}
+        out.write(json.dumps({**described, **sources_named}, indent=1).encode("utf-8"))
+
+    tokens = (output, lambda out: counted.append(append_ids(sources, out)))
+    write_outputs([tokens, (token_metadata_path(output), metadata)], overwrite)
     return counted[0]
 
 

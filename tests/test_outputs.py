@@ -9,7 +9,11 @@ defects of issue 37 that broke the rule, each as a user meets it.
 from __future__ import annotations
 
 import ast
+import errno
 import json
+import os
+import runpy
+import stat
 import sys
 from pathlib import Path
 
@@ -305,3 +309,72 @@ def test_compare_strategies_run_again_on_one_out_dir(tmp_path: Path, capsys, mon
     assert code == 2 and "earlier runs are in " + str(tmp_path / "cmp" / "ddp-1") in one_error(err)
     assert run_main(compare_strategies.main, [*argv, "--overwrite"], capsys)[0] == 0
     assert sorted(path.name for path in (tmp_path / "cmp").iterdir()) == ["ddp-1"]
+
+
+# -- H6's hostile pass: what the rule above still let through ---------------------------------------
+
+
+def test_overwrite_never_puts_a_file_where_a_pipe_or_device_was(tmp_path: Path, capsys) -> None:
+    """``--output /dev/null --overwrite`` as root renamed a file over the system's /dev/null."""
+    text, pipe, link = tmp_path / "a.txt", tmp_path / "pipe", tmp_path / "stdout"
+    text.write_text("text\n")
+    os.mkfifo(pipe)
+    link.symlink_to(pipe)  # as /dev/stdout links to /proc/self/fd/1
+    for output in (pipe, link):
+        code, _, err = run_main(prepare_tokens.main, [str(text), "--output", str(output), "--overwrite"], capsys)
+        assert code == 2 and "is not a regular file" in one_error(err)
+    assert stat.S_ISFIFO(pipe.stat().st_mode) and link.is_symlink()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.txt", "pipe", "stdout"]
+
+
+def test_an_output_name_as_long_as_the_disk_allows_is_written(tmp_path: Path, capsys) -> None:
+    """The temporary's extra parts made a legal name too long, after all the work was done."""
+    longest = os.pathconf(tmp_path, "PC_NAME_MAX")
+    run = small_run(tmp_path)
+    model = tmp_path / ("m" * (longest - 3) + ".pt")
+    code, out, err = run_main(export_checkpoint.main, [str(run / "checkpoints" / "step-2.pt"), str(model)], capsys)
+    assert code == 0 and "wrote" in out, err
+    (tmp_path / "a.txt").write_text("text\n")
+    tokens = tmp_path / ("t" * (longest - len(".json")))  # its metadata, TOKENS.json, just fits
+    code, out, err = run_main(prepare_tokens.main, [str(tmp_path / "a.txt"), "--output", str(tokens)], capsys)
+    assert code == 0 and tokens.read_bytes() == "text\n".encode("utf-16-le"), err
+
+
+def test_a_token_file_whose_metadata_name_cannot_exist_is_refused_before_reading(tmp_path: Path, capsys) -> None:
+    (tmp_path / "a.txt").write_text("text\n")
+    tokens = tmp_path / ("t" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 2))
+    code, _, err = run_main(prepare_tokens.main, [str(tmp_path / "a.txt"), "--output", str(tokens)], capsys)
+    assert code == 2 and "its metadata" in one_error(err) and "bytes a name may have" in err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.txt"]
+
+
+def test_a_disk_that_fills_on_the_metadata_keeps_the_earlier_token_pair(tmp_path: Path, capsys, monkeypatch) -> None:
+    """With --overwrite, the new token file replaced the old one, then the metadata failed: the old token
+    file was gone and its metadata stayed, describing a file that was not there."""
+    old, new, tokens = tmp_path / "old.txt", tmp_path / "new.txt", tmp_path / "t.tokens"
+    old.write_text("old text\n")
+    new.write_text("a new and longer text\n")
+    assert run_main(prepare_tokens.main, [str(old), "--output", str(tokens)], capsys)[0] == 0
+    fsync = os.fsync
+
+    def full_on_the_second_file(fd: int) -> None:  # the metadata's, as a full disk answers at the flush
+        if "json" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_on_the_second_file)
+    code, _, err = run_main(prepare_tokens.main, [str(new), "--output", str(tokens), "--overwrite"], capsys)
+    assert code == 1 and "No space left on device" in one_error(err)
+    assert tokens.read_bytes() == "old text\n".encode("utf-16-le")
+    assert json.loads((tmp_path / "t.tokens.json").read_text())["tokens"] == len("old text\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["new.txt", "old.txt", "t.tokens", "t.tokens.json"]
+
+
+def test_a_run_dir_that_links_to_nothing_is_refused_when_parsed(tmp_path: Path, capsys) -> None:
+    """It passed the parser, and rank 0 died in mkdir with a FileExistsError traceback."""
+    parse_args = runpy.run_path(str(REPO / "ddp/train_mnist.py"))["parse_args"]
+    link = tmp_path / "run"
+    link.symlink_to(tmp_path / "gone")
+    for run_dir in (link, link / "sub"):
+        code, _, err = run_main(parse_args, ["--run-dir", str(run_dir)], capsys)
+        assert code == 2 and "is a link to" in one_error(err) and "which does not exist" in err
