@@ -60,6 +60,16 @@ class StopRequest:
         if self.ctx.is_main:
             marker = {"step": step, "checkpoint": str(checkpoint), "reason": reason}
             write_text(self.marker, json.dumps(marker) + "\n", overwrite=True)  # this run's own
-            self.stop_file.unlink(missing_ok=True)
+            self._remove_stop_file()
         print0(f"stopped at step {step} on request ({reason}); checkpoint {checkpoint}. Continue with --resume.")
         sys.exit(0)
+
+    def _remove_stop_file(self) -> None:
+        """Remove the STOP that was obeyed, so the next run does not stop too; a `mkdir STOP` asks as `touch` does."""
+        try:
+            if self.stop_file.is_dir():
+                self.stop_file.rmdir()
+            else:
+                self.stop_file.unlink(missing_ok=True)
+        except OSError as err:  # a folder with something in it: its contents are not this run's to delete
+            print0(f"warning: could not remove {self.stop_file} ({err.strerror}); remove it, or the next run stops")

@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -135,12 +135,14 @@ def test_one_run_at_a_time_and_a_killed_run_leaves_no_lock(tmp_path: Path) -> No
     assert f"resumed from {newest}" in third.output, third.describe()
 
 
-def test_a_stop_request_during_startup_stops_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("make", [Path.touch, Path.mkdir], ids=["file", "folder"])
+def test_a_stop_request_during_startup_stops_the_run(make: Callable[[Path], None], tmp_path: Path) -> None:
+    """A STOP made with mkdir asks as `touch STOP` does: it was an IsADirectoryError traceback after the save."""
     run_dir = tmp_path / "run"
 
     def stop_while_starting(line: str) -> None:
         if line.startswith("model:"):  # built, not yet training
-            (run_dir / "STOP").touch()
+            make(run_dir / "STOP")
 
     invocation = script_invocation(SCRIPT, [*SMALL, "--max-steps", "50"], run_dir, [])
     run = run_warm(invocation, run_dir, None, 120, stop_while_starting).check()
