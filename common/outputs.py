@@ -272,9 +272,29 @@ def write_outputs(writes: Sequence[tuple[Path, Callable[[IO[bytes]], None]]], ov
 def fill(temporary: Path, write: Callable[[IO[bytes]], None]) -> None:
     """``write`` into ``temporary``, then flushed to the disk."""
     with temporary.open("r+b") as file:
-        write(file)
+        try:
+            write(file)
+        except Exception as err:
+            stop = interruption_behind(err)
+            if stop is None:
+                raise
+            raise stop from None
         file.flush()
         os.fsync(file.fileno())
+
+
+def interruption_behind(err: BaseException) -> BaseException | None:
+    """A stop (a signal's exception, Ctrl-C) that ``err`` was raised while handling, if any.
+
+    torch.save closes its archive when the block inside it ends, however it ends: a stop raised
+    mid-write comes out as a RuntimeError of the archive, and would be reported as a failed write.
+    """
+    seen = err.__context__
+    while seen is not None:
+        if not isinstance(seen, Exception):
+            return seen
+        seen = seen.__context__
+    return None
 
 
 def publish_all(temporaries: list[Path], paths: list[Path], overwrite: bool) -> None:

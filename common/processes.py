@@ -106,6 +106,7 @@ def exit_code_of(main: Callable[[], int | None], prog: str) -> int:
         print(f"{prog}: {stop}{what_ended()}", file=sys.stderr, flush=True)
         return stop.exit_code
     finally:
+        _SIGNALS.stopping = True  # a signal while the handlers are put back comes after the work: nothing to stop
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _SIGNALS.__init__()

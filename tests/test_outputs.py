@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import runpy
+import signal
 import stat
 import sys
 from pathlib import Path
@@ -20,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import benchmark, comm_check, compare_strategies, export_checkpoint, prepare_tokens
+from common import benchmark, comm_check, compare_strategies, export_checkpoint, prepare_tokens, processes
+from common.processes import exit_code_of
 from tests.harness.runs import REPO
 
 SCANNED = ("common", "ddp", "fsdp")
@@ -378,3 +380,47 @@ def test_a_run_dir_that_links_to_nothing_is_refused_when_parsed(tmp_path: Path, 
     for run_dir in (link, link / "sub"):
         code, _, err = run_main(parse_args, ["--run-dir", str(run_dir)], capsys)
         assert code == 2 and "is a link to" in one_error(err) and "which does not exist" in err
+
+
+def test_export_stopped_mid_write_says_stopped_and_leaves_nothing(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A SIGTERM inside torch.save came out as torch's 'enforce fail ... unexpected pos' traceback, exit 1."""
+    run = small_run(tmp_path)
+    opened = Path.open
+
+    def open_then_stop_at_the_second_write(path: Path, mode: str = "r", *args, **kwargs):
+        file = opened(path, mode, *args, **kwargs)
+        if not path.name.startswith(".tmp-"):
+            return file
+        write, writes = file.write, []
+
+        def write_then_stop(data) -> int:
+            writes.append(len(data))
+            if len(writes) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` from a shell, while torch writes
+            return write(data)
+
+        file.write = write_then_stop
+        return file
+
+    monkeypatch.setattr(Path, "open", open_then_stop_at_the_second_write)
+    argv = [str(run / "checkpoints" / "step-2.pt"), str(tmp_path / "out.pt")]
+    code = exit_code_of(lambda: export_checkpoint.main(argv), "python -m common.export_checkpoint")
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in err and "Traceback" not in err, err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_stop_as_a_command_ends_is_no_traceback(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A SIGTERM while the command put its signal handlers back raised Stopped out of exit_code_of."""
+    (tmp_path / "a.txt").write_text("text\n")
+    put_back = signal.signal
+
+    def signal_arriving_while_put_back(signum: int, handler):
+        if signum == signal.SIGTERM and handler != processes._SIGNALS.handle:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler is still the command's: it runs now
+        return put_back(signum, handler)
+
+    monkeypatch.setattr(processes.signal, "signal", signal_arriving_while_put_back)
+    argv = [str(tmp_path / "a.txt"), "--output", str(tmp_path / "t.tokens")]
+    code = exit_code_of(lambda: prepare_tokens.main(argv), "python -m common.prepare_tokens")
+    assert code == 0 and (tmp_path / "t.tokens").read_bytes() == "text\n".encode("utf-16-le")
