@@ -189,6 +189,14 @@ def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext
         # teardown frees the process groups it holds (see teardown_distributed).
         traceback.clear_frames(err.__traceback__)
         sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        # Before training starts, or a second Ctrl-C during it (the first asks for a stop: common.preemption).
+        print0(
+            "interrupted (SIGINT); what was saved before is intact, the steps since the newest checkpoint are not "
+            "saved. Continue with --resume",
+            file=sys.stderr,
+        )
+        sys.exit(128 + signal.SIGINT)
     finally:
         teardown_distributed()
 

@@ -66,11 +66,12 @@ class MetricsLog:
             )
 
     def _append(self, record: dict[str, Any]) -> None:
-        if self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0:
-            # Deleted under the run (a cleanup job, an rm -rf of the run dir): appending to the
-            # open file would lose every record without a word.
-            print(f"warning: {self.path} was deleted while this run wrote it; a new one starts here", flush=True)
-            self._file.close()
+        gone = self._file is not None and self._gone_from_its_path(self._file)
+        if gone:
+            # Deleted under the run (a cleanup job, an rm -rf of the run dir), or moved with a renamed
+            # run dir: appending to the open file would lose every record, or put them elsewhere, without a word.
+            print(f"warning: {self.path} was {gone} while this run wrote it; a new one starts here", flush=True)
+            self._file.close()  # type: ignore[union-attr]
             self._file = None  # _open makes the folder again and, the file being gone, starts a new one
         if self._file is None:
             self._file = self._open()
@@ -78,6 +79,17 @@ class MetricsLog:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+    def _gone_from_its_path(self, file: IO[str]) -> str | None:
+        """How the open ``file`` left ``self.path`` ("deleted", "moved or replaced"); None while it is still there."""
+        opened = os.fstat(file.fileno())
+        if opened.st_nlink == 0:
+            return "deleted"
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            return "moved or replaced"
+        return None if (there.st_ino, there.st_dev) == (opened.st_ino, opened.st_dev) else "moved or replaced"
 
     def _open(self) -> IO[str]:
         if self.resumed_at is None or not self.path.exists():

@@ -21,6 +21,9 @@ from common.outputs import write_text
 STOP_FILE = "STOP"
 PREEMPTED_FILE = "PREEMPTED"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Ctrl-C, and a terminal that closes: a stop request too, unless the run was started with them ignored
+# (nohup, a background job). A second one does what it would have done: it does not wait for the step.
+SECOND_TIME_STOPS_AT_ONCE = {signal.SIGINT: signal.default_int_handler, signal.SIGHUP: signal.SIG_DFL}
 
 
 class StopRequest:
@@ -33,6 +36,9 @@ class StopRequest:
         self.received: str | None = None
         for number in STOP_SIGNALS:
             signal.signal(number, self._on_signal)
+        for number in SECOND_TIME_STOPS_AT_ONCE:
+            if signal.getsignal(number) is not signal.SIG_IGN:
+                signal.signal(number, self._on_signal)
         if ctx.is_main:
             # The marker describes the run this one continues. A STOP file stays: it may have come
             # while this run was starting, and then it is meant for this run. The launchers in slurm/
@@ -43,6 +49,8 @@ class StopRequest:
         # Only a flag. Checkpointing inside the handler would run in the middle of
         # whatever was interrupted (a collective, a half-done step) and can hang.
         self.received = signal.Signals(number).name
+        if number in SECOND_TIME_STOPS_AT_ONCE:
+            signal.signal(number, SECOND_TIME_STOPS_AT_ONCE[number])
 
     def requested(self) -> bool:
         """True on every rank if any rank got a signal or rank 0 sees the STOP file.

@@ -15,6 +15,7 @@ import os
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ import torch
 from common.checkpoint import checkpoint_step, complete_checkpoints
 from common.distributed import distributed
 from common.metrics import MetricsLog
+from common.preemption import StopRequest
 from tests.harness.runs import (
     REPO,
     Run,
@@ -300,3 +302,50 @@ def test_metrics_deleted_under_a_run_start_again_and_it_says_so(
         log.close()
     assert capsys.readouterr().out.count("metrics.jsonl was deleted while this run wrote it") == 1
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2]
+
+
+def test_metrics_moved_under_a_run_start_again_and_it_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run dir renamed mid-run: the open file went with it, and the run went on writing there in silence."""
+    run_dir = tmp_path / "run"
+    with distributed("cpu", 60) as ctx:
+        log = MetricsLog(run_dir, ctx)
+        log.write("train", step=1)
+        run_dir.rename(tmp_path / "moved")
+        log.write("train", step=2)
+        log.close()
+    assert capsys.readouterr().out.count("metrics.jsonl was moved or replaced while this run wrote it") == 1
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2]
+    assert [json.loads(line)["step"] for line in (tmp_path / "moved" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+@pytest.fixture
+def signal_handlers() -> Iterator[None]:
+    """What StopRequest installs in this process is put back after the test."""
+    numbers = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1)
+    saved = {number: signal.getsignal(number) for number in numbers}
+    yield
+    for number, handler in saved.items():
+        signal.signal(number, handler)
+
+
+@pytest.mark.usefixtures("signal_handlers")
+def test_ctrl_c_asks_for_a_stop_and_a_second_one_ends_the_run_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C mid-run was a KeyboardInterrupt traceback on every rank, and the steps since the last checkpoint
+    were lost. The first is now a stop request, as SIGTERM is; a second does not wait for the step to end."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever started pytest
+    try:
+        with pytest.raises(SystemExit) as exit_info, distributed("cpu", 60) as ctx:
+            stop = StopRequest(tmp_path, ctx)
+            os.kill(os.getpid(), signal.SIGINT)  # os.kill runs the handler before it returns
+            assert stop.requested() and stop.received == "SIGINT"
+            os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C reached the top as a KeyboardInterrupt: a traceback from every rank")
+    assert exit_info.value.code == 128 + signal.SIGINT
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and captured.err.count("\n") == 1, captured.err
+    assert "interrupted (SIGINT)" in captured.err and "--resume" in captured.err
