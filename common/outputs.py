@@ -28,6 +28,7 @@ import secrets
 import shutil
 import signal
 import stat
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -266,7 +267,16 @@ def write_outputs(writes: Sequence[tuple[Path, Callable[[IO[bytes]], None]]], ov
     finally:
         with signals_held():
             for temporary in temporaries:
-                temporary.unlink(missing_ok=True)  # after a hard link, the output keeps the data under its own name
+                remove_temporary(temporary)
+
+
+def remove_temporary(temporary: Path) -> None:
+    """Remove a temporary (after a hard link the output keeps the data under its own name); if its folder no
+    longer lets it (made read-only meanwhile), say where it stays, rather than hide the write's own error."""
+    try:
+        temporary.unlink(missing_ok=True)
+    except OSError as err:
+        print(f"warning: {temporary} stays ({err.strerror}): delete it once its folder can be written", file=sys.stderr)
 
 
 def fill(temporary: Path, write: Callable[[IO[bytes]], None]) -> None:

@@ -424,3 +424,37 @@ def test_a_stop_as_a_command_ends_is_no_traceback(tmp_path: Path, capsys, monkey
     argv = [str(tmp_path / "a.txt"), "--output", str(tmp_path / "t.tokens")]
     code = exit_code_of(lambda: prepare_tokens.main(argv), "python -m common.prepare_tokens")
     assert code == 0 and (tmp_path / "t.tokens").read_bytes() == "text\n".encode("utf-16-le")
+
+
+def test_a_folder_made_read_only_mid_write_names_the_temporary_that_stays(tmp_path: Path, capsys, monkeypatch) -> None:
+    """``chmod 555`` on the folder mid-way through the tokens (played by refusing its creations and removals:
+    chmod does not stop root): the 160 MB temporary stayed, and no line said so."""
+    (tmp_path / "a.txt").write_text("text\n")
+    out = tmp_path / "out"
+    read_only, encode = [], prepare_tokens.encode
+    create, unlink = os.open, Path.unlink
+
+    def encode_then_make_read_only(chunk: bytes):
+        read_only.append(True)
+        return encode(chunk)
+
+    def refused_in_out(path) -> bool:
+        return bool(read_only) and Path(path).parent == out
+
+    def open_in_folder(path, flags, *args, **kwargs):
+        if refused_in_out(path) and flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return create(path, flags, *args, **kwargs)
+
+    def unlink_in_folder(path: Path, missing_ok: bool = False) -> None:
+        if refused_in_out(path):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(prepare_tokens, "encode", encode_then_make_read_only)
+    monkeypatch.setattr(os, "open", open_in_folder)
+    monkeypatch.setattr(Path, "unlink", unlink_in_folder)
+    code, _, err = run_main(prepare_tokens.main, [str(tmp_path / "a.txt"), "--output", str(out / "t.tokens")], capsys)
+    (left,) = out.iterdir()
+    assert code == 1 and "Permission denied" in one_error(err)
+    assert f"warning: {left} stays (Permission denied)" in err, err
