@@ -140,3 +140,6 @@ def test_comm_check_runs_before_training_and_its_failure_stops_the_job(launcher:
     result, calls = run_launcher_with_fake_slurm(launcher, tmp_path)  # COMM_CHECK unset: no check
     assert result.returncode == 0 and "-m common.comm_check" not in " ".join(calls), calls
     assert calls[0].startswith("srun") and "--max-restarts=1" in calls[0], calls
+    # Given no script, each launcher trains its own default, with that script's defaults.
+    default = {"slurm/ddp.sbatch": "ddp/train_mnist.py", "slurm/fsdp.sbatch": "fsdp/train_transformer.py"}[launcher]
+    assert calls[0].endswith(f" {default} --run-dir {tmp_path}/run --resume"), calls
