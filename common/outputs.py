@@ -337,7 +337,7 @@ def write_by_name(path: Path, write: Callable[[str], Any], overwrite: bool) -> N
             os.fsync(file.fileno())
         publish(temporary, path, overwrite)
     finally:
-        temporary.unlink(missing_ok=True)
+        remove_temporary(temporary)
 
 
 def save_torch(obj: Any, path: Path, overwrite: bool) -> None:
