@@ -76,6 +76,7 @@ LONGEST_FIRST = (
     "tests/test_checkpoint.py",
     "tests/test_failures.py",
     "tests/test_ddp.py",
+    "tests/test_commands_end.py::test_a_command_stopped_mid_run_leaves_nothing",
     "tests/test_bad_input.py::test_bad_flag_is_reported_once_under_torchrun",
     "tests/test_untrusted_checkpoint.py",
 )
