@@ -17,6 +17,8 @@ among them, is replaced only with --overwrite.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -33,10 +35,11 @@ from common.checkpoint import (
     root_failure,
     sharded_reader,
 )
-from common.cli import HelpFormatter, add_trust_flag
+from common.cli import RUN_RESULTS, HelpFormatter, add_trust_flag
 from common.flags import existing_path, output_file
 from common.outputs import add_overwrite_flag, check_output_path, save_torch
 from common.processes import exit_code_of
+from common.run_lock import LOCK_FILE
 
 MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
 
@@ -84,9 +87,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{args.output}: that is where a run keeps its checkpoints, and --resume would take a bare state dict "
             "there for one; write it beside them, e.g. RUN_DIR/model-step-N.pt"
         )
+    holder = running_in(args.output.parent) if args.output.name in RUN_RESULTS else None
+    if holder is not None:
+        parser.error(
+            f"{args.output}: a run is writing {args.output.parent} now ({holder}), and replaces its own "
+            f"{args.output.name} when it ends; write the export beside it, e.g. {args.output.parent}/model-step-N.pt"
+        )
     # A run's own model.pt is an existing file like any other: replaced only when the user says so.
     check_output_path(parser, args.output, "", [args.checkpoint], args.overwrite)
     return args
+
+
+def running_in(run_dir: Path) -> str | None:
+    """Who holds ``run_dir``'s run lock (common.run_lock), if a run is writing there now; else None.
+
+    The test takes the lock shared and at once lets it go: a run starting in that instant is refused
+    as if another run were there, which it may retry; taking nothing cannot tell a held lock apart.
+    """
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None  # no lock file: no run has written there, or none since the folder was copied
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.read(fd, 4096).decode(errors="replace").strip() or "it has not said who it is yet"
+    except OSError:
+        return None  # a file system without locks: the run itself goes on unguarded there
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:

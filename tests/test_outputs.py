@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import errno
+import fcntl
 import json
 import os
 import runpy
@@ -23,6 +24,7 @@ import torch
 
 from common import benchmark, comm_check, compare_strategies, export_checkpoint, prepare_tokens, processes
 from common.processes import exit_code_of
+from common.run_lock import LOCK_FILE
 from tests.harness.runs import REPO
 
 SCANNED = ("common", "ddp", "fsdp")
@@ -458,3 +460,21 @@ def test_a_folder_made_read_only_mid_write_names_the_temporary_that_stays(tmp_pa
     (left,) = out.iterdir()
     assert code == 1 and "Permission denied" in one_error(err)
     assert f"warning: {left} stays (Permission denied)" in err, err
+
+
+def test_export_refuses_the_model_of_a_run_that_is_still_writing_it(tmp_path: Path, capsys) -> None:
+    """The export was written, then replaced without a word by the run's own model.pt when the run ended."""
+    run = small_run(tmp_path)
+    (run / "model.pt").unlink()
+    step = str(run / "checkpoints" / "step-2.pt")
+    with (run / LOCK_FILE).open("w") as lock:  # what a running run holds (common.run_lock)
+        lock.write("pid 1 on node-3\n")
+        lock.flush()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        code, _, err = run_main(export_checkpoint.main, [step, str(run / "model.pt"), "--overwrite"], capsys)
+        assert code == 2 and "a run is writing" in one_error(err) and "pid 1 on node-3" in err
+        assert not (run / "model.pt").exists()
+        code, out, err = run_main(export_checkpoint.main, [step, str(run / "model-step-2.pt")], capsys)
+        assert code == 0 and "wrote" in out, err  # beside the run's files, as the message says
+    code, out, err = run_main(export_checkpoint.main, [step, str(run / "model.pt")], capsys)
+    assert code == 0 and "wrote" in out, err  # the run has ended
