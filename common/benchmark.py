@@ -29,6 +29,7 @@ from common.outputs import (
     OVERWRITE_FLAG,
     add_overwrite_flag,
     check_output_path,
+    check_run_folders,
     holds_something,
     output_folder,
     write_text,
@@ -73,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
     check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
+    check_run_folders(parser, run_dirs(args.out).values(), "--out")
     taken = [str(folder) for folder in run_dirs(args.out).values() if holds_something(folder)]
     if taken and not args.overwrite:
         parser.error(

@@ -41,6 +41,7 @@ from common.outputs import (
     add_overwrite_flag,
     check_output_folder,
     check_output_path,
+    check_run_folders,
     holds_something,
     output_folder,
     write_by_name,
@@ -283,6 +284,7 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[Strategy, int, Path]]:
 def check_out_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--out-dir is a folder this command can write in, and holds no earlier run unless --overwrite says so."""
     check_output_folder(parser, args.out_dir, "--out-dir")
+    check_run_folders(parser, [run_dir for _, _, run_dir in planned_runs(args)], "--out-dir")
     taken = [str(run_dir) for _, _, run_dir in planned_runs(args) if holds_something(run_dir)]
     if taken and not args.overwrite:
         parser.error(

@@ -41,6 +41,7 @@ TEMPORARY_PREFIX = ".tmp-"  # checkpoint pruning deletes what starts with it: le
 # Where a hard link cannot be made, publishing without replacing falls back to a check, then a rename.
 NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
 DEFAULT_NAME_MAX = 255  # where the file system does not say
+RUN_RECORD = "metrics.jsonl"  # what every finished run leaves in its folder
 
 
 class OutputExists(FileExistsError):
@@ -367,6 +368,22 @@ def holds_something(folder: Path) -> bool:
     return os.path.lexists(folder) and (not os.path.isdir(folder) or any(folder.iterdir()))
 
 
+def not_a_run(folder: Path) -> bool:
+    """``folder`` holds something, and not a finished run's files (a run leaves RUN_RECORD): not this command's."""
+    return holds_something(folder) and not (os.path.isdir(folder) and (folder / RUN_RECORD).is_file())
+
+
+def check_run_folders(parser: argparse.ArgumentParser, folders: Iterable[Path], flag: str) -> None:
+    """Refuse, before any run, run folders whose names are taken by something else (a source tree named ``ddp``):
+    ``output_folder`` would replace it, with its files, once its run finished."""
+    foreign = [str(folder) for folder in folders if not_a_run(folder)]
+    if foreign:
+        parser.error(
+            f"{flag}: {', '.join(foreign)} must hold this command's runs, but hold(s) something else (no "
+            f"{RUN_RECORD}); {OVERWRITE_FLAG} replaces earlier runs only. Choose another {flag}"
+        )
+
+
 @contextmanager
 def output_folder(path: Path, overwrite: bool) -> Iterator[Path]:
     """A fresh temporary folder beside ``path`` to fill; it becomes ``path`` if the block completes.
@@ -382,7 +399,7 @@ def output_folder(path: Path, overwrite: bool) -> Iterator[Path]:
         temporary.mkdir()
     try:
         yield temporary
-        if holds_something(path) and not overwrite:
+        if holds_something(path) and (not overwrite or not_a_run(path)):
             raise OutputExists(path)
         replace_folder(temporary, path)
     finally:

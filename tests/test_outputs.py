@@ -478,3 +478,26 @@ def test_export_refuses_the_model_of_a_run_that_is_still_writing_it(tmp_path: Pa
         assert code == 0 and "wrote" in out, err  # beside the run's files, as the message says
     code, out, err = run_main(export_checkpoint.main, [step, str(run / "model.pt")], capsys)
     assert code == 0 and "wrote" in out, err  # the run has ended
+
+
+def test_overwrite_never_deletes_a_folder_that_holds_no_run(tmp_path: Path, capsys, monkeypatch) -> None:
+    """`benchmark --out b.json --overwrite` in a project whose sources are in ddp/ replaced ddp/ with a run."""
+    monkeypatch.chdir(tmp_path)
+    for source in ("ddp/train.py", "cmp/ddp-1/notes.txt"):
+        Path(source).parent.mkdir(parents=True)
+        Path(source).write_text("the user's own file\n")
+
+    def no_launch(*args) -> None:
+        raise AssertionError("launched a run before refusing")
+
+    monkeypatch.setattr(benchmark, "launch", no_launch)
+    monkeypatch.setattr(compare_strategies, "launch", no_launch)
+    runs = (
+        (benchmark.main, ["--nproc", "1", "--out", "b.json"], "ddp must hold this command's runs"),
+        (compare_strategies.main, ["--world-sizes", "1", "--strategies", "ddp", "--out-dir", "cmp"], "cmp/ddp-1 must"),
+    )
+    for main, argv, says in runs:
+        for overwrite in ([], ["--overwrite"]):
+            code, _, err = run_main(main, argv + overwrite, capsys)
+            assert code == 2 and says in one_error(err) and "no metrics.jsonl" in err
+    assert Path("ddp/train.py").read_text() == Path("cmp/ddp-1/notes.txt").read_text() == "the user's own file\n"
