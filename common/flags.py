@@ -226,7 +226,7 @@ def existing_path(text: str) -> Path:
 def output_file(text: str) -> Path:
     """A file this run may create (or replace, where its command allows that): not a folder, not below a file."""
     path = Path(text)
-    if path.is_dir():
+    if path.is_dir() or text.endswith(("/", "/.")):  # Path drops the slash that says the user means a folder
         raise argparse.ArgumentTypeError(f"{text} is a folder; give the name of the file to write")
     _refuse_unwritable(text, path.parent)
     _refuse_long_names(text, path)

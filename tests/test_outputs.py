@@ -501,3 +501,13 @@ def test_overwrite_never_deletes_a_folder_that_holds_no_run(tmp_path: Path, caps
             code, _, err = run_main(main, argv + overwrite, capsys)
             assert code == 2 and says in one_error(err) and "no metrics.jsonl" in err
     assert Path("ddp/train.py").read_text() == Path("cmp/ddp-1/notes.txt").read_text() == "the user's own file\n"
+
+
+def test_an_output_that_ends_with_a_slash_is_not_written_as_a_file(tmp_path: Path, capsys) -> None:
+    """`--output data/` wrote a file named data: Path drops the slash that said a folder was meant."""
+    (tmp_path / "a.txt").write_text("text\n")
+    for output in ("data/", "data/."):
+        argv = [str(tmp_path / "a.txt"), "--output", f"{tmp_path}/{output}"]
+        code, _, err = run_main(prepare_tokens.main, argv, capsys)
+        assert code == 2 and "is a folder; give the name of the file to write" in one_error(err)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.txt"]
