@@ -286,26 +286,29 @@ def fill(temporary: Path, write: Callable[[IO[bytes]], None]) -> None:
         try:
             write(file)
         except Exception as err:
-            stop = interruption_behind(err)
-            if stop is None:
+            underlying = failure_behind(err)
+            if underlying is None:
                 raise
-            raise stop from None
+            raise underlying from None
         file.flush()
         os.fsync(file.fileno())
 
 
-def interruption_behind(err: BaseException) -> BaseException | None:
-    """A stop (a signal's exception, Ctrl-C) that ``err`` was raised while handling, if any.
+def failure_behind(err: Exception) -> BaseException | None:
+    """What ``err`` was raised while handling, where that is the real story: a stop (a signal's exception,
+    Ctrl-C) first, else the system's error (a full disk); None when there is neither.
 
-    torch.save closes its archive when the block inside it ends, however it ends: a stop raised
-    mid-write comes out as a RuntimeError of the archive, and would be reported as a failed write.
+    torch.save closes its archive when the block inside it ends, however it ends: a stop or an ENOSPC
+    raised mid-write comes out as the archive's RuntimeError ('enforce fail ... unexpected pos').
     """
+    chain = []
     seen = err.__context__
     while seen is not None:
-        if not isinstance(seen, Exception):
-            return seen
+        chain.append(seen)
         seen = seen.__context__
-    return None
+    stop = next((cause for cause in chain if not isinstance(cause, Exception)), None)
+    system = next((cause for cause in chain if isinstance(cause, OSError)), None)
+    return stop or (system if not isinstance(err, OSError) else None)
 
 
 def publish_all(temporaries: list[Path], paths: list[Path], overwrite: bool) -> None:

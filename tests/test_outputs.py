@@ -384,31 +384,45 @@ def test_a_run_dir_that_links_to_nothing_is_refused_when_parsed(tmp_path: Path, 
         assert code == 2 and "is a link to" in one_error(err) and "which does not exist" in err
 
 
-def test_export_stopped_mid_write_says_stopped_and_leaves_nothing(tmp_path: Path, capsys, monkeypatch) -> None:
-    """A SIGTERM inside torch.save came out as torch's 'enforce fail ... unexpected pos' traceback, exit 1."""
+def stop_by_sigterm() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` from a shell, while torch writes
+
+
+def disk_full() -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what write() meets on a full disk
+
+
+@pytest.mark.parametrize(
+    ("event", "code", "says"),
+    [(stop_by_sigterm, 128 + signal.SIGTERM, "stopped by SIGTERM"), (disk_full, 2, "No space left on device")],
+)
+def test_export_stopped_or_full_mid_write_says_so_and_leaves_nothing(
+    tmp_path: Path, capsys, monkeypatch, event, code, says
+) -> None:
+    """Either, inside torch.save, came out as torch's 'enforce fail ... unexpected pos' traceback, exit 1."""
     run = small_run(tmp_path)
     opened = Path.open
 
-    def open_then_stop_at_the_second_write(path: Path, mode: str = "r", *args, **kwargs):
+    def open_then_meet_the_event_at_the_second_write(path: Path, mode: str = "r", *args, **kwargs):
         file = opened(path, mode, *args, **kwargs)
         if not path.name.startswith(".tmp-"):
             return file
         write, writes = file.write, []
 
-        def write_then_stop(data) -> int:
+        def write_then_meet_it(data) -> int:
             writes.append(len(data))
             if len(writes) == 2:
-                os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` from a shell, while torch writes
+                event()
             return write(data)
 
-        file.write = write_then_stop
+        file.write = write_then_meet_it
         return file
 
-    monkeypatch.setattr(Path, "open", open_then_stop_at_the_second_write)
+    monkeypatch.setattr(Path, "open", open_then_meet_the_event_at_the_second_write)
     argv = [str(run / "checkpoints" / "step-2.pt"), str(tmp_path / "out.pt")]
-    code = exit_code_of(lambda: export_checkpoint.main(argv), "python -m common.export_checkpoint")
+    got = exit_code_of(lambda: export_checkpoint.main(argv), "python -m common.export_checkpoint")
     err = capsys.readouterr().err
-    assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in err and "Traceback" not in err, err
+    assert got == code and says in err and "Traceback" not in err and "enforce fail" not in err, err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]
 
 
