@@ -4,13 +4,14 @@ By default the tokens come from a fixed random Markov source. Because we know
 its transition probabilities, we know the lowest loss any model can reach on
 it, and a run can say how close it got. ``--text-file`` trains character-level
 on any text instead, held in memory; ``--token-file`` trains on a file of token
-ids (common.prepare_tokens) of any size, memory-mapped.
+ids (common.prepare_tokens) of any size, read a window at a time.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,38 +182,47 @@ class TokenWindows(Dataset):
     """(input, target) pairs of ``block_size`` + 1 consecutive ids of a token file, from token ``first``
     on, one window every ``block_size`` tokens: each token is a target once.
 
-    The file is memory-mapped, and opened in each process on first use: a window is read when it is
-    asked for, so a rank's memory holds the windows it trains on, never the corpus. An id outside
-    ``vocab_size`` (the file was changed after the run checked it) stops the rank with a message that
-    names the file, before the embedding's IndexError, or a GPU's device assert, could.
+    The file is opened in each process on first use, and a window is read when it is asked for (one
+    ``pread``), so a rank's memory holds the windows it trains on, never the corpus. The file changed
+    after the run checked it stops the rank with a message that names the file: an id outside
+    ``vocab_size``, before the embedding's IndexError or a GPU's device assert could; a file cut short,
+    where a memory map would have read zeros or died of SIGBUS.
     """
 
     def __init__(self, path: Path, first: int, count: int, block_size: int, vocab_size: int) -> None:
         self.path, self.first, self.count, self.block_size = path, first, count, block_size
         self.vocab_size = vocab_size
-        self._tokens: np.memmap | None = None
+        self._fd: int | None = None
 
     def __len__(self) -> int:
         return self.count
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype="<u2", mode="r")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
         if not 0 <= index < self.count:
             raise IndexError(index)
         start = self.first + index * self.block_size
-        ids = self._tokens[start : start + self.block_size + 1]
-        if ids.max() >= self.vocab_size:  # numpy's max on the uint16 ids: a few microseconds a window
-            position = start + int(np.argmax(ids >= self.vocab_size))
+        wanted = (self.block_size + 1) * TOKEN_BYTES
+        data = os.pread(self._fd, wanted, start * TOKEN_BYTES)
+        if len(data) < wanted:
             raise ValueError(
-                f"{self.path} changed under the run: token {position:,} is id {int(self._tokens[position])}, outside "
+                f"{self.path} changed under the run: it ends at token {os.fstat(self._fd).st_size // TOKEN_BYTES:,}, "
+                f"before the window of tokens {start:,} to {start + self.block_size:,}. Check the file, or prepare it "
+                "again with common.prepare_tokens"
+            )
+        ids = np.frombuffer(data, dtype="<u2")
+        if ids.max() >= self.vocab_size:  # numpy's max on the uint16 ids: a few microseconds a window
+            offset = int(np.argmax(ids >= self.vocab_size))
+            raise ValueError(
+                f"{self.path} changed under the run: token {start + offset:,} is id {int(ids[offset])}, outside "
                 f"its vocabulary of {self.vocab_size}. Check the file, or prepare it again with common.prepare_tokens"
             )
         window = torch.from_numpy(ids.astype(np.int64))
         return window[:-1], window[1:]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tokens": None}  # a DataLoader worker maps the file itself
+        return {**self.__dict__, "_fd": None}  # a DataLoader worker opens the file itself
 
 
 def token_metadata_path(tokens: Path) -> Path:
@@ -222,6 +232,7 @@ def token_metadata_path(tokens: Path) -> Path:
 
 # Ids are stored as little-endian uint16, so no token file holds an id of a larger vocabulary.
 MAX_VOCAB_SIZE = 1 << 16
+TOKEN_BYTES = 2  # one id, a little-endian uint16
 SCAN_CHUNK_IDS = 1 << 24  # ids read at a time while a file is checked: 32 MiB of it mapped, whatever its size
 
 
@@ -305,7 +316,7 @@ def token_file_data(path: Path, block_size: int, heldout_windows: int) -> TokenD
     train = TokenWindows(path, 0, (split - 1) // block_size, block_size, metadata.vocab_size)
     heldout = TokenWindows(path, split, held, block_size, metadata.vocab_size)
     description = (
-        f"{total:,} {metadata.tokenizer} tokens of {path} (vocab {metadata.vocab_size}), memory-mapped: "
+        f"{total:,} {metadata.tokenizer} tokens of {path} (vocab {metadata.vocab_size}), read a window at a time: "
         f"{len(train):,} train / {len(heldout):,} held-out windows"
     )
     return TokenData(train, heldout, metadata.vocab_size, None, description, {"tokenizer": metadata.tokenizer})

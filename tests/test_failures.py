@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -27,6 +28,7 @@ from common.checkpoint import complete_checkpoints
 from common.compat import torch_at_least
 from common.distributed import FatalError, distributed
 from common.models import GPT, GPTConfig
+from common.tokens import token_file_data
 from tests.harness.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
 from tests.harness.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
 from tests.harness.noise_floor import NoiseRuns, assert_same_training
@@ -229,3 +231,17 @@ def test_a_refusal_frees_the_process_groups_before_the_interpreter_exits(monkeyp
         refuse_after_wrapping(before)
     assert exit_info.value.code == 2
     assert gloo_worker_threads() == before
+
+
+def test_a_token_file_cut_short_under_a_running_job_stops_with_its_name(tmp_path: Path) -> None:
+    """Another job rewrote the file shorter after the run checked it: a memory-mapped read past its new end
+    was a SIGBUS ("Fatal Python error: Bus error"), no word of the file, on every rank that read there."""
+    tokens = tmp_path / "corpus"
+    np.arange(64 * 33, dtype="<u2").__mod__(256).astype("<u2").tofile(tokens)
+    info = {"tokenizer": "bytes", "vocab_size": 256, "dtype": "uint16", "tokens": 64 * 33}
+    Path(f"{tokens}.json").write_text(json.dumps(info))
+    data = token_file_data(tokens, 32, 4)
+    assert len(data.train[0][0]) == 32  # read before the cut, as a run's first steps are
+    os.truncate(tokens, 100)
+    with pytest.raises(ValueError, match=f"{tokens} changed under the run: it ends at token 50, "):
+        data.train[5]
