@@ -27,6 +27,7 @@ from common.flags import output_file
 from common.models import GPT_PRESETS
 from common.outputs import (
     OVERWRITE_FLAG,
+    OutputExists,
     add_overwrite_flag,
     check_output_path,
     check_run_folders,
@@ -129,11 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     flags = training_flags(args)
     rows = []
-    for strategy in (s for s in STRATEGIES if s.name in BENCHMARKED):
-        # Run in a folder of its own, which takes the run dir's name once the run has finished.
-        with output_folder(run_dirs(args.out)[strategy.name], args.overwrite) as run_dir:
-            record = launch(strategy, args.nproc, run_dir, flags)
-        rows.append(row(record))
+    try:
+        for strategy in (s for s in STRATEGIES if s.name in BENCHMARKED):
+            # Run in a folder of its own, which takes the run dir's name once the run has finished.
+            with output_folder(run_dirs(args.out)[strategy.name], args.overwrite) as run_dir:
+                record = launch(strategy, args.nproc, run_dir, flags)
+            rows.append(row(record))
+    except OutputExists as err:  # another benchmark on the same --out finished a run first
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print()
     print(table(rows))
     try:

@@ -38,6 +38,7 @@ from common.flags import output_dir, output_file
 from common.models import GPT_PRESETS
 from common.outputs import (
     OVERWRITE_FLAG,
+    OutputExists,
     add_overwrite_flag,
     check_output_folder,
     check_output_path,
@@ -303,10 +304,13 @@ def main(argv: list[str] | None = None) -> None:
     args, passed_on = parse_args(argv)
     common_flags = script_flags(args, passed_on)
     runs = []
-    for strategy, world_size, final_dir in planned_runs(args):
-        # Run in a folder of its own, which takes the run dir's name once the run has finished.
-        with output_folder(final_dir, args.overwrite) as run_dir:
-            runs.append((launch(strategy, world_size, run_dir, common_flags), parameter_shapes(run_dir)))
+    try:
+        for strategy, world_size, final_dir in planned_runs(args):
+            # Run in a folder of its own, which takes the run dir's name once the run has finished.
+            with output_folder(final_dir, args.overwrite) as run_dir:
+                runs.append((launch(strategy, world_size, run_dir, common_flags), parameter_shapes(run_dir)))
+    except OutputExists as err:  # another comparison in the same --out-dir finished a run first
+        sys.exit(f"error: {err}")
     print()
     print(markdown_table(runs, micro_steps(common_flags)))
     print(

@@ -525,3 +525,20 @@ def test_an_output_that_ends_with_a_slash_is_not_written_as_a_file(tmp_path: Pat
         code, _, err = run_main(prepare_tokens.main, argv, capsys)
         assert code == 2 and "is a folder; give the name of the file to write" in one_error(err)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a.txt"]
+
+
+def test_two_benchmarks_on_one_out_the_later_one_says_so(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Both pass the check before any run; the one whose ddp run finished second raised OutputExists as a traceback."""
+    argv = ["--nproc", "1", "--out", str(tmp_path / "b.json")]
+    inner: list[int] = []
+
+    def the_other_benchmark_finishes_first(strategy, world_size: int, run_dir: Path, flags: list[str]) -> dict:
+        if not inner:
+            inner.append(-1)
+            inner[0] = benchmark.main(argv)
+        return fake_training_run(strategy, world_size, run_dir, flags)
+
+    monkeypatch.setattr(benchmark, "launch", the_other_benchmark_finishes_first)
+    code, _, err = run_main(benchmark.main, argv, capsys)
+    assert inner == [0] and code == 1 and "ddp appeared while this command ran" in one_error(err)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["b.json", *benchmark.BENCHMARKED]  # no temporary
