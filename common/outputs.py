@@ -257,18 +257,35 @@ def write_outputs(writes: Sequence[tuple[Path, Callable[[IO[bytes]], None]]], ov
     one found), before any takes its name; the renames run with stopping signals held.
     """
     temporaries: list[Path] = []
+    made: list[Path] = []
     try:
         for path, write in writes:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            made += make_folders(path.parent)
             with signals_held():
                 temporaries.append(temporary_beside(path))
             fill(temporaries[-1], write)
         with signals_held():
             publish_all(temporaries, [path for path, _ in writes], overwrite)
+            made.clear()  # they hold the outputs now
     finally:
         with signals_held():
             for temporary in temporaries:
                 remove_temporary(temporary)
+            remove_empty(made)
+
+
+def make_folders(folder: Path) -> list[Path]:
+    """Make ``folder`` and the parents it lacks; returns those made, deepest first."""
+    missing = [part for part in (folder, *folder.parents) if not os.path.lexists(part)]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def remove_empty(folders: Iterable[Path]) -> None:
+    """Remove ``folders`` (deepest first) that a failed write made and nothing else has filled meanwhile."""
+    for folder in folders:
+        with suppress(OSError):
+            folder.rmdir()
 
 
 def remove_temporary(temporary: Path) -> None:

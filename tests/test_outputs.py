@@ -542,3 +542,12 @@ def test_two_benchmarks_on_one_out_the_later_one_says_so(tmp_path: Path, capsys,
     code, _, err = run_main(benchmark.main, argv, capsys)
     assert inner == [0] and code == 1 and "ddp appeared while this command ran" in one_error(err)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["b.json", *benchmark.BENCHMARKED]  # no temporary
+
+
+def test_a_failed_write_leaves_no_folder_it_made(tmp_path: Path, capsys) -> None:
+    """`--output new/sub/x.tokens` of a file that is not text left new/sub/ behind, empty."""
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    argv = [str(tmp_path / "latin1.txt"), "--output", str(tmp_path / "new" / "sub" / "x.tokens")]
+    code, _, err = run_main(prepare_tokens.main, argv, capsys)
+    assert code == 2 and "not UTF-8" in one_error(err)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latin1.txt"]
