@@ -24,6 +24,7 @@ through an unpickler that builds DCP's own metadata records and nothing else
 from __future__ import annotations
 
 import argparse
+import errno
 import pickle
 import random
 import re
@@ -134,6 +135,17 @@ def save_model_file(state: dict[str, torch.Tensor] | None, path: Path, ctx: Dist
             problem = failure and f"could not write {path}: {failure}. {what_is_kept(path.parent)}"
     if not all_ranks_agree(problem is None, ctx):
         raise FatalError(problem or "rank 0 could not write the model", exit_code=1)
+
+
+# How describe_write_failure names a full disk and a full quota: only then is freeing space the advice.
+OUT_OF_SPACE = (f"(errno {errno.ENOSPC})", f"(errno {errno.EDQUOT})")
+
+
+def then_resume(failure: str | None) -> str:
+    """What to do after a failed write: free space where the disk was full, else put right what the reason names."""
+    if failure is not None and failure.endswith(OUT_OF_SPACE):
+        return "Free some space, then continue with --resume"
+    return "Put right what the reason names (a folder moved, deleted or replaced), then continue with --resume"
 
 
 def what_is_kept(run_dir: Path) -> str:
@@ -417,7 +429,7 @@ class Checkpointer:
                 shutil.rmtree(temporary, ignore_errors=True)
             raise FatalError(
                 f"could not write checkpoint {path}: {failure or 'it failed on another rank'}. "
-                f"{what_is_kept(self.folder.parent)}. Free some space, then continue with --resume",
+                f"{what_is_kept(self.folder.parent)}. {then_resume(failure)}",
                 exit_code=1,
             )
 

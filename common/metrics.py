@@ -13,7 +13,7 @@ from typing import IO, Any
 import torch
 import torch.nn as nn
 
-from common.checkpoint import what_is_kept, write_failure
+from common.checkpoint import then_resume, what_is_kept, write_failure
 from common.distributed import DistContext, FatalError, all_ranks_agree, local_state_bytes, max_over_ranks
 from common.models import GPT
 from common.outputs import open_log, write_text
@@ -60,8 +60,7 @@ class MetricsLog:
         failure = write_failure(lambda: self._append({"event": event, **fields})) if self.ctx.is_main else None
         if not all_ranks_agree(failure is None, self.ctx):
             raise FatalError(
-                f"could not write {self.path}: {failure}. {what_is_kept(self.path.parent)}. "
-                "Free some space, then continue with --resume",
+                f"could not write {self.path}: {failure}. {what_is_kept(self.path.parent)}. {then_resume(failure)}",
                 exit_code=1,
             )
 

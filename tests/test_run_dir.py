@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import checkpoint_step, complete_checkpoints
+from common.checkpoint import checkpoint_step, complete_checkpoints, then_resume
 from common.distributed import distributed
 from common.metrics import MetricsLog
 from common.preemption import StopRequest
@@ -349,3 +349,20 @@ def test_ctrl_c_asks_for_a_stop_and_a_second_one_ends_the_run_with_one_line(
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err and captured.err.count("\n") == 1, captured.err
     assert "interrupted (SIGINT)" in captured.err and "--resume" in captured.err
+
+
+def test_metrics_replaced_by_a_folder_is_one_message_that_does_not_blame_the_disk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder took metrics.jsonl's name mid-run: the message said to free some space, on a disk with room."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info, distributed("cpu", 60) as ctx:
+        log = MetricsLog(run_dir, ctx)
+        log.write("train", step=1)
+        (run_dir / "metrics.jsonl").unlink()
+        (run_dir / "metrics.jsonl").mkdir()
+        log.write("train", step=2)
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 1 and error.count("error:") == 1, error
+    assert "metrics.jsonl: Is a directory" in error and "Free some space" not in error, error
+    assert then_resume("No space left on device (errno 28)").startswith("Free some space")  # a full disk still is
