@@ -17,6 +17,7 @@ from common.checkpoint import then_resume, what_is_kept, write_failure
 from common.distributed import DistContext, FatalError, all_ranks_agree, local_state_bytes, max_over_ranks
 from common.models import GPT
 from common.outputs import open_log, write_text
+from common.run_lock import keep_holding
 
 # Dense bf16 tensor-core peaks from NVIDIA's data sheets (half the "with sparsity" figure), per GPU,
 # for MFU. More specific names first: the NVL and PCIe boards must not match the SXM figure of
@@ -65,6 +66,7 @@ class MetricsLog:
             )
 
     def _append(self, record: dict[str, Any]) -> None:
+        keep_holding(self.path.parent)  # where the run dir went, its lock went too
         gone = self._file is not None and self._gone_from_its_path(self._file)
         if gone:
             # Deleted under the run (a cleanup job, an rm -rf of the run dir), or moved with a renamed

@@ -36,6 +36,29 @@ def holder_description() -> str:
     return f"{where}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
 
 
+class RunDirTaken(OSError):
+    """Another run locked the run dir after it was deleted or moved under this one."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(
+            errno.EBUSY, f"another run took the run dir after it was deleted or moved under this one ({holder})"
+        )
+
+
+_HELD: dict[Path, RunDirLock] = {}  # this process's locks by run dir, for keep_holding
+
+
+def keep_holding(run_dir: Path) -> None:
+    """Lock ``run_dir`` again if this process holds its lock but the lock file left it (an rm -rf, a rename).
+
+    Without this a second run finds no lock in the folder made again, and two runs write it. RunDirTaken
+    if another run was quicker.
+    """
+    lock = _HELD.get(run_dir.absolute())
+    if lock is not None:
+        lock.retake_if_lost()
+
+
 class RunDirLock:
     """``with RunDirLock(run_dir, ctx):`` refuses to run while another run holds ``run_dir``.
 
@@ -57,6 +80,8 @@ class RunDirLock:
                 f"--run-dir {self.run_dir} is in use by another run ({holder or 'see rank 0'}): one run at a time "
                 "writes a run directory. Wait for it to end, or choose another --run-dir"
             )
+        if self.fd is not None:
+            _HELD[self.run_dir.absolute()] = self
         return self
 
     def __exit__(
@@ -64,6 +89,7 @@ class RunDirLock:
     ) -> None:
         if self.fd is None:
             return
+        _HELD.pop(self.run_dir.absolute(), None)
         # A run that wrote nothing leaves nothing, not even the folder it made for the lock.
         # Unlinked before the lock goes: a run that opens the old file in between finds it
         # replaced after locking it and tries again (_acquire).
@@ -102,6 +128,22 @@ class RunDirLock:
         os.write(fd, (holder_description() + "\n").encode())
         self.fd = fd
         return None
+
+    def retake_if_lost(self) -> None:
+        """Lock a new lock file where this run's has gone from the run dir; RunDirTaken if another run holds it."""
+        if self.fd is None or self._still_the_lock_file(self.fd):
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "it has not said who it is yet"
+            os.close(fd)
+            raise RunDirTaken(holder) from None
+        os.write(fd, (holder_description() + "\n").encode())
+        os.close(self.fd)
+        self.fd = fd
 
     def _still_the_lock_file(self, fd: int) -> bool:
         try:

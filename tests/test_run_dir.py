@@ -10,6 +10,7 @@ answers ENOSPC.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from common.checkpoint import checkpoint_step, complete_checkpoints, then_resume
 from common.distributed import distributed
 from common.metrics import MetricsLog
 from common.preemption import StopRequest
+from common.run_lock import LOCK_FILE, RunDirLock
 from tests.harness.runs import (
     REPO,
     Run,
@@ -366,3 +368,21 @@ def test_metrics_replaced_by_a_folder_is_one_message_that_does_not_blame_the_dis
     assert exit_info.value.code == 1 and error.count("error:") == 1, error
     assert "metrics.jsonl: Is a directory" in error and "Free some space" not in error, error
     assert then_resume("No space left on device (errno 28)").startswith("Free some space")  # a full disk still is
+
+
+def test_a_run_dir_deleted_under_a_run_is_locked_again(tmp_path: Path) -> None:
+    """After an rm -rf of the run dir the run made it again without its lock: a second run with --resume took
+    the folder, and the two pruned and replaced each other's checkpoints and metrics.jsonl."""
+    run_dir = tmp_path / "run"
+    with distributed("cpu", 60) as ctx, RunDirLock(run_dir, ctx):
+        log = MetricsLog(run_dir, ctx)
+        log.write("train", step=1)
+        shutil.rmtree(run_dir)
+        log.write("train", step=2)
+        second_run = os.open(run_dir / LOCK_FILE, os.O_RDWR)  # another open of the file: a lock of its own
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(second_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(second_run)
+        log.close()
