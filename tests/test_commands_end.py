@@ -109,6 +109,17 @@ def await_line(fifo: int, command: subprocess.Popen, printed: bytearray, seconds
     pytest.fail(f"no worker started within {seconds} s:\n{printed.decode(errors='replace')}")
 
 
+def start_as_from_a_terminal(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """``start(command)`` with SIGINT as a terminal gives it, whatever started pytest: a shell's background
+    job (``pytest ... &``, as CI may run it) ignores SIGINT, its children inherit that, and a command
+    rightly keeps a signal it was started with ignored. A handler of this process's own is reset on exec."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return start(command, env)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize(
     ("case", "argv", "signum", "real_torchrun", "exit_code", "last_line"), CASES, ids=[c[0] for c in CASES]
 )
@@ -133,7 +144,9 @@ def test_a_command_stopped_mid_run_leaves_nothing(
     env = clean_env() | {"TMPDIR": str(temporary), MARKER: str(fifo_path), "PYTHONPATH": f"{stand_in}:{REPO}"}
     env |= {} if real_torchrun else {FAKE_TORCHRUN: "1"}
     marker = f"{MARKER}={fifo_path}"
-    command = start([sys.executable, "-m", *(arg.replace("DIR", str(tmp_path)) for arg in argv)], env)
+    command = start_as_from_a_terminal(
+        [sys.executable, "-m", *(arg.replace("DIR", str(tmp_path)) for arg in argv)], env
+    )
     printed = bytearray()
     try:
         assert "running" in await_line(fifo, command, printed, STARTED_WITHIN_S)
