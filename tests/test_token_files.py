@@ -1,4 +1,4 @@
-"""Your own text: common.prepare_tokens, --token-file (memory-mapped) and common.sample.
+"""Your own text: common.prepare_tokens, --token-file (read a window at a time) and common.sample.
 
 The corpora are generated here: random letters, spaces and newlines, 4 and 40 MB of them, written
 as byte tokens by common.prepare_tokens itself.
