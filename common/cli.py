@@ -224,8 +224,8 @@ def add_transformer_flags(parser: Parser) -> None:
         "--token-file",
         type=existing_file,
         metavar="TOKENS",
-        help="train on a file of token ids that python -m common.prepare_tokens wrote, read a window at a time: a corpus "
-        "of any size; its last 10%% is held out",
+        help="train on a file of token ids that python -m common.prepare_tokens wrote, read a window at a time: a "
+        "corpus of any size; its last 10%% is held out",
     )
     group.add_argument(
         "--train-sequences",
