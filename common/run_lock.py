@@ -36,6 +36,13 @@ def holder_description() -> str:
     return f"{where}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
 
 
+def holder_of(fd: int) -> str:
+    """What a lock file that another run holds says of that run; ``fd`` is closed."""
+    holder = os.read(fd, 4096).decode(errors="replace").strip() or "it has not said who it is yet"
+    os.close(fd)
+    return holder
+
+
 class RunDirTaken(OSError):
     """Another run locked the run dir after it was deleted or moved under this one."""
 
@@ -103,15 +110,12 @@ class RunDirLock:
     def _acquire(self) -> str | None:
         """Take the lock; None when taken, else what the file says of the run that holds it."""
         self.created_run_dir = not self.run_dir.exists()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open_lock_file()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.read(fd, 4096).decode(errors="replace").strip() or "it has not said who it is yet"
-                os.close(fd)
-                return holder
+                return holder_of(fd)
             except OSError as err:
                 os.close(fd)
                 if err.errno not in NO_LOCKS_HERE:
@@ -133,17 +137,18 @@ class RunDirLock:
         """Lock a new lock file where this run's has gone from the run dir; RunDirTaken if another run holds it."""
         if self.fd is None or self._still_the_lock_file(self.fd):
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open_lock_file()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 4096).decode(errors="replace").strip() or "it has not said who it is yet"
-            os.close(fd)
-            raise RunDirTaken(holder) from None
+            raise RunDirTaken(holder_of(fd)) from None
         os.write(fd, (holder_description() + "\n").encode())
         os.close(self.fd)
         self.fd = fd
+
+    def _open_lock_file(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
 
     def _still_the_lock_file(self, fd: int) -> bool:
         try:
