@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from common.outputs import creation_failure, nearest_existing, not_a_folder
+from common.outputs import creation_failure, name_max, nearest_existing, not_a_folder
 
 NUMBER = "number"
 EXISTING_FILE = "existing file"
@@ -175,11 +175,22 @@ def path_kind(kind: str) -> Callable[[Callable[[str], Path]], Callable[[str], Pa
     return mark
 
 
-def _refuse_unwritable(text: str, folder: Path) -> None:
-    """Refuse a folder to write in whose nearest existing part is a file, or one where nothing can be created."""
-    existing = nearest_existing(folder)
+def _refuse_a_file(text: str, path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+
+
+def _nearest_folder(text: str, path: Path) -> Path:
+    """The nearest existing part of ``path``, refused unless it is a folder (a file, a link to nothing)."""
+    existing = nearest_existing(path)
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: {existing} {not_a_folder(existing)}")
+    return existing
+
+
+def _refuse_unwritable(text: str, folder: Path) -> None:
+    """Refuse a folder to write in whose nearest existing part is a file, or one where nothing can be created."""
+    existing = _nearest_folder(text, folder)
     failure = creation_failure(existing, make_folders=existing != folder)
     if failure is not None:
         raise argparse.ArgumentTypeError(f"{text}: cannot create anything in {existing} ({failure})")
@@ -187,7 +198,7 @@ def _refuse_unwritable(text: str, folder: Path) -> None:
 
 def _refuse_long_names(text: str, path: Path) -> None:
     """A name the file system would refuse to make (ENAMETOOLONG), refused now: the parts there already fit."""
-    longest = os.pathconf(nearest_existing(path), "PC_NAME_MAX")
+    longest = name_max(path)
     if any(len(os.fsencode(name)) > longest for name in path.parts):
         raise argparse.ArgumentTypeError(f"{text}: a name in it is longer than the {longest} bytes a name may have")
 
@@ -207,8 +218,7 @@ def existing_file(text: str) -> Path:
 @path_kind(EXISTING_DIR)
 def existing_dir(text: str) -> Path:
     path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    _refuse_a_file(text, path)
     if not path.exists():
         raise argparse.ArgumentTypeError(f"{text}: no such folder")
     return path
@@ -238,11 +248,8 @@ def folder(text: str) -> Path:
     """A folder that is there or can be made: not a file, not below a file. No write is asked of it: a
     data set on a read-only share is read where it is, and only a download needs to write."""
     path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
-    existing = nearest_existing(path)
-    if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: {existing} {not_a_folder(existing)}")
+    _refuse_a_file(text, path)
+    _nearest_folder(text, path)
     _refuse_long_names(text, path)
     return path
 
@@ -251,8 +258,7 @@ def folder(text: str) -> Path:
 def output_dir(text: str) -> Path:
     """A folder this run may create or write in: not a file, not below a file."""
     path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    _refuse_a_file(text, path)
     _refuse_unwritable(text, path)
     _refuse_long_names(text, path)
     return path
