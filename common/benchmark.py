@@ -26,12 +26,10 @@ from common.compare_strategies import STRATEGIES, launch
 from common.flags import output_file
 from common.models import GPT_PRESETS
 from common.outputs import (
-    OVERWRITE_FLAG,
     OutputExists,
     add_overwrite_flag,
     check_output_path,
     check_run_folders,
-    holds_something,
     output_folder,
     write_text,
 )
@@ -75,13 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
     check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
-    check_run_folders(parser, run_dirs(args.out).values(), "--out")
-    taken = [str(folder) for folder in run_dirs(args.out).values() if holds_something(folder)]
-    if taken and not args.overwrite:
-        parser.error(
-            f"--out {args.out}: an earlier benchmark's runs are in {', '.join(taken)}; pass {OVERWRITE_FLAG} to "
-            "replace each once its new run has finished, or choose another --out folder"
-        )
+    earlier = "an earlier benchmark's runs"
+    check_run_folders(parser, run_dirs(args.out).values(), "--out", args.out, args.overwrite, earlier)
     return args
 
 

@@ -37,13 +37,11 @@ from common.estimate_memory import LAYOUTS, between_steps
 from common.flags import output_dir, output_file
 from common.models import GPT_PRESETS
 from common.outputs import (
-    OVERWRITE_FLAG,
     OutputExists,
     add_overwrite_flag,
     check_output_folder,
     check_output_path,
     check_run_folders,
-    holds_something,
     output_folder,
     write_by_name,
 )
@@ -285,13 +283,8 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[Strategy, int, Path]]:
 def check_out_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--out-dir is a folder this command can write in, and holds no earlier run unless --overwrite says so."""
     check_output_folder(parser, args.out_dir, "--out-dir")
-    check_run_folders(parser, [run_dir for _, _, run_dir in planned_runs(args)], "--out-dir")
-    taken = [str(run_dir) for _, _, run_dir in planned_runs(args) if holds_something(run_dir)]
-    if taken and not args.overwrite:
-        parser.error(
-            f"--out-dir {args.out_dir}: earlier runs are in {', '.join(taken)}; pass {OVERWRITE_FLAG} to replace "
-            "each once its new run has finished, or choose another --out-dir"
-        )
+    run_dirs = [run_dir for _, _, run_dir in planned_runs(args)]
+    check_run_folders(parser, run_dirs, "--out-dir", args.out_dir, args.overwrite)
 
 
 def micro_steps(flags: Sequence[str]) -> int:

@@ -393,14 +393,29 @@ def not_a_run(folder: Path) -> bool:
     return holds_something(folder) and not (os.path.isdir(folder) and (folder / RUN_RECORD).is_file())
 
 
-def check_run_folders(parser: argparse.ArgumentParser, folders: Iterable[Path], flag: str) -> None:
-    """Refuse, before any run, run folders whose names are taken by something else (a source tree named ``ddp``):
-    ``output_folder`` would replace it, with its files, once its run finished."""
+def check_run_folders(
+    parser: argparse.ArgumentParser,
+    folders: Iterable[Path],
+    flag: str,
+    value: Path,
+    overwrite: bool,
+    earlier: str = "earlier runs",
+) -> None:
+    """Refuse, before any run, the run folders ``output_folder`` would replace once their runs finish: one whose
+    name something else has taken (a source tree named ``ddp``), whatever ``overwrite`` says, and one that
+    holds an earlier run, unless ``overwrite`` says so."""
+    folders = list(folders)
     foreign = [str(folder) for folder in folders if not_a_run(folder)]
     if foreign:
         parser.error(
             f"{flag}: {', '.join(foreign)} must hold this command's runs, but hold(s) something else (no "
             f"{RUN_RECORD}); {OVERWRITE_FLAG} replaces earlier runs only. Choose another {flag}"
+        )
+    taken = [str(folder) for folder in folders if holds_something(folder)]
+    if taken and not overwrite:
+        parser.error(
+            f"{flag} {value}: {earlier} are in {', '.join(taken)}; pass {OVERWRITE_FLAG} to replace each once its "
+            f"new run has finished, or choose another {flag}"
         )
 
 
