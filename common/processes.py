@@ -130,11 +130,12 @@ def start_time(pid: int) -> str:
 
 
 def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs, from Linux's /proc (the test harness uses it too)."""
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             children = [int(child) for child in (task / "children").read_text().split()]
-        except OSError:
+        except OSError:  # the task ended meanwhile
             continue
         for child in children:
             found += [child, *descendants(child)]

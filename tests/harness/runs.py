@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from common.processes import descendants
 from tests.harness import launcher
 
 REPO = Path(__file__).resolve().parents[2]
@@ -176,19 +177,6 @@ def run_command(
         output, _ = process.communicate()
         pytest.fail(f"timed out after {timeout} s\n$ {' '.join(command)}\n--- output ---\n{output}")
     return Run(command, process.returncode, output, run_dir)
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes ``pid`` started, and theirs, from Linux's /proc."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = [int(child) for child in (task / "children").read_text().split()]
-        except OSError:  # the task ended meanwhile
-            continue
-        for child in children:
-            found += [child, *descendants(child)]
-    return found
 
 
 def kill_all(pid: int) -> None:
