@@ -29,11 +29,11 @@ from common.outputs import (
     OutputExists,
     add_overwrite_flag,
     check_output_path,
-    check_run_folders,
     output_folder,
     write_text,
 )
 from common.processes import exit_code_of
+from common.run_dir import check_run_folders, finished_run_in
 
 BENCHMARKED = ("ddp", "fsdp1_full_shard", "fsdp2")
 GIB = 2**30
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for strategy in (s for s in STRATEGIES if s.name in BENCHMARKED):
             # Run in a folder of its own, which takes the run dir's name once the run has finished.
-            with output_folder(run_dirs(args.out)[strategy.name], args.overwrite) as run_dir:
+            with output_folder(run_dirs(args.out)[strategy.name], args.overwrite, finished_run_in) as run_dir:
                 record = launch(strategy, args.nproc, run_dir, flags)
             rows.append(row(record))
     except OutputExists as err:  # another benchmark on the same --out finished a run first

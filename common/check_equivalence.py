@@ -30,8 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.cli import LAUNCH_VARIABLES, HelpFormatter, positive_float, positive_int
+from common.cli import HelpFormatter, positive_float, positive_int
 from common.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
+from common.distributed import LAUNCH_VARIABLES, RENDEZVOUS_VARIABLES
 from common.flags import existing_file, output_dir
 from common.outputs import write_text
 from common.processes import exit_code_of, output_of
@@ -134,7 +135,7 @@ def plan(flags: list[str], nproc: int) -> list[Planned]:
 
 
 # What torchrun tells its workers about their job; a check started inside a job must not inherit it.
-TORCHRUN_VARIABLES = {*LAUNCH_VARIABLES, "MASTER_ADDR", "MASTER_PORT"}
+TORCHRUN_VARIABLES = {*LAUNCH_VARIABLES, *RENDEZVOUS_VARIABLES}
 
 
 def run_in_subprocess(script: str, flags: list[str], nproc: int | None, run_dir: Path) -> tuple[int, str]:

@@ -27,7 +27,6 @@ import argparse
 import errno
 import pickle
 import random
-import re
 import shutil
 import warnings
 import zipfile
@@ -63,8 +62,8 @@ from common.distributed import (
     shard_group_size,
 )
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place, save_torch
+from common.run_dir import CHECKPOINTS, checkpoint_step, complete_checkpoints
 
-CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
 FORMAT_VERSION = 1
 
@@ -153,20 +152,6 @@ def what_is_kept(run_dir: Path) -> str:
     kept = complete_checkpoints(run_dir)
     newest = f"the newest complete checkpoint, {kept[-1]}, is intact" if kept else "this run has saved no checkpoint"
     return f"Nothing saved before was touched: {newest}"
-
-
-def checkpoint_step(path: Path) -> int | None:
-    match = CHECKPOINT_NAME.match(path.name)
-    return int(match.group(1)) if match else None
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Every complete checkpoint in the run directory, oldest first."""
-    folder = run_dir / "checkpoints"
-    if not folder.is_dir():
-        return []
-    found = [path for path in folder.iterdir() if checkpoint_step(path) is not None]
-    return sorted(found, key=checkpoint_step)  # type: ignore[arg-type]
 
 
 def capture_rng() -> dict[str, Any]:
@@ -347,7 +332,7 @@ class Checkpointer:
         check_before_save: Callable[[int], None] | None = None,
     ) -> None:
         self.ctx = ctx
-        self.folder = run_dir / "checkpoints"
+        self.folder = run_dir / CHECKPOINTS
         self.model = model
         self.optimizer = optimizer
         self.extra = extra

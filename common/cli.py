@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from common.checkpoint import checkpoint_step, complete_checkpoints
-from common.distributed import env_rank, env_world_size, wants_cuda
+from common.distributed import LAUNCH_VARIABLES, env_rank, env_world_size, wants_cuda
 from common.flags import (
     existing_file,
     existing_path,
@@ -31,6 +30,7 @@ from common.flags import (
     timeout_seconds,
 )
 from common.models import GPT_PRESETS, GPTConfig
+from common.run_dir import MODEL_FILE, RUN_RESULTS, checkpoint_step, complete_checkpoints
 from common.tokens import BadTokenFile, first_id_outside, read_token_metadata, token_metadata_path
 
 
@@ -355,10 +355,6 @@ def check_token_file(parser: Parser, path: Path, block_size: int) -> None:
         )
 
 
-RUN_RESULTS = ("metrics.jsonl", "model.pt")  # what a run leaves in its run dir besides checkpoints
-LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-
-
 def check_launch_environment(parser: Parser) -> None:
     """Ranks and a world size without torchrun's rendezvous (MASTER_ADDR) are refused.
 
@@ -576,7 +572,7 @@ def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
             f"--run-dir {args.run_dir} already holds an earlier run ({', '.join(results)}); a fresh run would replace "
             "it. Choose another --run-dir, or delete those files to start over"
         )
-    if not existing and "model.pt" in results:
+    if not existing and MODEL_FILE in results:
         parser.error(
             f"--resume: {args.run_dir} holds a finished run's model.pt and no checkpoint to continue from; "
             "starting over would replace it. Choose another --run-dir, or delete model.pt to start over"

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_leaves
 
 from common.distributed import DistContext, print0
 from common.outputs import write_by_name
+from common.run_dir import PROFILE_DIR
 
 # Every collective operator of torch.distributed, by the kind it is reported as. The c10d ops are
 # what the process-group API (and DDP's reducer) calls; the _c10d_functional ones are what
@@ -248,7 +249,7 @@ class StepObserver:
     def __init__(self, run_dir: Path, ctx: DistContext, profile_steps: int = 0) -> None:
         self.ctx = ctx
         self.profile_steps = profile_steps
-        self.profile_dir = run_dir / "profile"
+        self.profile_dir = run_dir / PROFILE_DIR
         self.measure_at = measured_step(profile_steps)
         self._begun = 0  # steps this run has begun
         self._recorder: CollectiveRecorder | None = None

@@ -33,6 +33,7 @@ import torch
 from common.checkpoint import describe_failure, load_file
 from common.cli import HelpFormatter, non_negative_float, positive_float
 from common.flags import existing_dir
+from common.run_dir import METRICS_FILE, MODEL_FILE
 
 # How far beyond the twins' drift a candidate may go and still be the same training. Measured on
 # both torch ends and three CPU kernels: healthy runs reached 3.7x, broken copies 2,775x and more
@@ -52,7 +53,7 @@ class Comparison:
 
 
 def read_records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     records = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
@@ -89,7 +90,7 @@ def relative(a: float, b: float) -> float:
 
 def load_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
     """A run's model.pt; ValueError, naming it, if it cannot be read or is no state dict."""
-    path = run_dir / "model.pt"
+    path = run_dir / MODEL_FILE
     try:
         state = load_file(path)
     except Exception as err:  # noqa: BLE001 - whatever is wrong with it, the comparison cannot use it
@@ -165,7 +166,7 @@ def compare(run_a: Path, run_b: Path) -> Comparison:
     # under Adam, which is blind to the gradient's scale; the norm shows it.
     norm_diff = max(relative(records_a[step]["grad_norm"], records_b[step]["grad_norm"]) for step in shared)
     param_diff, worst_param = None, None
-    if (run_a / "model.pt").exists() and (run_b / "model.pt").exists():
+    if (run_a / MODEL_FILE).exists() and (run_b / MODEL_FILE).exists():
         drifts = parameter_drifts(load_parameters(run_a), load_parameters(run_b))
         worst_param = max(drifts, key=drifts.__getitem__)
         param_diff = drifts[worst_param]
@@ -289,7 +290,7 @@ def compare_with_noise(
     check_same_model(runs)
     records = [train_records(run) for run in runs]
     steps = shared_steps(dict(zip(runs, records, strict=True)))
-    missing = [str(run) for run in runs if not (run / "model.pt").exists()]
+    missing = [str(run) for run in runs if not (run / MODEL_FILE).exists()]
     if missing:
         raise ValueError(f"no model.pt in {', '.join(missing)}: the final parameters cannot be compared")
     expected = load_parameters(reference)

@@ -41,11 +41,11 @@ from common.outputs import (
     add_overwrite_flag,
     check_output_folder,
     check_output_path,
-    check_run_folders,
     output_folder,
     write_by_name,
 )
 from common.processes import exit_code_of, output_of
+from common.run_dir import METRICS_FILE, MODEL_FILE, check_run_folders, finished_run_in
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -96,14 +96,14 @@ def launch(strategy: Strategy, world_size: int, run_dir: Path, common_flags: lis
 
 
 def final_record(run_dir: Path) -> dict:
-    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = (run_dir / METRICS_FILE).read_text(encoding="utf-8").splitlines()
     (record,) = [r for r in map(json.loads, lines) if r["event"] == "final"]
     return record
 
 
 def parameter_shapes(run_dir: Path) -> dict[str, tuple[int, ...]]:
     """The names and shapes of the whole model's parameters, from the plain state dict every run saves."""
-    state = torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True, mmap=True)
+    state = torch.load(run_dir / MODEL_FILE, map_location="cpu", weights_only=True, mmap=True)
     return {name: tuple(tensor.shape) for name, tensor in state.items()}
 
 
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for strategy, world_size, final_dir in planned_runs(args):
             # Run in a folder of its own, which takes the run dir's name once the run has finished.
-            with output_folder(final_dir, args.overwrite) as run_dir:
+            with output_folder(final_dir, args.overwrite, finished_run_in) as run_dir:
                 runs.append((launch(strategy, world_size, run_dir, common_flags), parameter_shapes(run_dir)))
     except OutputExists as err:  # another comparison in the same --out-dir finished a run first
         sys.exit(f"error: {err}")

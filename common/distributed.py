@@ -27,6 +27,10 @@ import torch.nn as nn
 
 from common.compat import destroy_process_group
 
+# What torchrun tells each process it starts: where it stands in the job, and where the ranks meet.
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
+
 
 class FatalError(Exception):
     """A problem the user can fix (bad flag, missing data).

@@ -35,11 +35,11 @@ from common.checkpoint import (
     root_failure,
     sharded_reader,
 )
-from common.cli import RUN_RESULTS, HelpFormatter, add_trust_flag
+from common.cli import HelpFormatter, add_trust_flag
 from common.flags import existing_path, output_file
 from common.outputs import add_overwrite_flag, check_output_path, save_torch
 from common.processes import exit_code_of
-from common.run_lock import LOCK_FILE
+from common.run_dir import CHECKPOINTS, LOCK_FILE, RUN_RESULTS
 
 MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
 
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def running_in(run_dir: Path) -> str | None:
-    """Who holds ``run_dir``'s run lock (common.run_lock), if a run is writing there now; else None.
+    """Who holds ``run_dir``'s run lock (common.run_dir), if a run is writing there now; else None.
 
     The test takes the lock shared and at once lets it go: a run starting in that instant is refused
     as if another run were there, which it may retry; taking nothing cannot tell a held lock apart.
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 def overwrites_a_checkpoint(output: Path, checkpoint: Path) -> bool:
     """The checkpoint itself, a file inside it (a sharded one is a folder), or anything in a checkpoints/ folder."""
     output, checkpoint = output.resolve(), checkpoint.resolve()
-    return output == checkpoint or checkpoint in output.parents or output.parent.name == "checkpoints"
+    return output == checkpoint or checkpoint in output.parents or output.parent.name == CHECKPOINTS
 
 
 def fail(message: str) -> int:

@@ -17,7 +17,7 @@ from common.checkpoint import then_resume, what_is_kept, write_failure
 from common.distributed import DistContext, FatalError, all_ranks_agree, local_state_bytes, max_over_ranks
 from common.models import GPT
 from common.outputs import open_log, write_text
-from common.run_lock import keep_holding
+from common.run_dir import METRICS_FILE, keep_holding
 
 # Dense bf16 tensor-core peaks from NVIDIA's data sheets (half the "with sparsity" figure), per GPU,
 # for MFU. More specific names first: the NVL and PCIe boards must not match the SXM figure of
@@ -50,7 +50,7 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: Path, ctx: DistContext, resumed_at: int | None = None) -> None:
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self.ctx = ctx
         self.resumed_at = resumed_at
         self._file = None

@@ -41,7 +41,6 @@ TEMPORARY_PREFIX = ".tmp-"  # checkpoint pruning deletes what starts with it: le
 # Where a hard link cannot be made, publishing without replacing falls back to a check, then a rename.
 NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
 DEFAULT_NAME_MAX = 255  # where the file system does not say
-RUN_RECORD = "metrics.jsonl"  # what every finished run leaves in its folder
 
 
 class OutputExists(FileExistsError):
@@ -388,43 +387,12 @@ def holds_something(folder: Path) -> bool:
     return os.path.lexists(folder) and (not os.path.isdir(folder) or any(folder.iterdir()))
 
 
-def not_a_run(folder: Path) -> bool:
-    """``folder`` holds something, and not a finished run's files (a run leaves RUN_RECORD): not this command's."""
-    return holds_something(folder) and not (os.path.isdir(folder) and (folder / RUN_RECORD).is_file())
-
-
-def check_run_folders(
-    parser: argparse.ArgumentParser,
-    folders: Iterable[Path],
-    flag: str,
-    value: Path,
-    overwrite: bool,
-    earlier: str = "earlier runs",
-) -> None:
-    """Refuse, before any run, the run folders ``output_folder`` would replace once their runs finish: one whose
-    name something else has taken (a source tree named ``ddp``), whatever ``overwrite`` says, and one that
-    holds an earlier run, unless ``overwrite`` says so."""
-    folders = list(folders)
-    foreign = [str(folder) for folder in folders if not_a_run(folder)]
-    if foreign:
-        parser.error(
-            f"{flag}: {', '.join(foreign)} must hold this command's runs, but hold(s) something else (no "
-            f"{RUN_RECORD}); {OVERWRITE_FLAG} replaces earlier runs only. Choose another {flag}"
-        )
-    taken = [str(folder) for folder in folders if holds_something(folder)]
-    if taken and not overwrite:
-        parser.error(
-            f"{flag} {value}: {earlier} are in {', '.join(taken)}; pass {OVERWRITE_FLAG} to replace each once its "
-            f"new run has finished, or choose another {flag}"
-        )
-
-
 @contextmanager
-def output_folder(path: Path, overwrite: bool) -> Iterator[Path]:
+def output_folder(path: Path, overwrite: bool, replaceable: Callable[[Path], bool]) -> Iterator[Path]:
     """A fresh temporary folder beside ``path`` to fill; it becomes ``path`` if the block completes.
 
-    An earlier ``path`` is replaced only with ``overwrite`` (else ``OutputExists``), and only once
-    the new one is complete: a failure leaves it as it was and removes the temporary.
+    An earlier ``path`` is replaced only with ``overwrite`` and where ``replaceable`` says it may be (else
+    ``OutputExists``), and only once the new one is complete: a failure leaves it as it was and removes the temporary.
     """
     path = path.absolute()  # a child that runs elsewhere (torchrun from the repository) fills the same folder
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -434,7 +402,7 @@ def output_folder(path: Path, overwrite: bool) -> Iterator[Path]:
         temporary.mkdir()
     try:
         yield temporary
-        if holds_something(path) and (not overwrite or not_a_run(path)):
+        if holds_something(path) and (not overwrite or not replaceable(path)):
             raise OutputExists(path)
         replace_folder(temporary, path)
     finally:

@@ -17,8 +17,8 @@ from typing import NoReturn
 
 from common.distributed import DistContext, all_ranks_agree, print0
 from common.outputs import write_text
+from common.run_dir import STOP_FILE
 
-STOP_FILE = "STOP"
 PREEMPTED_FILE = "PREEMPTED"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # Ctrl-C, and a terminal that closes: a stop request too, unless the run was started with them ignored

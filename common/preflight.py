@@ -40,9 +40,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from common.distributed import LAUNCH_VARIABLES, RENDEZVOUS_VARIABLES
 from common.flags import existing_file, float_in_range, output_dir, positive_int, timeout_seconds
 from common.outputs import open_log, write_text
 from common.processes import exit_code_of, run_tree, scratch_folder
+from common.run_dir import CHECKPOINTS, METRICS_FILE, MODEL_FILE
 
 STEPS = 3  # the third step is the one StepObserver measures: collectives_per_step needs it
 CHECKPOINT_INTERVAL = 2  # a checkpoint before step 3
@@ -55,7 +57,7 @@ REPORT_ORDER = ("mismatch", "raised", "exited", "peer_ended", "timeout")
 # What torchrun tells its workers about their job; a pre-flight started inside a job must not inherit it.
 # The same names as check_equivalence.TORCHRUN_VARIABLES, written out: common.cli imports torch, which
 # this parent process never does.
-JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+JOB_VARIABLES = (*LAUNCH_VARIABLES, *RENDEZVOUS_VARIABLES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,7 +454,7 @@ def read_records(run_dir: Path) -> list[dict] | None:
     """The run's metrics.jsonl records, lines that are no JSON object left out; None when there is no such
     file: a script of the user's own need not write one, nor one that ends early on purpose."""
     try:
-        text = (run_dir / "metrics.jsonl").read_text(errors="replace")
+        text = (run_dir / METRICS_FILE).read_text(errors="replace")
     except OSError:
         return None
     records = []
@@ -466,8 +468,8 @@ def describe_clean_run(reports: dict[int, dict], run_dir: Path, nproc: int, scri
     records = read_records(run_dir)
     final = next((r for r in reversed(records or []) if r.get("event") == "final"), {})
     evaluations = sum(1 for r in records or [] if r.get("event") == "eval")
-    checkpoints = len(list((run_dir / "checkpoints").glob("step-*")))
-    saved = (run_dir / "model.pt").exists()
+    checkpoints = len(list((run_dir / CHECKPOINTS).glob("step-*")))
+    saved = (run_dir / MODEL_FILE).exists()
     totals = reports[0]["totals"]
     count = sum(v for k, v in totals.items() if k.endswith(" count"))
     lines = [

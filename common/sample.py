@@ -21,11 +21,12 @@ import torch
 from common.compare_runs import read_records
 from common.flags import existing_dir, float_in_range, positive_int, seed_value
 from common.models import GPT, GPTConfig
+from common.run_dir import METRICS_FILE, MODEL_FILE
 
 
 def final_record(run_dir: Path) -> dict[str, Any] | None:
     """The run's last final record; None without one. A line cut short raises ValueError, saying where."""
-    if not (run_dir / "metrics.jsonl").is_file():
+    if not (run_dir / METRICS_FILE).is_file():
         return None
     finals = [record for record in read_records(run_dir) if isinstance(record, dict) and record.get("event") == "final"]
     return finals[-1] if finals else None
@@ -111,7 +112,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     except ValueError as err:
         parser.error(str(err))
     config = (args.final or {}).get("model_config")
-    if not isinstance(config, dict) or not (args.run_dir / "model.pt").is_file():
+    if not isinstance(config, dict) or not (args.run_dir / MODEL_FILE).is_file():
         parser.error(f"{args.run_dir} holds no finished transformer run (a final record with model_config, model.pt)")
     vocab_size = config.get("vocab_size")
     decoding = args.final.get("decoding")
@@ -136,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_model(parser: argparse.ArgumentParser, run_dir: Path, final: dict[str, Any]) -> GPT:
     try:
         model = GPT(GPTConfig(**final["model_config"]), seed=None)
-        model.load_state_dict(torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True))
+        model.load_state_dict(torch.load(run_dir / MODEL_FILE, map_location="cpu", weights_only=True))
     except Exception as err:  # noqa: BLE001 - a model.pt that does not fit its record, or no model at all
         said = " ".join(str(err).split()) or type(err).__name__  # one line: load_state_dict lists each tensor
         parser.error(f"{run_dir}/model.pt does not load as the model its metrics.jsonl describes: {said[:300]}")

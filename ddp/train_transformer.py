@@ -50,7 +50,7 @@ from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
 from common.models import COMPUTE_DTYPES, GPT, checkpoint_activations, compile_layers, count_parameters
 from common.preemption import StopRequest
-from common.run_lock import RunDirLock
+from common.run_dir import MODEL_FILE, RunDirLock
 from common.tokens import markov_data, text_data, token_file_data
 from common.training import (
     FiniteLossCheck,
@@ -223,7 +223,7 @@ def train(args, ctx: DistContext) -> None:
     # DISTRIBUTED: every copy is identical, so rank 0 saves the inner module
     # (no "module." prefix); the others only learn whether that worked.
     state = {k: v.cpu() for k, v in model.module.state_dict().items()} if ctx.is_main else None
-    save_model_file(state, args.run_dir / "model.pt", ctx)
+    save_model_file(state, args.run_dir / MODEL_FILE, ctx)
     finish_run(
         log,
         ctx,

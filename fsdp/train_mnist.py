@@ -56,7 +56,7 @@ from common.evaluation import evaluate_classifier
 from common.metrics import MetricsLog
 from common.models import MnistNet
 from common.preemption import StopRequest
-from common.run_lock import RunDirLock
+from common.run_dir import MODEL_FILE, RunDirLock
 from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps
 
 
@@ -205,7 +205,7 @@ def train(args, ctx: DistContext) -> None:
     # gathering it; rank 0 receives plain CPU tensors under the original names
     # and saves them.
     state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
-    save_model_file(state, args.run_dir / "model.pt", ctx)
+    save_model_file(state, args.run_dir / MODEL_FILE, ctx)
     finish_run(
         log,
         ctx,

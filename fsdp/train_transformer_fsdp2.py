@@ -60,7 +60,7 @@ from common.evaluation import evaluate_language_model
 from common.metrics import MetricsLog
 from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, init_parameters
 from common.preemption import StopRequest
-from common.run_lock import RunDirLock
+from common.run_dir import MODEL_FILE, RunDirLock
 from common.tokens import markov_data, text_data, token_file_data
 from common.training import (
     FiniteLossCheck,
@@ -297,7 +297,7 @@ def train(args, ctx: DistContext) -> None:
     # gathering it; rank 0 receives plain CPU tensors under the original names
     # and saves them.
     state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
-    save_model_file(state, args.run_dir / "model.pt", ctx)
+    save_model_file(state, args.run_dir / MODEL_FILE, ctx)
     finish_run(
         log,
         ctx,

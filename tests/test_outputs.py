@@ -24,7 +24,7 @@ import torch
 
 from common import benchmark, comm_check, compare_strategies, export_checkpoint, prepare_tokens, processes
 from common.processes import exit_code_of
-from common.run_lock import LOCK_FILE
+from common.run_dir import LOCK_FILE
 from tests.harness.runs import REPO
 
 SCANNED = ("common", "ddp", "fsdp")
@@ -65,7 +65,7 @@ CREATING_FLAGS = {"O_CREAT", "O_WRONLY", "O_RDWR", "O_APPEND", "O_TRUNC"}
 # sharded checkpoints and is not matched at all: it fills a temporary folder that checkpoint.py
 # renames into place through common.outputs.
 EXEMPT = {
-    ("common/run_lock.py", "os.open"): "the run's lock file: flock needs one inode that every run opens; no result",
+    ("common/run_dir.py", "os.open"): "the run's lock file: flock needs one inode that every run opens; no result",
 }
 
 
@@ -481,7 +481,7 @@ def test_export_refuses_the_model_of_a_run_that_is_still_writing_it(tmp_path: Pa
     run = small_run(tmp_path)
     (run / "model.pt").unlink()
     step = str(run / "checkpoints" / "step-2.pt")
-    with (run / LOCK_FILE).open("w") as lock:  # what a running run holds (common.run_lock)
+    with (run / LOCK_FILE).open("w") as lock:  # what a running run holds (common.run_dir)
         lock.write("pid 1 on node-3\n")
         lock.flush()
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -31,7 +31,7 @@ from common.checkpoint import checkpoint_step, complete_checkpoints, then_resume
 from common.distributed import distributed
 from common.metrics import MetricsLog
 from common.preemption import StopRequest
-from common.run_lock import LOCK_FILE, RunDirLock
+from common.run_dir import LOCK_FILE, RunDirLock
 from tests.harness.runs import (
     REPO,
     Run,

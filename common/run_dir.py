@@ -1,7 +1,17 @@
-"""One run at a time in a run directory.
+"""The run directory: what it holds, under which names, and the one run that may write it.
 
-Two runs writing one folder interleave their metrics.jsonl, prune each other's
-checkpoints and replace each other's model.pt. Rank 0 holds an exclusive lock
+    RUN_DIR/
+        metrics.jsonl       METRICS_FILE: one JSON record a line, the run's whole story
+        model.pt            MODEL_FILE: the final weights, a plain state dict
+        checkpoints/        CHECKPOINTS: step-N.pt (one file) or step-N/ (a sharded DCP folder)
+        profile/            PROFILE_DIR: --profile's traces, one file a rank
+        STOP                STOP_FILE: made by a user, asks the run to checkpoint and exit
+        .lock               LOCK_FILE: held by the run that writes this folder
+
+Every other module asks this one for a name or a listing; none spells them itself.
+
+One run at a time: two runs writing one folder interleave their metrics.jsonl, prune each
+other's checkpoints and replace each other's model.pt. Rank 0 holds an exclusive lock
 on ``RUN_DIR/.lock`` for as long as the run lives. The kernel drops the lock
 when the process ends, however it ends (SIGKILL and the OOM killer included),
 so a killed run never leaves the folder locked and nobody deletes a lock file
@@ -14,19 +24,81 @@ the run says so once and goes on unguarded rather than refusing to train.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import fcntl
 import os
+import re
 import socket
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 
 from common.distributed import DistContext, FatalError, all_ranks_agree, print0
+from common.outputs import OVERWRITE_FLAG, holds_something
 
+METRICS_FILE = "metrics.jsonl"
+MODEL_FILE = "model.pt"
+CHECKPOINTS = "checkpoints"
+PROFILE_DIR = "profile"
+STOP_FILE = "STOP"
 LOCK_FILE = ".lock"
+RUN_RESULTS = (METRICS_FILE, MODEL_FILE)  # what a run leaves in its run dir besides checkpoints
+CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
 # What a file system without locks answers (Lustre without -o flock, some FUSE mounts).
 NO_LOCKS_HERE = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """N for a checkpoint named step-N or step-N.pt; None for anything else."""
+    match = CHECKPOINT_NAME.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Every complete checkpoint in the run directory, oldest first."""
+    folder = run_dir / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    found = [path for path in folder.iterdir() if checkpoint_step(path) is not None]
+    return sorted(found, key=checkpoint_step)  # type: ignore[arg-type]
+
+
+def finished_run_in(folder: Path) -> bool:
+    """``folder`` holds what a finished run leaves (its record), so it is a run directory."""
+    return (folder / METRICS_FILE).is_file()
+
+
+def not_a_run(folder: Path) -> bool:
+    """``folder`` holds something, and not a finished run's files (a run leaves METRICS_FILE): not this command's."""
+    return holds_something(folder) and not finished_run_in(folder)
+
+
+def check_run_folders(
+    parser: argparse.ArgumentParser,
+    folders: Iterable[Path],
+    flag: str,
+    value: Path,
+    overwrite: bool,
+    earlier: str = "earlier runs",
+) -> None:
+    """Refuse, before any run, the run folders ``output_folder`` would replace once their runs finish: one whose
+    name something else has taken (a source tree named ``ddp``), whatever ``overwrite`` says, and one that
+    holds an earlier run, unless ``overwrite`` says so."""
+    folders = list(folders)
+    foreign = [str(folder) for folder in folders if not_a_run(folder)]
+    if foreign:
+        parser.error(
+            f"{flag}: {', '.join(foreign)} must hold this command's runs, but hold(s) something else (no "
+            f"{METRICS_FILE}); {OVERWRITE_FLAG} replaces earlier runs only. Choose another {flag}"
+        )
+    taken = [str(folder) for folder in folders if holds_something(folder)]
+    if taken and not overwrite:
+        parser.error(
+            f"{flag} {value}: {earlier} are in {', '.join(taken)}; pass {OVERWRITE_FLAG} to replace each once its "
+            f"new run has finished, or choose another {flag}"
+        )
 
 
 def holder_description() -> str:
