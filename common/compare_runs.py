@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.checkpoint import describe_failure, load_file
 from common.cli import HelpFormatter, non_negative_float, positive_float
 from common.flags import existing_dir
 from common.run_dir import METRICS_FILE, MODEL_FILE
+from common.safe_loading import describe_failure, load_file
 
 # How far beyond the twins' drift a candidate may go and still be the same training. Measured on
 # both torch ends and three CPU kernels: healthy runs reached 3.7x, broken copies 2,775x and more

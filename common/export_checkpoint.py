@@ -27,19 +27,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from common.checkpoint import (
-    UntrustedCheckpoint,
-    checkpoint_step,
-    describe_failure,
-    load_file,
-    root_failure,
-    sharded_reader,
-)
 from common.cli import HelpFormatter, add_trust_flag
 from common.flags import existing_path, output_file
 from common.outputs import add_overwrite_flag, check_output_path, save_torch
 from common.processes import exit_code_of
-from common.run_dir import CHECKPOINTS, LOCK_FILE, RUN_RESULTS
+from common.run_dir import CHECKPOINTS, LOCK_FILE, RUN_RESULTS, checkpoint_step
+from common.safe_loading import UntrustedCheckpoint, describe_failure, load_file, root_failure, sharded_reader
 
 MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
 

@@ -13,11 +13,11 @@ from typing import IO, Any
 import torch
 import torch.nn as nn
 
-from common.checkpoint import then_resume, what_is_kept, write_failure
 from common.distributed import DistContext, FatalError, all_ranks_agree, local_state_bytes, max_over_ranks
 from common.models import GPT
 from common.outputs import open_log, write_text
 from common.run_dir import METRICS_FILE, keep_holding
+from common.saving import then_resume, what_is_kept, write_failure
 
 # Dense bf16 tensor-core peaks from NVIDIA's data sheets (half the "with sparsity" figure), per GPU,
 # for MFU. More specific names first: the NVL and PCIe boards must not match the SXM figure of

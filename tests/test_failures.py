@@ -24,10 +24,10 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import complete_checkpoints
 from common.compat import torch_at_least
 from common.distributed import FatalError, distributed
 from common.models import GPT, GPTConfig
+from common.run_dir import complete_checkpoints
 from common.tokens import token_file_data
 from tests.harness.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
 from tests.harness.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS

@@ -1,0 +1,251 @@
+"""Loading files that come from elsewhere without running any code they hold.
+
+A full checkpoint, a state dict for --init-from and a sharded checkpoint's ``trainer.pt`` go through
+``torch.load(weights_only=True)``. A sharded (DCP) checkpoint's ``.metadata`` would be read by DCP with a
+plain ``pickle.load``; here it goes through an unpickler that builds DCP's own metadata records and
+refuses anything else (``--trust-checkpoint`` lifts that for checkpoints from someone the user trusts).
+A file that cannot be used becomes one line that says why.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from common.distributed import DistContext, FatalError, print0
+
+
+def load_file(path: Path) -> Any:
+    """``torch.load(weights_only=True)`` onto the CPU; a file cut short (a copy or a save that did not finish)
+    is an EOFError, which describe_failure calls truncated: torch itself says "[Errno 22] Invalid argument"."""
+    with path.open("rb") as file:
+        zipped = file.read(4) == b"PK\x03\x04"  # torch.save's format: a zip archive, its directory at the end
+    if zipped and not zipfile.is_zipfile(path):
+        raise EOFError(f"{path} ends before its zip archive's directory")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# -- starting from weights: --init-from -------------------------------------------------------------
+
+
+def start_from_weights(model: torch.nn.Module, path: Path, ctx: DistContext) -> None:
+    """--init-from: the weights of a plain state dict (a run's model.pt, common.export_checkpoint's
+    output, any state dict of this model) in the wrapped ``model``, for a new run from step 0.
+
+    DISTRIBUTED: only rank 0 reads the file. set_model_state_dict broadcasts it one tensor at a time
+    and each rank keeps its own part, so no rank holds more than one whole copy, and a GPU holds at
+    most one whole tensor. Keys or shapes that differ stop every rank with one message (exit 2).
+    """
+    # This rank's part of each tensor, under the names a plain model has; size() is the whole tensor's.
+    with quiet_internal_warnings():  # FSDP1's sharded state dict still goes through ShardedTensor
+        expected = {name: tuple(tensor.size()) for name, tensor in get_model_state_dict(model).items()}
+    state: dict[str, torch.Tensor] = {}
+    problem = None
+    if ctx.is_main:
+        try:
+            state = load_file(path)
+        except Exception as err:  # noqa: BLE001 - any failure to read it is one message, below
+            problem = f"cannot be loaded ({describe_failure(err)})"
+        else:
+            problem = weights_mismatch(state, expected)
+    problem = broadcast_object(problem)
+    if problem is not None:
+        raise FatalError(f"--init-from {path} {problem}")
+    with quiet_internal_warnings():
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    print0(f"weights from {path} ({len(expected)} tensors); a new run: step 0, a fresh optimizer")
+
+
+def weights_mismatch(state: Any, expected: dict[str, tuple[int, ...]]) -> str | None:
+    """Why ``state`` does not fit a model whose state dict has ``expected``'s names and shapes; None if it fits."""
+    if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+        return (
+            "is not a state dict (tensors by name). A checkpoint of a run resumes with --resume-from; "
+            "python -m common.export_checkpoint turns one into a state dict"
+        )
+    missing = [name for name in expected if name not in state]
+    unexpected = [name for name in state if name not in expected]
+    reshaped = [
+        f"{name} is {list(state[name].shape)} there, {list(shape)} here"
+        for name, shape in expected.items()
+        if name in state and tuple(state[name].shape) != shape
+    ]
+    parts = [
+        f"{what}: {first_few(names)}"
+        for what, names in (("missing", missing), ("not in this model", unexpected), ("other shapes", reshaped))
+        if names
+    ]
+    return f"does not fit this model ({'; '.join(parts)})" if parts else None
+
+
+def first_few(items: list[str], shown: int = 3) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
+def describe_failure(err: BaseException) -> str:
+    """One line about what went wrong; for DCP, the first rank's own exception, not the wrapper."""
+    err = root_failure(err)
+    if isinstance(err, EOFError):
+        return "EOFError: a file in it ends too early, as a truncated file does"
+    if isinstance(err, pickle.UnpicklingError) and str(err).startswith("Weights only load failed"):
+        # torch's own text goes on to explain how to load it unsafely; that is not advice to pass on.
+        return "UnpicklingError: it holds more than tensors and plain data, which torch.load(weights_only=True) refuses"
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+# -- sharded checkpoints that someone else wrote -------------------------------------------------
+
+# DCP writes `.metadata` with pickle, and its FileSystemReader reads it back with
+# a plain pickle.load (checked in torch 2.6.0 and 2.14.1), so a crafted file runs any
+# code it names. torch's own restricted unpickler (weights_only) cannot parse it
+# either: it rejects pickle protocol 4's FRAME opcode, which pickle.dump writes.
+# These are all the globals DCP's metadata refers to; each only stores or looks
+# up data when called, so an unpickler that allows nothing else runs no code.
+_DCP_METADATA_GLOBALS = frozenset(
+    {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # how torch pickles a torch.layout
+        # StorageMeta.checkpoint_id: the path the saver was given. Python 3.13 pickles it from pathlib._local.
+        ("pathlib", "PosixPath"),
+        ("pathlib._local", "PosixPath"),
+        *(
+            ("torch", name)
+            for name, value in vars(torch).items()
+            if isinstance(value, torch.dtype | torch.layout | torch.memory_format)
+        ),
+    }
+)
+
+
+class UntrustedCheckpoint(Exception):
+    """A sharded checkpoint that holds more than DCP writes, refused before any of it was unpickled."""
+
+    def refusal(self, path: Path) -> str:
+        """The whole message for the user: what was refused, why it matters, what to do."""
+        return (
+            f"checkpoint {path} was refused: {self}. The metadata of a sharded checkpoint is a pickle, and "
+            "unpickling it could run any code, so nothing in it was loaded. If you trust whoever wrote it, "
+            "pass --trust-checkpoint to load it anyway."
+        )
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        # Checked before the module is even imported: importing can run code too.
+        if (module, name) not in _DCP_METADATA_GLOBALS:
+            raise UntrustedCheckpoint(f"its .metadata refers to {module}.{name}, which DCP metadata never does")
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(folder: Path) -> Metadata:
+    """The ``.metadata`` of a DCP checkpoint, read without running code; anything else raises UntrustedCheckpoint."""
+    with (folder / ".metadata").open("rb") as file:
+        metadata = _MetadataUnpickler(file).load()
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise UntrustedCheckpoint(f"its .metadata holds a {type(metadata).__name__}, not DCP metadata")
+    for entry in metadata.storage_data.values():
+        # DCP names the shard files it writes; a path elsewhere would read files outside the folder.
+        name = getattr(entry, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            raise UntrustedCheckpoint(f"its .metadata points at {name!r}, not at a file in the checkpoint")
+    return metadata
+
+
+class _MetadataReader(FileSystemReader):
+    """DCP's file reader, but it hands DCP the metadata that the allow-list has already read."""
+
+    def __init__(self, folder: Path, metadata: Metadata) -> None:
+        super().__init__(folder)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, but a non-tensor entry must pass ``torch.load(weights_only=True)`` first.
+
+    DCP reads such entries (the optimizer's learning rate, betas, ...) with
+    ``weights_only=False``; what the restricted unpickler accepts is plain data,
+    so reading the same bytes again without it builds only that data.
+    """
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError:
+            raise UntrustedCheckpoint(f"its entry {read_item.dest_index.fqn} refers to more than plain data") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def sharded_reader(folder: Path, trust: bool) -> tuple[FileSystemReader, DefaultLoadPlanner]:
+    """The storage reader and load planner for ``dcp.load`` of ``folder``.
+
+    Untrusted (the default), its metadata has been read through the allow-list
+    (UntrustedCheckpoint if it holds anything else) and the planner reads
+    non-tensor entries with weights_only. Trusted, both are DCP's own, which
+    unpickle whatever the checkpoint holds.
+    """
+    if trust:
+        return FileSystemReader(folder), DefaultLoadPlanner()
+    return _MetadataReader(folder, read_dcp_metadata(folder)), _WeightsOnlyLoadPlanner()
+
+
+def root_failure(err: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException wrapper, else ``err`` itself."""
+    if isinstance(err, dcp.CheckpointException) and err.failures:
+        return next(iter(err.failures.values()))[0]
+    return err
+
+
+@contextmanager
+def quiet_internal_warnings() -> Iterator[None]:
+    """Silence warnings about torch's own internals that a user cannot act on.
+
+    FSDP1's sharded state dict still goes through ShardedTensor, which warns
+    about its deprecated helpers on every save and load (torch 2.14).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*will be deprecated")
+        warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup")
+        yield
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
