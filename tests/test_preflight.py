@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from common import preflight
+from common import lockstep, preflight
 from tests.harness import launcher
 from tests.harness.cases import FSDP2_SCRIPT, cases
 from tests.harness.runs import REPO, clean_env, run_command
@@ -176,7 +176,7 @@ def test_every_wait_is_bounded_and_an_ended_rank_is_seen_at_once(tmp_path: Path)
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), wait_for_workers=False)
-    waiting, absent = preflight.Lockstep(store, 0, wait_s=0.5), preflight.Lockstep(store, 1, wait_s=0.5)
+    waiting, absent = lockstep.Lockstep(store, 0, wait_s=0.5), lockstep.Lockstep(store, 1, wait_s=0.5)
     started = time.monotonic()
     peer = waiting.await_peer("0", 1, peer=1)
     assert peer.fingerprint is None and peer.ended is None and peer.last is None
@@ -186,9 +186,9 @@ def test_every_wait_is_bounded_and_an_ended_rank_is_seen_at_once(tmp_path: Path)
     assert waiting.await_peer("0", 1, peer=1).ended == {"how": "returned", "detail": "", "issued": 0}
     assert time.monotonic() - started < 0.5
 
-    mine = preflight.Fingerprint("c10d::allreduce_", "all_reduce", [0, 1], ["tensors: float32[4]"], [], "t.py:7", "")
-    report = {"verdict": "timeout", "n": 3, "mine": asdict(mine), "peer": asdict(preflight.Peer(1))}
-    preflight.write_report(tmp_path, 0, report)
+    mine = lockstep.Fingerprint("c10d::allreduce_", "all_reduce", [0, 1], ["tensors: float32[4]"], [], "t.py:7", "")
+    report = {"verdict": "timeout", "n": 3, "mine": asdict(mine), "peer": asdict(lockstep.Peer(1))}
+    lockstep.write_report(tmp_path, 0, report)
     verdict = preflight.judge(tmp_path, tmp_path, 2, 1, "", "t.py")
     assert verdict.code == preflight.FOUND
     assert "rank 0 waited for rank 1 at collective #3 on group [0, 1]" in verdict.text, verdict.text
