@@ -58,11 +58,11 @@ from common.activations import gpt_activations, mnist_activations
 from common.cli import HelpFormatter, positive_float, positive_int
 from common.flags import float_in_range, int_in_range
 from common.models import GPT, GPT_PRESETS, GPTConfig, MnistNet, count_parameters
+from common.shard_sizes import COMPUTE_BYTES, largest_shard_numel
 
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, both fp32
 ADAM_STEP_BYTES = 4  # one float32 scalar per parameter tensor
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
 PREFETCHED_UNITS = 2  # the unit computing and the next one, gathered ahead of time
 GIB = 2**30
 MIB = 2**20
@@ -101,24 +101,6 @@ class StateBytes:
 
     def as_dict(self) -> dict[str, int]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
-
-
-def largest_shard_numel(shapes: Iterable[Sequence[int]], shard_group: int, layout: str) -> int:
-    """Parameter elements held by the rank that holds the most.
-
-    FSDP1 pads each unit's flat parameter to a multiple of the group size; the
-    padding (fewer than ``shard_group`` elements per unit) is not counted here,
-    and it is not a parameter either, so the runs do not count it.
-    """
-    shapes = [tuple(shape) for shape in shapes]
-    if layout == "replicated" or shard_group == 1:
-        return sum(math.prod(shape) for shape in shapes)
-    if layout == "flat":
-        return math.ceil(sum(math.prod(shape) for shape in shapes) / shard_group)
-    if layout == "dim0":
-        # torch.chunk's rule: pieces of ceil(rows / group) rows, so rank 0's is never smaller.
-        return sum(math.ceil(shape[0] / shard_group) * math.prod(shape[1:]) for shape in shapes if shape)
-    raise ValueError(f"unknown layout {layout!r}; expected replicated, flat or dim0")
 
 
 def between_steps(shapes: Iterable[Sequence[int]], shard_group: int, layout: str) -> StateBytes:

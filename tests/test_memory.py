@@ -20,11 +20,11 @@ from common.estimate_memory import (
     estimate_all,
     estimate_table,
     in_flight_bytes,
-    largest_shard_numel,
     main,
 )
 from common.metrics import model_flops_utilization, peak_flops, transformer_flops_per_token
 from common.models import GPT, GPTConfig
+from common.shard_sizes import largest_shard_numel
 
 TINY = GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64)
 
