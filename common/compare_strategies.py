@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from common.cli import HelpFormatter, positive_int
-from common.estimate_communication import run_estimate
+from common.comm_model import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
 from common.flags import output_dir, output_file
 from common.models import GPT_PRESETS

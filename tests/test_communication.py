@@ -16,11 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from common.communication import CollectiveRecorder, StepObserver, measured_step, ring_link_bytes
-from common.compare_strategies import markdown_table, micro_steps
-from common.compat import COMPILED_UNDER_DISPATCH_MODE, all_gather_single, reduce_scatter_single, torch_at_least
-from common.distributed import DistContext, teardown_distributed
-from common.estimate_communication import (
+from common.comm_model import (
     FsdpBehaviour,
     Unit,
     current_behaviour,
@@ -30,9 +26,13 @@ from common.estimate_communication import (
     fsdp2_padded_elements,
     fsdp_step,
     fsdp_units,
-    main,
     run_estimate,
 )
+from common.communication import CollectiveRecorder, StepObserver, measured_step, ring_link_bytes
+from common.compare_strategies import markdown_table, micro_steps
+from common.compat import COMPILED_UNDER_DISPATCH_MODE, all_gather_single, reduce_scatter_single, torch_at_least
+from common.distributed import DistContext, teardown_distributed
+from common.estimate_communication import main
 from common.models import GPT, GPTConfig, MnistNet
 
 TINY = GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64)

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from common import check_equivalence
+from common.comm_model import run_estimate
 from common.communication import KIND_OF_OP
 from common.compare_runs import main as compare_runs_main
-from common.estimate_communication import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
 from tests.harness.cases import cases
 from tests.harness.noise_floor import (
