@@ -39,7 +39,6 @@ from common.cli import (
     HelpFormatter,
     Parser,
     add_device_flag,
-    check_launch_environment,
     positive_int,
     timeout_seconds,
 )
@@ -55,6 +54,7 @@ from common.distributed import (
     print0,
     wants_cuda,
 )
+from common.flag_checks import check_launch_environment
 from common.flags import NUMBER, flag_kind, output_file
 from common.outputs import add_overwrite_flag, check_output_path, write_text
 

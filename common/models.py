@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import zlib
 from collections.abc import Iterable
@@ -62,6 +63,19 @@ GPT_PRESETS: dict[str, dict[str, int]] = {
     "medium": {"n_layer": 8, "n_head": 8, "d_model": 512, "block_size": 256},
     "gpt2": {"n_layer": 12, "n_head": 12, "d_model": 768, "block_size": 1024},
 }
+
+
+def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
+    """The GPT that the transformer flags describe, once check_transformer_flags has filled them in from
+    the preset; the vocabulary is the data's."""
+    return GPTConfig(
+        vocab_size=vocab_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        d_model=args.d_model,
+        dropout=args.dropout,
+    )
 
 
 class CausalSelfAttention(nn.Module):

@@ -36,6 +36,7 @@ from pathlib import Path
 from types import TracebackType
 
 from common.distributed import DistContext, FatalError, all_ranks_agree, print0
+from common.flags import output_dir
 from common.outputs import OVERWRITE_FLAG, holds_something
 
 METRICS_FILE = "metrics.jsonl"
@@ -98,6 +99,52 @@ def check_run_folders(
         parser.error(
             f"{flag} {value}: {earlier} are in {', '.join(taken)}; pass {OVERWRITE_FLAG} to replace each once its "
             f"new run has finished, or choose another {flag}"
+        )
+
+
+def check_run_dir(parser: argparse.ArgumentParser, run_dir: Path) -> None:
+    """A --run-dir the run cannot write is refused now, not after the model is built or trained.
+
+    The flag's type checks what the user gives; this checks the default too.
+    """
+    try:
+        output_dir(str(run_dir))
+    except argparse.ArgumentTypeError as err:
+        parser.error(f"argument --run-dir: {err}")
+
+
+def check_run_dir_allows(
+    parser: argparse.ArgumentParser, run_dir: Path, *, resume: bool, resume_from: Path | None
+) -> None:
+    """Refuse a start that would replace or mix with the run ``run_dir`` already holds.
+
+    ``resume_from`` is a checkpoint the caller has already found to exist and to be named like one.
+    """
+    if resume_from is not None and run_dir.resolve() in resume_from.resolve().parents:
+        return  # back to an earlier point of this run (its own checkpoints, or abandoned/)
+    existing = complete_checkpoints(run_dir)
+    results = [name for name in RUN_RESULTS if (run_dir / name).exists()]
+    if resume_from is not None and (existing or results):
+        parser.error(
+            f"--resume-from {resume_from} is another run's checkpoint, and --run-dir {run_dir} already "
+            "holds a run of its own; continuing there would mix the two. Choose a new --run-dir"
+        )
+    if not resume and existing:
+        parser.error(
+            f"--run-dir {run_dir} already holds checkpoints of an earlier run (newest: {existing[-1].name}); "
+            "pass --resume to continue it, or choose another --run-dir"
+        )
+    # A run without checkpoints (the default --checkpoint-interval 0) leaves only these; a fresh
+    # run would replace them, and one that then failed would leave neither run's record.
+    if not existing and results and not resume:
+        parser.error(
+            f"--run-dir {run_dir} already holds an earlier run ({', '.join(results)}); a fresh run would replace "
+            "it. Choose another --run-dir, or delete those files to start over"
+        )
+    if not existing and MODEL_FILE in results:
+        parser.error(
+            f"--resume: {run_dir} holds a finished run's model.pt and no checkpoint to continue from; "
+            "starting over would replace it. Choose another --run-dir, or delete model.pt to start over"
         )
 
 

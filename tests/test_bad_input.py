@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from common import check_equivalence, compare_strategies, sample
-from common.cli import Parser, check_launch_environment
+from common.cli import Parser
+from common.flag_checks import check_launch_environment
 from common.models import GPT, GPTConfig
 from tests.harness.mnist_fixture import write_fake_mnist
 from tests.harness.runs import REPO, clean_env, run_script

@@ -27,6 +27,7 @@ import common.cli  # noqa: F401
 import common.data  # noqa: F401
 import common.evaluation  # noqa: F401
 import common.export_checkpoint  # noqa: F401
+import common.flag_checks  # noqa: F401
 import common.metrics  # noqa: F401
 import common.models  # noqa: F401
 import common.preemption  # noqa: F401

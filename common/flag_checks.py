@@ -1,0 +1,123 @@
+"""The training scripts' flags checked against each other and against how the run was launched.
+
+Parsing gives each flag a valid value on its own; what only a combination rules out (--resume with
+--resume-from, a global batch the world size does not divide, a --run-dir that already holds a run)
+and what the flags leave to fill in (the per-rank batch, the preset's model dimensions) are decided
+here, after parsing and before any process group: a mistake costs a second, not a queue wait, and is
+one message with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from common.cli import Parser
+from common.distributed import LAUNCH_VARIABLES, env_world_size, wants_cuda
+from common.input_checks import check_model_size, check_synthetic_size, check_text_file, check_token_file
+from common.models import GPT_PRESETS
+from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step
+
+
+def check_launch_environment(parser: Parser) -> None:
+    """Ranks and a world size without torchrun's rendezvous (MASTER_ADDR) are refused.
+
+    Without it the run would start a world of one, yet take its share of the data as rank RANK of
+    WORLD_SIZE: half the data at WORLD_SIZE=2, and a final record that claims two processes.
+    """
+    if "MASTER_ADDR" in os.environ:
+        return
+    given = {name: os.environ[name] for name in LAUNCH_VARIABLES if name in os.environ}
+    if all(value == ("1" if "WORLD_SIZE" in name else "0") for name, value in given.items()):
+        return  # a world of one, written out
+    shown = " ".join(f"{name}={value}" for name, value in given.items())
+    # Printed whatever RANK says: without a launcher this is the only process.
+    sys.stderr.write(
+        f"{parser.prog}: error: {shown} is set, but not MASTER_ADDR: start the processes with torchrun "
+        f"(torchrun --standalone --nproc_per_node=N {parser.prog} ...), or unset {' and '.join(given)} "
+        "to run one process\n"
+    )
+    sys.exit(2)
+
+
+def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
+    check_launch_environment(parser)
+    if args.epochs is None and args.max_steps is None:
+        parser.error("give --epochs or --max-steps")
+    resolve_batch_size(parser, args)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: CUDA is not available on this machine")
+
+
+def resolve_batch_size(parser: Parser, args: argparse.Namespace) -> None:
+    """Set ``args.batch_size`` (per rank) from --batch-size, --global-batch-size or the default."""
+    if args.global_batch_size is None:
+        args.batch_size = args.batch_size or args.default_batch_size
+        return
+    if args.batch_size is not None:
+        parser.error("give --batch-size (per rank) or --global-batch-size, not both")
+    world_size = env_world_size()
+    slices = world_size * args.grad_accum_steps
+    if args.global_batch_size % slices:
+        parser.error(
+            f"--global-batch-size {args.global_batch_size} does not divide into {world_size} rank(s) "
+            f"x {args.grad_accum_steps} micro-step(s)"
+        )
+    args.batch_size = args.global_batch_size // slices
+
+
+def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
+    """Fill the model dimensions from the preset and refuse shapes that cannot work."""
+    for name, value in GPT_PRESETS[args.model].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.deterministic and args.dropout > 0:
+        parser.error("--deterministic needs --dropout 0: dropout masks differ with the world size")
+    if args.d_model % args.n_head:
+        parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
+    if args.text_file is not None and args.token_file is not None:
+        parser.error("give --text-file or --token-file, not both")
+    if args.text_file is not None:
+        check_text_file(parser, args.text_file, args.block_size)
+    if args.token_file is not None:
+        check_token_file(parser, args.token_file, args.block_size)
+    if args.variable_length and (args.text_file or args.token_file):
+        parser.error("--variable-length cuts the synthetic sequences; the windows of a text or token file are whole")
+    if args.text_file is None and args.token_file is None:
+        check_synthetic_size(parser, args)
+    check_model_size(parser, args)
+
+
+def check_fsdp_flags(parser: Parser, args: argparse.Namespace) -> None:
+    if args.cpu_offload and not wants_cuda(args.device):
+        parser.error("--cpu-offload frees GPU memory by moving state to the host; this run has no GPU")
+    world_size = env_world_size()
+    if args.replicate_degree is not None and world_size % args.replicate_degree:
+        parser.error(f"--replicate-degree {args.replicate_degree} does not divide the world size {world_size}")
+
+
+def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
+    """Refuse a resume that cannot work, and a start that would replace or mix with an earlier run's files."""
+    check_run_dir(parser, args.run_dir)
+    if args.resume and args.resume_from is not None:
+        parser.error("give --resume (the newest checkpoint) or --resume-from PATH, not both")
+    if args.init_from is not None:
+        if args.resume_from is not None:
+            parser.error("give --resume-from (continue a run) or --init-from (start one from weights), not both")
+        if args.init_from.is_dir():
+            parser.error(
+                f"--init-from {args.init_from} is a folder, as a sharded checkpoint is; "
+                f"python -m common.export_checkpoint {args.init_from} weights.pt makes a state dict of one"
+            )
+        if not args.init_from.is_file():
+            parser.error(f"--init-from {args.init_from}: no such file")
+    if args.resume_from is not None:
+        if not args.resume_from.exists():
+            parser.error(f"--resume-from {args.resume_from}: no such checkpoint")
+        if checkpoint_step(args.resume_from) is None:
+            parser.error(f"--resume-from {args.resume_from}: not a checkpoint (those are named step-N or step-N.pt)")
+    check_run_dir_allows(parser, args.run_dir, resume=args.resume, resume_from=args.resume_from)
