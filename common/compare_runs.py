@@ -71,7 +71,7 @@ def train_records(run_dir: Path) -> dict[int, dict]:
     for record in records:
         numbers = [record.get(key) for key in ("loss", "grad_norm")]
         if not isinstance(record.get("step"), int) or not all(isinstance(n, int | float) for n in numbers):
-            raise ValueError(f"{run_dir / 'metrics.jsonl'}: a train record without step, loss and grad_norm: {record}")
+            raise ValueError(f"{run_dir / METRICS_FILE}: a train record without step, loss and grad_norm: {record}")
     return {record["step"]: record for record in records}
 
 
