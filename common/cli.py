@@ -289,6 +289,26 @@ def add_fsdp_flags(parser: Parser) -> None:
     )
 
 
+def add_fsdp1_flags(parser: Parser) -> None:
+    """The FSDP1 transformer script's own flags: what it shards, and when backward gathers ahead."""
+    group = parser.add_argument_group("FSDP1")
+    group.add_argument(
+        "--sharding-strategy",
+        choices=["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"],
+        default="full_shard",
+        help="full_shard: ZeRO-3, parameters too; shard_grad_op: ZeRO-2, parameters stay gathered between "
+        "forward and backward; hybrid_shard: full_shard within a group, replicated across groups; "
+        "no_shard: DDP (default: %(default)s)",
+    )
+    group.add_argument(
+        "--backward-prefetch",
+        choices=["pre", "post", "none"],
+        default="pre",
+        help="when to all-gather the next unit's parameters in backward: before (pre) or after (post) the "
+        "current unit's gradient computation, or not ahead of time (none) (default: %(default)s)",
+    )
+
+
 def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
     """Checkpoint and resume flags; ``sharded`` adds --checkpoint-format (the FSDP scripts)."""
     group = parser.add_argument_group("checkpoints")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -84,10 +86,11 @@ def full_state_dict_options(device: torch.device) -> StateDictOptions:
     return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
 
 
-def destroy_process_group() -> None:
-    """``dist.destroy_process_group()``, which with gloo can deadlock on torch < 2.8."""
+@contextmanager
+def gloo_destroyed_without_gil() -> Iterator[None]:
+    """Around ``dist.destroy_process_group()``, which with gloo can deadlock on torch < 2.8."""
     if torch_at_least((2, 8)):
-        dist.destroy_process_group()
+        yield
         return
     # torch < 2.8: destroying a ProcessGroup from Python runs ProcessGroupGloo's
     # destructor with the GIL held, and it joins gloo's worker threads. A worker
@@ -102,5 +105,5 @@ def destroy_process_group() -> None:
     gloo = [
         group._get_backend(cpu) for group in dist.distributed_c10d._world.pg_map if "gloo" in dist.get_backend(group)
     ]
-    dist.destroy_process_group()
+    yield
     del gloo

@@ -102,9 +102,10 @@ def synthetic_mnist(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
 
 
 class CompactDistributedSampler(DistributedSampler):
-    """torch's DistributedSampler, shuffled and with drop_last, in the same order, holding each epoch's
-    order as one tensor (8 bytes an example) instead of a Python list (about 45 bytes an example, and
-    copied twice): a corpus of millions of windows costs a rank megabytes, not hundreds of them."""
+    """torch's DistributedSampler, shuffled and with drop_last (every rank the same number of examples), in
+    the same order, holding each epoch's order as one tensor (8 bytes an example) instead of a Python list
+    (about 45 bytes an example, and copied twice): a corpus of millions of windows costs a rank megabytes,
+    not hundreds of them."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
@@ -118,17 +119,16 @@ class CompactDistributedSampler(DistributedSampler):
             yield from chunk.tolist()
 
 
-def train_loader(dataset: Dataset, batch_size: int, ctx: DistContext, seed: int) -> DataLoader:
-    """Shuffled batches for this rank; call ``loader.sampler.set_epoch(e)`` every epoch."""
+def train_loader(dataset: Dataset, batch_size: int, sampler: DistributedSampler, ctx: DistContext) -> DataLoader:
+    """Batches of ``sampler``'s examples for this rank; call ``loader.sampler.set_epoch(e)`` every epoch."""
     # drop_last keeps every rank at the same number of steps, so no rank
     # waits forever in a gradient all-reduce that the others never join.
-    sampler = CompactDistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, seed=seed)
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
         drop_last=True,
-        generator=own_generator(seed),
+        generator=own_generator(sampler.seed),
         pin_memory=pinned(ctx),
     )
 

@@ -18,14 +18,14 @@ import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common.compat import destroy_process_group
+from common.compat import gloo_destroyed_without_gil
 
 # What torchrun tells each process it starts: where it stands in the job, and where the ranks meet.
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
@@ -130,79 +130,118 @@ def generation_store(rank: int, world_size: int, timeout: timedelta) -> dist.Sto
     return dist.PrefixStore(f"restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def setup_distributed(requested_device: str, timeout_s: float) -> DistContext:
-    """Start the process group for this process and pick its device and backend."""
+def launch_context(requested_device: str) -> DistContext:
+    """This process's place in the job (torchrun's variables) and its device, before the process group exists.
+
+    It also prepares the process for its place: under torchrun it ends when torchrun dies; on a GPU it
+    takes its own GPU and TF32 matmuls; on the CPU it takes its share of the cores.
+    """
     end_with_torchrun()
     rank = env_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = env_world_size()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-
     device = choose_device(requested_device, local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # TF32 tensor cores for fp32 matmuls (torch's default is full fp32, a fraction of the speed);
         # --deterministic sets "highest" again (seed_everything).
         torch.set_float32_matmul_precision("high")
     set_cpu_threads(local_world_size)
-
-    timeout = timedelta(seconds=timeout_s)
-    if "MASTER_ADDR" in os.environ:
-        # Launched by torchrun (or a SLURM launcher running torchrun).
-        dist.init_process_group(
-            backend,
-            store=generation_store(rank, world_size, timeout),
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
-    else:
-        # A plain `python script.py`: a world of one over an in-memory store,
-        # so DDP and FSDP wrap exactly as they do under torchrun, with no port.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    # Every rank creates it, in the same order as every other group.
-    host_group = dist.new_group(backend="gloo") if backend != "gloo" else None
-    return DistContext(rank, local_rank, world_size, local_world_size, device, backend, host_group)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    return DistContext(rank, local_rank, world_size, local_world_size, device, backend)
 
 
-def teardown_distributed() -> None:
-    if dist.is_initialized():
-        # FSDP's modules form reference cycles that hold on to their process groups: collected at
-        # the interpreter's exit instead, a gloo group's worker threads can outlive the interpreter,
-        # find no GIL, and abort a finished run (torch 2.14.1, about 1 run in 10).
-        # Collected before the destroy, not after: on torch < 2.8 a group freed by the collector
-        # holds the GIL while it waits for gloo's threads (common.compat.destroy_process_group).
-        gc.collect()
-        destroy_process_group()
+def rendezvous_store(ctx: DistContext, timeout: timedelta) -> dist.Store:
+    """Where the ranks meet: torchrun's store, one generation at a time (see generation_store).
+
+    A plain ``python script.py`` has no torchrun: a world of one meets in memory, so DDP and FSDP
+    wrap exactly as they do under torchrun, and no port is taken.
+    """
+    if "MASTER_ADDR" not in os.environ:
+        return dist.HashStore()
+    return generation_store(ctx.rank, ctx.world_size, timeout)
+
+
+def add_host_group(ctx: DistContext) -> DistContext:
+    """``ctx`` with the group in which ranks agree on host-side facts: gloo beside NCCL on a GPU run.
+
+    Every rank creates it right after the process group, so all create their groups in the same order.
+    """
+    if ctx.backend == "gloo":
+        return ctx  # the default group is gloo already
+    return replace(ctx, host_group=dist.new_group(backend="gloo"))
 
 
 @contextmanager
-def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext]:
-    """Set up the process group and always tear it down, however training ends.
+def clean_teardown() -> Iterator[None]:
+    """Around ``dist.destroy_process_group()``: free what still holds the groups first.
 
-    A FatalError raised inside becomes one message from rank 0 and the same
-    exit code on every rank, instead of a traceback from each of them.
+    FSDP's modules form reference cycles that hold on to their process groups: collected at the
+    interpreter's exit instead, a gloo group's worker threads can outlive the interpreter, find no
+    GIL, and abort a finished run (torch 2.14.1, about 1 run in 10). A run that failed holds the
+    model in its traceback's frames as well: those frames let go of their locals here, before the
+    collection (the traceback itself is kept, for its report). Collected before the destroy, not
+    after: on torch < 2.8 a group freed by the collector holds the GIL while it waits for gloo's
+    threads (common.compat.gloo_destroyed_without_gil).
     """
+    failure = sys.exc_info()[1]
+    if failure is not None:
+        traceback.clear_frames(failure.__traceback__)
+    gc.collect()
+    with gloo_destroyed_without_gil():
+        yield
+
+
+def teardown_distributed() -> None:
+    """``dist.destroy_process_group()`` as the scripts do it, if a process group is up."""
+    if dist.is_initialized():
+        with clean_teardown():
+            dist.destroy_process_group()
+
+
+@contextmanager
+def errors_reported_once() -> Iterator[None]:
+    """A FatalError becomes one message from rank 0 and the same exit code on every rank, instead of a
+    traceback from each of them; so does a Ctrl-C that comes before training starts, or a second one."""
     try:
-        yield setup_distributed(requested_device, timeout_s)
+        yield
     except FatalError as err:
         print0(f"error: {err}", file=sys.stderr)
         # The traceback holds the failed frames' locals, the model among them: let it go, so that
-        # teardown frees the process groups it holds (see teardown_distributed).
+        # what is left of it is freed now (see clean_teardown).
         traceback.clear_frames(err.__traceback__)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
-        # Before training starts, or a second Ctrl-C during it (the first asks for a stop: common.preemption).
+        # The first Ctrl-C during training asks for a stop instead (common.preemption).
         print0(
             "interrupted (SIGINT); what was saved before is intact, the steps since the newest checkpoint are not "
             "saved. Continue with --resume",
             file=sys.stderr,
         )
         sys.exit(128 + signal.SIGINT)
-    finally:
-        teardown_distributed()
+
+
+@contextmanager
+def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext]:
+    """The process group's life as every training script spells it out, for the commands and tests that
+    need one: started, and always torn down, however the block ends; errors reported once."""
+    with errors_reported_once():
+        ctx = launch_context(requested_device)
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            ctx.backend,
+            store=rendezvous_store(ctx, timeout),
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout=timeout,
+            device_id=ctx.device if ctx.device.type == "cuda" else None,
+        )
+        try:
+            yield add_host_group(ctx)
+        finally:
+            with clean_teardown():
+                dist.destroy_process_group()
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:

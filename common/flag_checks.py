@@ -14,7 +14,7 @@ import os
 import sys
 
 from common.cli import Parser
-from common.distributed import LAUNCH_VARIABLES, env_world_size, wants_cuda
+from common.distributed import LAUNCH_VARIABLES, env_num_nodes, env_world_size, wants_cuda
 from common.input_checks import check_model_size, check_synthetic_size, check_text_file, check_token_file
 from common.models import GPT_PRESETS
 from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step
@@ -98,6 +98,25 @@ def check_fsdp_flags(parser: Parser, args: argparse.Namespace) -> None:
     world_size = env_world_size()
     if args.replicate_degree is not None and world_size % args.replicate_degree:
         parser.error(f"--replicate-degree {args.replicate_degree} does not divide the world size {world_size}")
+
+
+def check_fsdp1_flags(parser: Parser, args: argparse.Namespace) -> None:
+    """check_fsdp_flags, and --replicate-degree as FSDP1 takes it: for hybrid_shard only, one replica a machine
+    by default."""
+    if args.sharding_strategy != "hybrid_shard" and args.replicate_degree is not None:
+        parser.error("--replicate-degree only applies to --sharding-strategy hybrid_shard")
+    check_fsdp_flags(parser, args)
+    if args.sharding_strategy == "hybrid_shard" and args.replicate_degree is None:
+        # One replica per machine: sharding stays on the fast links inside a node
+        # and only the gradient all-reduce crosses the network.
+        args.replicate_degree = env_num_nodes()
+        if args.replicate_degree == 1:
+            # A single machine has no nodes to replicate across; pretend it has two.
+            if env_world_size() % 2:
+                parser.error(
+                    f"hybrid_shard on one machine: give --replicate-degree R dividing the world size {env_world_size()}"
+                )
+            args.replicate_degree = 2
 
 
 def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:

@@ -17,34 +17,56 @@ import math
 import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
-# Let `python ddp/train_mnist.py` find common/ without installing the repository.
+# Let a plain `python` run of this script find common/ without installing the repository.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import StepLR
 
-from common.checkpoint import Checkpointer, save_model_file, start_from_weights, training_settings
+from common.checkpoint import Checkpointer
 from common.cli import (
     add_checkpoint_flags,
     add_mnist_flags,
     add_training_flags,
-    check_checkpoint_flags,
-    check_training_flags,
     make_parser,
 )
 from common.communication import StepObserver
-from common.data import eval_loader, load_mnist, normalize_images, synthetic_mnist, train_loader
-from common.distributed import DistContext, distributed, print0, seed_everything
+from common.compat import full_state_dict_options
+from common.data import (
+    CompactDistributedSampler,
+    eval_loader,
+    load_mnist,
+    normalize_images,
+    synthetic_mnist,
+    train_loader,
+)
+from common.distributed import (
+    DistContext,
+    add_host_group,
+    clean_teardown,
+    errors_reported_once,
+    launch_context,
+    print0,
+    rendezvous_store,
+    seed_everything,
+)
 from common.evaluation import evaluate_classifier
+from common.flag_checks import check_checkpoint_flags, check_training_flags
 from common.metrics import MetricsLog
 from common.models import MnistNet
 from common.preemption import StopRequest
 from common.run_dir import MODEL_FILE, RunDirLock
+from common.safe_loading import start_from_weights
+from common.saving import save_model_file
+from common.settings import training_settings
 from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps
 
 
@@ -61,12 +83,27 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
+def wrap_model(model: torch.nn.Module, args, ctx: DistContext) -> torch.nn.Module:
+    """DISTRIBUTED: the whole of DDP is this one wrap.
+
+    DDP copies rank 0's weights to every rank, so every copy starts the same, then all-reduces
+    (averages) the gradients during backward, so every copy takes the same step. With
+    gradient_as_bucket_view the .grad tensors are views into DDP's communication buckets,
+    not extra copies.
+    """
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+
 def train(args, ctx: DistContext) -> None:
     start = time.perf_counter()
     seed_everything(args.seed, args.deterministic)
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
-    loader = train_loader(train_set, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
+    # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle: torch's DistributedSampler, its
+    # order kept as one tensor. Every rank gets as many batches as the others, so none waits alone.
+    sampler = CompactDistributedSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)  # DISTRIBUTED
+    loader = train_loader(train_set, args.batch_size, sampler, ctx)
     test_loader = eval_loader(test_set, args.test_batch_size, ctx)
     steps_per_epoch = len(loader) // args.grad_accum_steps
     total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
@@ -77,17 +114,13 @@ def train(args, ctx: DistContext) -> None:
     )
 
     model = MnistNet(dropout=not args.deterministic).to(ctx.device)  # YOUR MODEL
-    # DISTRIBUTED: DDP copies rank 0's weights to every rank, then all-reduces
-    # (averages) gradients during backward. With gradient_as_bucket_view the
-    # .grad tensors are views into DDP's communication buckets, not extra copies.
-    model = DDP(
-        model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, gradient_as_bucket_view=True
-    )
+    model = wrap_model(model, args, ctx)  # DISTRIBUTED
+    # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)  # stepped once per epoch
 
-    # DISTRIBUTED: rank 0 writes one file; every copy of the model is the same.
     finite_loss = FiniteLossCheck(ctx)
+    # DISTRIBUTED: a full checkpoint is one file from rank 0; a sharded one, each rank's own shards.
     checkpoints = Checkpointer(
         ctx,
         args.run_dir,
@@ -145,7 +178,7 @@ def train(args, ctx: DistContext) -> None:
                 # uint8 pixels cross to the device (a quarter of float32's bytes) and are normalised there.
                 images = normalize_images(images.to(ctx.device, non_blocking=True))
                 labels = labels.to(ctx.device, non_blocking=True)
-                # DISTRIBUTED: skip the gradient all-reduce on all but the last
+                # DISTRIBUTED: skip the gradient reduction on all but the last
                 # micro-step; gradients add up locally until then.
                 last_micro_step = micro_step == args.grad_accum_steps - 1
                 with nullcontext() if last_micro_step else model.no_sync():
@@ -173,9 +206,9 @@ def train(args, ctx: DistContext) -> None:
         result = evaluate_classifier(model, test_loader, ctx, normalize_images)
         log.write("eval", step=step, **result)
 
-    # DISTRIBUTED: every copy is identical, so rank 0 saves the inner module
-    # (no "module." prefix); the others only learn whether that worked.
-    state = {k: v.cpu() for k, v in model.module.state_dict().items()} if ctx.is_main else None
+    # DISTRIBUTED: the whole model under its own parameter names (no wrapper's prefix), as CPU tensors,
+    # for rank 0 to save; the other ranks only learn whether that worked.
+    state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
     save_model_file(state, args.run_dir / MODEL_FILE, ctx)
     finish_run(
         log,
@@ -199,9 +232,27 @@ def train(args, ctx: DistContext) -> None:
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
-    with distributed(args.device, args.dist_timeout) as ctx, RunDirLock(args.run_dir, ctx):
-        train(args, ctx)
+    with errors_reported_once():  # a FatalError or a Ctrl-C: one line from rank 0, one exit code from all
+        ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
+        timeout = timedelta(seconds=args.dist_timeout)
+        # DISTRIBUTED: every rank waits here until all WORLD_SIZE ranks have joined: NCCL between
+        # GPUs, gloo between CPU processes. They meet in torchrun's store (rendezvous_store).
+        dist.init_process_group(  # DISTRIBUTED
+            ctx.backend,
+            store=rendezvous_store(ctx, timeout),
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout=timeout,  # how long a collective waits for the others before it fails
+            device_id=ctx.device if ctx.device.type == "cuda" else None,
+        )
+        try:
+            ctx = add_host_group(ctx)  # where ranks agree on host-side facts: a stop, a failed save
+            # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
+            with RunDirLock(args.run_dir, ctx):
+                train(args, ctx)
+        finally:
+            with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
+                dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended
 
 
 if __name__ == "__main__":

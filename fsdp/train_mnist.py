@@ -1,16 +1,9 @@
 """Train the MNIST CNN with FullyShardedDataParallel (FSDP1).
 
 Every rank stores only a 1/N shard of the parameters, gradients and optimizer
-state. Before a wrapped unit runs, FSDP gathers its full weights from all
-ranks and frees them right after. Each rank still trains on its own slice of
-each batch, and gradients are averaged (and scattered back into shards) during
-backward, so the result is the same model DDP would train. Lines marked
-DISTRIBUTED are the ones a single-GPU script would not have.
-
-The size-based policy makes every submodule with at least --min-num-params
-parameters its own unit; for this CNN that is only fc1 (1.18M of its 1.2M
-parameters), and the small layers share the root unit. A CNN this small gains
-nothing from sharding: the point is to see the same script shape as DDP.
+state, gathers a unit's full weights just before it runs, and trains on its own
+slice of each batch; gradients are averaged, so it trains the model DDP would.
+Lines marked DISTRIBUTED are the ones a single-GPU script would not have.
 
     python fsdp/train_mnist.py                                    # one process
     torchrun --standalone --nproc_per_node=4 fsdp/train_mnist.py  # four, one machine
@@ -25,12 +18,14 @@ import math
 import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
-# Let `python fsdp/train_mnist.py` find common/ without installing the repository.
+# Let a plain `python` run of this script find common/ without installing the repository.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -38,25 +33,43 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from torch.optim.lr_scheduler import StepLR
 
-from common.checkpoint import Checkpointer, save_model_file, start_from_weights, training_settings
+from common.checkpoint import Checkpointer
 from common.cli import (
     add_checkpoint_flags,
     add_mnist_flags,
     add_training_flags,
-    check_checkpoint_flags,
-    check_training_flags,
     make_parser,
-    positive_int,
 )
 from common.communication import StepObserver
 from common.compat import full_state_dict_options
-from common.data import eval_loader, load_mnist, normalize_images, synthetic_mnist, train_loader
-from common.distributed import DistContext, distributed, print0, seed_everything
+from common.data import (
+    CompactDistributedSampler,
+    eval_loader,
+    load_mnist,
+    normalize_images,
+    synthetic_mnist,
+    train_loader,
+)
+from common.distributed import (
+    DistContext,
+    add_host_group,
+    clean_teardown,
+    errors_reported_once,
+    launch_context,
+    print0,
+    rendezvous_store,
+    seed_everything,
+)
 from common.evaluation import evaluate_classifier
+from common.flag_checks import check_checkpoint_flags, check_training_flags
+from common.flags import positive_int
 from common.metrics import MetricsLog
 from common.models import MnistNet
 from common.preemption import StopRequest
 from common.run_dir import MODEL_FILE, RunDirLock
+from common.safe_loading import start_from_weights
+from common.saving import save_model_file
+from common.settings import training_settings
 from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps
 
 
@@ -79,12 +92,32 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
+def wrap_model(model: torch.nn.Module, args, ctx: DistContext) -> torch.nn.Module:
+    """DISTRIBUTED: the whole of FSDP1 is this one wrap.
+
+    FSDP keeps 1/N of every unit's parameters on this rank and gathers the rest just in time. Every
+    submodule with at least --min-num-params parameters is a unit: here only fc1 (1.18M of 1.2M); the
+    small layers share the root unit (a CNN this small gains nothing from sharding). Every rank seeded
+    the same generator and built the same weights, so FSDP shards identical copies (FSDP1's
+    sync_module_states would broadcast rank 0's instead, on GPUs only).
+    """
+    return FSDP(
+        model,
+        auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=args.min_num_params),
+        device_id=ctx.device,  # CPU runs need it too, or FSDP looks for an accelerator
+        use_orig_params=True,  # the optimizer sees the original parameters, as views of this rank's shard
+    )
+
+
 def train(args, ctx: DistContext) -> None:
     start = time.perf_counter()
     seed_everything(args.seed, args.deterministic)
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
-    loader = train_loader(train_set, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
+    # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle: torch's DistributedSampler, its
+    # order kept as one tensor. Every rank gets as many batches as the others, so none waits alone.
+    sampler = CompactDistributedSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)  # DISTRIBUTED
+    loader = train_loader(train_set, args.batch_size, sampler, ctx)
     test_loader = eval_loader(test_set, args.test_batch_size, ctx)
     steps_per_epoch = len(loader) // args.grad_accum_steps
     total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
@@ -94,27 +127,14 @@ def train(args, ctx: DistContext) -> None:
         f"{total_steps} steps, {steps_per_epoch} per epoch"
     )
 
-    # DISTRIBUTED: every rank seeds the same generator, so every rank builds the
-    # same initial weights and FSDP shards identical copies. (DDP broadcasts
-    # rank 0's weights instead; FSDP1's sync_module_states does that only on GPUs.)
     model = MnistNet(dropout=not args.deterministic).to(ctx.device)  # YOUR MODEL
-    # DISTRIBUTED: FSDP keeps 1/N of every unit's parameters on this rank and
-    # gathers the rest just in time. use_orig_params keeps the original
-    # parameters visible (as views of this rank's shard) to the optimizer.
-    model = FSDP(
-        model,
-        auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=args.min_num_params),
-        device_id=ctx.device,  # CPU runs need it too, or FSDP looks for an accelerator
-        use_orig_params=True,
-    )
-    # DISTRIBUTED: built after wrapping, so the optimizer holds (and keeps state
-    # for) only this rank's shards.
+    model = wrap_model(model, args, ctx)  # DISTRIBUTED
+    # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)  # stepped once per epoch
 
-    # DISTRIBUTED: by default each rank saves its own shards (no rank holds the
-    # whole model); --checkpoint-format full gathers one file on rank 0 instead.
     finite_loss = FiniteLossCheck(ctx)
+    # DISTRIBUTED: a full checkpoint is one file from rank 0; a sharded one, each rank's own shards.
     checkpoints = Checkpointer(
         ctx,
         args.run_dir,
@@ -171,8 +191,8 @@ def train(args, ctx: DistContext) -> None:
                 # uint8 pixels cross to the device (a quarter of float32's bytes) and are normalised there.
                 images = normalize_images(images.to(ctx.device, non_blocking=True))
                 labels = labels.to(ctx.device, non_blocking=True)
-                # DISTRIBUTED: skip the gradient reduce-scatter on all but the last
-                # micro-step; unsharded gradients add up locally until then.
+                # DISTRIBUTED: skip the gradient reduction on all but the last
+                # micro-step; gradients add up locally until then.
                 last_micro_step = micro_step == args.grad_accum_steps - 1
                 with nullcontext() if last_micro_step else model.no_sync():
                     loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps  # YOUR LOSS
@@ -181,8 +201,7 @@ def train(args, ctx: DistContext) -> None:
             finite_loss.watch(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
-            # DISTRIBUTED: each rank holds only part of the gradients; FSDP's own
-            # clip_grad_norm_ combines the shards' norms into the global one.
+            # DISTRIBUTED: FSDP's own clip combines the shards' norms into the global one.
             grad_norm = model.clip_grad_norm_(args.grad_clip or math.inf)
             optimizer.step()
             observer.end_step()
@@ -201,9 +220,8 @@ def train(args, ctx: DistContext) -> None:
         result = evaluate_classifier(model, test_loader, ctx, normalize_images)
         log.write("eval", step=step, **result)
 
-    # DISTRIBUTED: no rank holds the whole model, so every rank takes part in
-    # gathering it; rank 0 receives plain CPU tensors under the original names
-    # and saves them.
+    # DISTRIBUTED: the whole model under its own parameter names (no wrapper's prefix), as CPU tensors,
+    # for rank 0 to save; the other ranks only learn whether that worked.
     state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
     save_model_file(state, args.run_dir / MODEL_FILE, ctx)
     finish_run(
@@ -228,9 +246,27 @@ def train(args, ctx: DistContext) -> None:
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
-    with distributed(args.device, args.dist_timeout) as ctx, RunDirLock(args.run_dir, ctx):
-        train(args, ctx)
+    with errors_reported_once():  # a FatalError or a Ctrl-C: one line from rank 0, one exit code from all
+        ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
+        timeout = timedelta(seconds=args.dist_timeout)
+        # DISTRIBUTED: every rank waits here until all WORLD_SIZE ranks have joined: NCCL between
+        # GPUs, gloo between CPU processes. They meet in torchrun's store (rendezvous_store).
+        dist.init_process_group(  # DISTRIBUTED
+            ctx.backend,
+            store=rendezvous_store(ctx, timeout),
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout=timeout,  # how long a collective waits for the others before it fails
+            device_id=ctx.device if ctx.device.type == "cuda" else None,
+        )
+        try:
+            ctx = add_host_group(ctx)  # where ranks agree on host-side facts: a stop, a failed save
+            # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
+            with RunDirLock(args.run_dir, ctx):
+                train(args, ctx)
+        finally:
+            with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
+                dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended
 
 
 if __name__ == "__main__":

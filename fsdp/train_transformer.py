@@ -1,17 +1,15 @@
 """Train a small GPT-style transformer with FullyShardedDataParallel (FSDP1).
 
 Each transformer Block becomes one FSDP unit: every rank stores only its 1/N
-shard of the unit's parameters, gradients and optimizer state, gathers the
-full weights just before the unit runs and frees them right after. Each rank
-still trains on its own slice of each batch, and gradients are averaged (and
-scattered back into shards) during backward, so the result is the same model
-DDP would train. Lines marked DISTRIBUTED are the ones a single-GPU script
-would not have. The default data is a synthetic Markov source whose lowest
-reachable loss is known, so the run can tell how close it got.
+shard of the unit's parameters, gradients and optimizer state, gathers its full
+weights just before the unit runs, and trains on its own slice of each batch;
+gradients are averaged, so it trains the model DDP would. Lines marked
+DISTRIBUTED are the ones a single-GPU script would not have. The default data
+is a synthetic Markov source whose lowest reachable loss is known, so the run
+can tell how close it got.
 
-FSDP1 is the older, FlatParameter-based API; new code should prefer FSDP2
-(fsdp/train_transformer_fsdp2.py). This script shows FSDP1 because much
-existing code still uses it.
+FSDP1 is the older, FlatParameter-based API, shown because much code still uses
+it; new code should prefer FSDP2 (fsdp/train_transformer_fsdp2.py).
 
     python fsdp/train_transformer.py                                    # one process
     torchrun --standalone --nproc_per_node=4 fsdp/train_transformer.py  # four, one machine
@@ -27,12 +25,14 @@ import math
 import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
-# Let `python fsdp/train_transformer.py` find common/ without installing the repository.
+# Let a plain `python` run of this script find common/ without installing the repository.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -42,26 +42,32 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import CustomPolicy
 
-from common.checkpoint import Checkpointer, save_model_file, start_from_weights, training_settings
+from common.checkpoint import Checkpointer
 from common.cli import (
     add_checkpoint_flags,
     add_compute_flags,
+    add_fsdp1_flags,
     add_fsdp_flags,
     add_schedule_flags,
     add_training_flags,
     add_transformer_flags,
-    check_checkpoint_flags,
-    check_fsdp_flags,
-    check_training_flags,
-    check_transformer_flags,
-    gpt_config,
     make_parser,
 )
 from common.communication import StepObserver
 from common.compat import full_state_dict_options
-from common.data import eval_loader, train_loader
-from common.distributed import DistContext, distributed, env_num_nodes, env_world_size, print0, seed_everything
+from common.data import CompactDistributedSampler, eval_loader, train_loader
+from common.distributed import (
+    DistContext,
+    add_host_group,
+    clean_teardown,
+    errors_reported_once,
+    launch_context,
+    print0,
+    rendezvous_store,
+    seed_everything,
+)
 from common.evaluation import evaluate_language_model
+from common.flag_checks import check_checkpoint_flags, check_fsdp1_flags, check_training_flags, check_transformer_flags
 from common.metrics import MetricsLog
 from common.models import (
     COMPUTE_DTYPES,
@@ -69,10 +75,14 @@ from common.models import (
     checkpoint_activations,
     compile_layers,
     count_parameters,
+    gpt_config,
     init_parameters,
 )
 from common.preemption import StopRequest
 from common.run_dir import MODEL_FILE, RunDirLock
+from common.safe_loading import start_from_weights
+from common.saving import save_model_file
+from common.settings import training_settings
 from common.tokens import markov_data, text_data, token_file_data
 from common.training import (
     FiniteLossCheck,
@@ -84,7 +94,7 @@ from common.training import (
 )
 
 PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
-# The same strategy without resharding after forward, for the last Block (see the wrap policy below).
+# The same strategy without resharding after forward, for the last Block (see wrap_model).
 KEEP_GATHERED = {"full_shard": ShardingStrategy.SHARD_GRAD_OP, "hybrid_shard": ShardingStrategy._HYBRID_SHARD_ZERO2}
 
 
@@ -96,73 +106,24 @@ def parse_args(argv: list[str] | None = None):
     add_transformer_flags(parser)
     add_compute_flags(parser, precisions=list(COMPUTE_DTYPES))
     add_fsdp_flags(parser)
-    group = parser.add_argument_group("FSDP1")
-    group.add_argument(
-        "--sharding-strategy",
-        choices=["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"],
-        default="full_shard",
-        help="full_shard: ZeRO-3, parameters too; shard_grad_op: ZeRO-2, parameters stay gathered between "
-        "forward and backward; hybrid_shard: full_shard within a group, replicated across groups; "
-        "no_shard: DDP (default: %(default)s)",
-    )
-    group.add_argument(
-        "--backward-prefetch",
-        choices=list(PREFETCH),
-        default="pre",
-        help="when to all-gather the next unit's parameters in backward: before (pre) or after (post) the "
-        "current unit's gradient computation, or not ahead of time (none) (default: %(default)s)",
-    )
+    add_fsdp1_flags(parser)
     add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
     args.training_settings = training_settings(parser, args)  # as given: the checks below derive values
     check_training_flags(parser, args)
     check_checkpoint_flags(parser, args)
     check_transformer_flags(parser, args)
-    if args.sharding_strategy != "hybrid_shard" and args.replicate_degree is not None:
-        parser.error("--replicate-degree only applies to --sharding-strategy hybrid_shard")
-    check_fsdp_flags(parser, args)
-    if args.sharding_strategy == "hybrid_shard" and args.replicate_degree is None:
-        # One replica per machine: sharding stays on the fast links inside a node
-        # and only the gradient all-reduce crosses the network.
-        args.replicate_degree = env_num_nodes()
-        if args.replicate_degree == 1:
-            # A single machine has no nodes to replicate across; pretend it has two.
-            if env_world_size() % 2:
-                parser.error(
-                    f"hybrid_shard on one machine: give --replicate-degree R dividing the world size {env_world_size()}"
-                )
-            args.replicate_degree = 2
+    check_fsdp1_flags(parser, args)
     return args
 
 
-def train(args, ctx: DistContext) -> None:
-    start = time.perf_counter()
-    seed_everything(args.seed, args.deterministic)
-    # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
-    if args.text_file is not None:
-        data = text_data(args.text_file, args.block_size)
-    elif args.token_file is not None:
-        data = token_file_data(args.token_file, args.block_size, args.heldout_sequences)
-    else:
-        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
-    print0(f"data: {data.description}")
-    loader = train_loader(data.train, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
-    heldout_loader = eval_loader(data.heldout, args.eval_batch_size, ctx)
-    steps_per_epoch = len(loader) // args.grad_accum_steps
-    total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
-    global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
-    print0(
-        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} "
-        f"sequences of {args.block_size} tokens | {total_steps} steps"
-    )
+def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
+    """DISTRIBUTED: FSDP1, in the order it needs: compiling, sharding, then activation checkpointing.
 
-    # DISTRIBUTED: built on the meta device: shapes without memory. FSDP then
-    # materialises one unit at a time, initialises it (materialize below), and keeps
-    # this rank's shard of it, so no rank ever holds the whole model: it may be
-    # larger than one GPU. The weights still equal what one process would build.
-    config = gpt_config(args, data.vocab_size)
-    with torch.device("meta"):
-        model = GPT(config, seed=None)  # YOUR MODEL
+    The model arrives on the meta device: shapes without memory. FSDP materialises one unit at a time,
+    initialises it (materialize) and keeps this rank's shard of it, so no rank ever holds the whole
+    model: it may be larger than one GPU. The weights still equal what one process would build.
+    """
     layers = list(model.blocks)  # YOUR LAYERS: the ones that repeat; each becomes one FSDP unit
     names = {module: name for name, module in model.named_modules()}
 
@@ -170,34 +131,28 @@ def train(args, ctx: DistContext) -> None:
         module.to_empty(device=ctx.device, recurse=False)
         init_parameters(module, args.seed, prefix=names[module], recurse=False)
 
-    print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    def fsdp_unit(module: torch.nn.Module) -> bool | dict:
+        # Each layer is one FSDP unit, gathered just before it runs and freed after; what no layer
+        # claims (embeddings, final norm, head) forms the root unit, which FSDP never frees after
+        # forward: backward needs it first. Nor the last layer: its backward comes next, and freeing
+        # it would mean gathering it again at once. (FSDP2 does the same below its root.)
+        if module is layers[-1] and args.sharding_strategy in KEEP_GATHERED:
+            return {"sharding_strategy": KEEP_GATHERED[args.sharding_strategy]}
+        return module in layers
+
     if args.compile:
         compile_layers(layers)
     if args.sharding_strategy == "no_shard":
         print0("note: no_shard keeps full copies and all-reduces gradients: the same as DDP (use DDP for that)")
     mesh = None
     if args.sharding_strategy == "hybrid_shard":
-        # DISTRIBUTED: rows of the mesh replicate, columns shard: consecutive ranks
-        # (one machine's GPUs) share a sharded copy.
+        # Rows of the mesh replicate, columns shard: consecutive ranks (one machine's GPUs) share a sharded copy.
         shard_degree = ctx.world_size // args.replicate_degree
         mesh = init_device_mesh(
             ctx.device.type, (args.replicate_degree, shard_degree), mesh_dim_names=("replicate", "shard")
         )
         print0(f"hybrid_shard: {args.replicate_degree} replica(s), each sharded across {shard_degree} rank(s)")
     compute_dtype = COMPUTE_DTYPES[args.mixed_precision]
-
-    def fsdp_unit(module: torch.nn.Module) -> bool | dict:
-        # DISTRIBUTED: each layer is one FSDP unit, gathered just before it runs and
-        # freed after; what no layer claims (embeddings, final norm, head) forms the
-        # root unit, which FSDP never frees after forward: backward needs it first.
-        # Nor the last layer: its backward comes next, and freeing it would mean
-        # gathering it again at once. (FSDP2 does the same below its root.)
-        if module is layers[-1] and args.sharding_strategy in KEEP_GATHERED:
-            return {"sharding_strategy": KEEP_GATHERED[args.sharding_strategy]}
-        return module in layers
-
-    # DISTRIBUTED: use_orig_params keeps the original parameters visible (as views
-    # of this rank's shard), so the optimizer and the metrics see real tensors.
     model = FSDP(
         model,
         auto_wrap_policy=CustomPolicy(fsdp_unit),
@@ -212,14 +167,47 @@ def train(args, ctx: DistContext) -> None:
         backward_prefetch=PREFETCH[args.backward_prefetch],
         device_id=ctx.device,  # CPU runs need it too, or FSDP looks for an accelerator
         param_init_fn=materialize,
-        use_orig_params=True,
+        use_orig_params=True,  # the optimizer and the metrics see the original parameters, as views of shards
     )
     if args.activation_checkpointing:
         # Inside each FSDP unit, so the recomputation in backward runs while that
         # unit's parameters are gathered anyway.
         checkpoint_activations(model, layers)
-    # DISTRIBUTED: built after wrapping, so the optimizer holds (and keeps state
-    # for) only this rank's shards.
+    return model
+
+
+def train(args, ctx: DistContext) -> None:
+    start = time.perf_counter()
+    seed_everything(args.seed, args.deterministic)
+    # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
+    if args.text_file is not None:
+        data = text_data(args.text_file, args.block_size)
+    elif args.token_file is not None:
+        data = token_file_data(args.token_file, args.block_size, args.heldout_sequences)
+    else:
+        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
+    print0(f"data: {data.description}")
+    # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle: torch's DistributedSampler, its
+    # order kept as one tensor. Every rank gets as many batches as the others, so none waits alone.
+    sampler = CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)  # DISTRIBUTED
+    loader = train_loader(data.train, args.batch_size, sampler, ctx)
+    heldout_loader = eval_loader(data.heldout, args.eval_batch_size, ctx)
+    steps_per_epoch = len(loader) // args.grad_accum_steps
+    total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
+    global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
+    print0(
+        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} "
+        f"sequences of {args.block_size} tokens | {total_steps} steps"
+    )
+
+    config = gpt_config(args, data.vocab_size)
+    # DISTRIBUTED: shapes without memory: wrap_model gives each rank its shards alone (see there).
+    with torch.device("meta"):
+        model = GPT(config, seed=None)  # YOUR MODEL
+    print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    model = wrap_model(model, args, ctx)  # DISTRIBUTED
+    compute_dtype = COMPUTE_DTYPES[args.mixed_precision]  # FSDP's mixed precision casts (see wrap_model)
+    # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
     # fp16 gradients underflow without loss scaling; the sharded scaler checks for
@@ -227,8 +215,7 @@ def train(args, ctx: DistContext) -> None:
     scaler = ShardedGradScaler(ctx.device.type, enabled=args.mixed_precision == "fp16")
 
     finite_loss = FiniteLossCheck(ctx)
-    # DISTRIBUTED: by default each rank saves its own shards (no rank holds the
-    # whole model); --checkpoint-format full gathers one file on rank 0 instead.
+    # DISTRIBUTED: a full checkpoint is one file from rank 0; a sharded one, each rank's own shards.
     checkpoints = Checkpointer(
         ctx,
         args.run_dir,
@@ -289,10 +276,9 @@ def train(args, ctx: DistContext) -> None:
             step_loss = torch.zeros((), device=ctx.device)
             for micro_step, (inputs, targets) in enumerate(micro_batches):
                 inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
-                # DISTRIBUTED: skip the gradient reduce-scatter on all but the last
-                # micro-step; unsharded gradients add up locally until then. Not in
-                # low precision: FSDP1 would add them up in that dtype. Reduced every
-                # micro-step instead, they add up in the fp32 shards.
+                # DISTRIBUTED: skip the gradient reduction on all but the last
+                # micro-step; gradients add up locally until then. Not in low precision: FSDP1
+                # would add them up in that dtype; reduced every micro-step, they add up in fp32 shards.
                 last_micro_step = micro_step == args.grad_accum_steps - 1
                 with nullcontext() if last_micro_step or compute_dtype is not None else model.no_sync():
                     logits = model(inputs)
@@ -306,8 +292,7 @@ def train(args, ctx: DistContext) -> None:
             scaler.unscale_(optimizer)
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
-            # DISTRIBUTED: each rank holds only part of the gradients; FSDP's own
-            # clip_grad_norm_ combines the shards' norms into the global one.
+            # DISTRIBUTED: FSDP's own clip combines the shards' norms into the global one.
             grad_norm = model.clip_grad_norm_(args.grad_clip or math.inf)
             scaler.step(optimizer)
             scaler.update()
@@ -333,9 +318,8 @@ def train(args, ctx: DistContext) -> None:
             f"{result['loss'] - data.entropy_floor:+.4f} nats/token above the best possible"
         )
 
-    # DISTRIBUTED: no rank holds the whole model, so every rank takes part in
-    # gathering it; rank 0 receives plain CPU tensors under the original names
-    # and saves them.
+    # DISTRIBUTED: the whole model under its own parameter names (no wrapper's prefix), as CPU tensors,
+    # for rank 0 to save; the other ranks only learn whether that worked.
     state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
     save_model_file(state, args.run_dir / MODEL_FILE, ctx)
     finish_run(
@@ -363,9 +347,27 @@ def train(args, ctx: DistContext) -> None:
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
-    with distributed(args.device, args.dist_timeout) as ctx, RunDirLock(args.run_dir, ctx):
-        train(args, ctx)
+    with errors_reported_once():  # a FatalError or a Ctrl-C: one line from rank 0, one exit code from all
+        ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
+        timeout = timedelta(seconds=args.dist_timeout)
+        # DISTRIBUTED: every rank waits here until all WORLD_SIZE ranks have joined: NCCL between
+        # GPUs, gloo between CPU processes. They meet in torchrun's store (rendezvous_store).
+        dist.init_process_group(  # DISTRIBUTED
+            ctx.backend,
+            store=rendezvous_store(ctx, timeout),
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout=timeout,  # how long a collective waits for the others before it fails
+            device_id=ctx.device if ctx.device.type == "cuda" else None,
+        )
+        try:
+            ctx = add_host_group(ctx)  # where ranks agree on host-side facts: a stop, a failed save
+            # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
+            with RunDirLock(args.run_dir, ctx):
+                train(args, ctx)
+        finally:
+            with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
+                dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended
 
 
 if __name__ == "__main__":

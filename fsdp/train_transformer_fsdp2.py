@@ -25,19 +25,21 @@ import itertools
 import math
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
-# Let `python fsdp/train_transformer_fsdp2.py` find common/ without installing the repository.
+# Let a plain `python` run of this script find common/ without installing the repository.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from common.checkpoint import Checkpointer, save_model_file, start_from_weights, training_settings
+from common.checkpoint import Checkpointer
 from common.cli import (
     add_checkpoint_flags,
     add_compute_flags,
@@ -45,22 +47,31 @@ from common.cli import (
     add_schedule_flags,
     add_training_flags,
     add_transformer_flags,
-    check_checkpoint_flags,
-    check_fsdp_flags,
-    check_training_flags,
-    check_transformer_flags,
-    gpt_config,
     make_parser,
 )
 from common.communication import StepObserver
 from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, full_state_dict_options, require_torch
-from common.data import eval_loader, train_loader
-from common.distributed import DistContext, distributed, print0, seed_everything, wants_cuda
+from common.data import CompactDistributedSampler, eval_loader, train_loader
+from common.distributed import (
+    DistContext,
+    add_host_group,
+    clean_teardown,
+    errors_reported_once,
+    launch_context,
+    print0,
+    rendezvous_store,
+    seed_everything,
+    wants_cuda,
+)
 from common.evaluation import evaluate_language_model
+from common.flag_checks import check_checkpoint_flags, check_fsdp_flags, check_training_flags, check_transformer_flags
 from common.metrics import MetricsLog
-from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, init_parameters
+from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config, init_parameters
 from common.preemption import StopRequest
 from common.run_dir import MODEL_FILE, RunDirLock
+from common.safe_loading import start_from_weights
+from common.saving import save_model_file
+from common.settings import training_settings
 from common.tokens import markov_data, text_data, token_file_data
 from common.training import (
     FiniteLossCheck,
@@ -104,39 +115,18 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
-def train(args, ctx: DistContext) -> None:
-    start = time.perf_counter()
-    seed_everything(args.seed, args.deterministic)
-    # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
-    if args.text_file is not None:
-        data = text_data(args.text_file, args.block_size)
-    elif args.token_file is not None:
-        data = token_file_data(args.token_file, args.block_size, args.heldout_sequences)
-    else:
-        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
-    print0(f"data: {data.description}")
-    loader = train_loader(data.train, args.batch_size, ctx, seed=args.seed)  # DISTRIBUTED: a slice per rank
-    heldout_loader = eval_loader(data.heldout, args.eval_batch_size, ctx)
-    steps_per_epoch = len(loader) // args.grad_accum_steps
-    total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
-    global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
-    print0(
-        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} "
-        f"sequences of {args.block_size} tokens | {total_steps} steps"
-    )
+def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
+    """DISTRIBUTED: FSDP2, in the order it needs: compiling, activation checkpointing, sharding, then the
+    memory and values of this rank's shards.
 
-    # DISTRIBUTED: built on the meta device: shapes without memory. Each rank
-    # allocates and initialises only its own shards once fully_shard has cut them
-    # (below), so no rank ever holds the whole model: it may be larger than one
-    # GPU. The weights still equal what one process would build.
-    config = gpt_config(args, data.vocab_size)
-    with torch.device("meta"):
-        model = GPT(config, seed=None)  # YOUR MODEL
+    The model arrives on the meta device: shapes without memory. Each rank allocates and initialises
+    only its own shards once fully_shard has cut them, so no rank ever holds the whole model: it may
+    be larger than one GPU. The weights still equal what one process would build.
+    """
     layers = model.blocks  # YOUR LAYERS: the ones that repeat; each becomes one FSDP unit
-    print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
-    # DISTRIBUTED: the mesh says which ranks shard together. Passed explicitly
-    # (on CPU too) so FSDP2 never guesses a device type. A 2-D mesh is HSDP:
-    # consecutive ranks (one machine's GPUs) shard a copy, the rows replicate it.
+    # The mesh says which ranks shard together. Passed explicitly (on CPU too) so FSDP2 never guesses
+    # a device type. A 2-D mesh is HSDP: consecutive ranks (one machine's GPUs) shard a copy, the rows
+    # replicate it.
     shard_degree = ctx.world_size // args.replicate_degree
     if args.replicate_degree == 1:
         shape, dim_names = (ctx.world_size,), ("shard",)
@@ -167,26 +157,56 @@ def train(args, ctx: DistContext) -> None:
         # Pinned host memory for fast copies: a GPU feature.
         "offload_policy": CPUOffloadPolicy() if args.cpu_offload else None,
     }
-    # DISTRIBUTED: one FSDP unit per layer, gathered just before it runs and freed
-    # after. Not the last layer: its backward comes next, and freeing it would mean
-    # gathering it again at once.
+    # One FSDP unit per layer, gathered just before it runs and freed after. Not the last
+    # layer: its backward comes next, and freeing it would mean gathering it again at once.
     for layer in layers:
         keep_gathered = layer is layers[-1] or not args.reshard_after_forward
         fully_shard(layer, reshard_after_forward=not keep_gathered, **fsdp_options)
-    # DISTRIBUTED: the root takes what is left (embeddings, final norm, head). Left at
-    # its default, FSDP2 keeps the root's parameters after forward: backward needs them first.
+    # The root takes what is left (embeddings, final norm, head). Left at its default, FSDP2
+    # keeps the root's parameters after forward: backward needs them first.
     fully_shard(model, **fsdp_options)
-    # DISTRIBUTED: memory for this rank's shards only (in host memory when offloaded), then their values.
+    # Memory for this rank's shards only (in host memory when offloaded), then their values.
     model.to_empty(device="cpu" if args.cpu_offload else ctx.device)
     init_parameters(model, args.seed)
-    # DISTRIBUTED: built after sharding, so the optimizer holds (and keeps state
-    # for) only this rank's slices.
+    return model
+
+
+def train(args, ctx: DistContext) -> None:
+    start = time.perf_counter()
+    seed_everything(args.seed, args.deterministic)
+    # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
+    if args.text_file is not None:
+        data = text_data(args.text_file, args.block_size)
+    elif args.token_file is not None:
+        data = token_file_data(args.token_file, args.block_size, args.heldout_sequences)
+    else:
+        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
+    print0(f"data: {data.description}")
+    # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle: torch's DistributedSampler, its
+    # order kept as one tensor. Every rank gets as many batches as the others, so none waits alone.
+    sampler = CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)  # DISTRIBUTED
+    loader = train_loader(data.train, args.batch_size, sampler, ctx)
+    heldout_loader = eval_loader(data.heldout, args.eval_batch_size, ctx)
+    steps_per_epoch = len(loader) // args.grad_accum_steps
+    total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
+    global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
+    print0(
+        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} "
+        f"sequences of {args.block_size} tokens | {total_steps} steps"
+    )
+
+    config = gpt_config(args, data.vocab_size)
+    # DISTRIBUTED: shapes without memory: wrap_model gives each rank its shards alone (see there).
+    with torch.device("meta"):
+        model = GPT(config, seed=None)  # YOUR MODEL
+    print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    model = wrap_model(model, args, ctx)  # DISTRIBUTED
+    # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
 
     finite_loss = FiniteLossCheck(ctx)
-    # DISTRIBUTED: by default each rank saves its own shards (no rank holds the
-    # whole model); --checkpoint-format full gathers one file on rank 0 instead.
+    # DISTRIBUTED: a full checkpoint is one file from rank 0; a sharded one, each rank's own shards.
     checkpoints = Checkpointer(
         ctx,
         args.run_dir,
@@ -293,9 +313,8 @@ def train(args, ctx: DistContext) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    # DISTRIBUTED: no rank holds the whole model, so every rank takes part in
-    # gathering it; rank 0 receives plain CPU tensors under the original names
-    # and saves them.
+    # DISTRIBUTED: the whole model under its own parameter names (no wrapper's prefix), as CPU tensors,
+    # for rank 0 to save; the other ranks only learn whether that worked.
     state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
     save_model_file(state, args.run_dir / MODEL_FILE, ctx)
     finish_run(
@@ -324,9 +343,27 @@ def train(args, ctx: DistContext) -> None:
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
-    with distributed(args.device, args.dist_timeout) as ctx, RunDirLock(args.run_dir, ctx):
-        train(args, ctx)
+    with errors_reported_once():  # a FatalError or a Ctrl-C: one line from rank 0, one exit code from all
+        ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
+        timeout = timedelta(seconds=args.dist_timeout)
+        # DISTRIBUTED: every rank waits here until all WORLD_SIZE ranks have joined: NCCL between
+        # GPUs, gloo between CPU processes. They meet in torchrun's store (rendezvous_store).
+        dist.init_process_group(  # DISTRIBUTED
+            ctx.backend,
+            store=rendezvous_store(ctx, timeout),
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout=timeout,  # how long a collective waits for the others before it fails
+            device_id=ctx.device if ctx.device.type == "cuda" else None,
+        )
+        try:
+            ctx = add_host_group(ctx)  # where ranks agree on host-side facts: a stop, a failed save
+            # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
+            with RunDirLock(args.run_dir, ctx):
+                train(args, ctx)
+        finally:
+            with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
+                dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended
 
 
 if __name__ == "__main__":

@@ -240,9 +240,7 @@ BREAKAGES = {
     # Every rank reads the whole data set in the same order: N copies of one batch, not N slices.
     "no-distributed-sampler": (
         "ddp/train_transformer.py",
-        {"train_loader(data.train, args.batch_size, ctx,": "train_loader(data.train, args.batch_size, ONE_RANK,",
-         "def train(args, ctx: DistContext) -> None:\n": "def train(args, ctx: DistContext) -> None:\n"
-         "    ONE_RANK = __import__('dataclasses').replace(ctx, rank=0, world_size=1)\n"},
+        {"(data.train, ctx.world_size, ctx.rank, seed=args.seed)": "(data.train, 1, 0, seed=args.seed)"},
     ),
     # FSDP1's flat shards clipped by each rank's own norm (torch's clip, not FSDP's).
     "local-norm-clipping": (

@@ -68,7 +68,7 @@ def test_fsdp2_cpu_offload_from_torch_2_9(tmp_path: Path) -> None:
 
 
 def test_process_groups_end_without_deadlock(tmp_path: Path) -> None:
-    """common.compat.destroy_process_group: 200 gloo process groups at 3 ranks, each started, used and torn down.
+    """common.compat.gloo_destroyed_without_gil: 200 gloo process groups at 3 ranks, each started, used and torn down.
 
     Without the workaround torch 2.6 deadlocked within these rounds on every try;
     the helper's own watchdog turns a deadlock into a failure with every stack.
