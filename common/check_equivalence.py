@@ -30,12 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.cli import HelpFormatter, positive_float, positive_int
+from common.cli import HelpFormatter
 from common.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
-from common.distributed import LAUNCH_VARIABLES, RENDEZVOUS_VARIABLES
-from common.flags import existing_file, output_dir
+from common.flags import existing_file, output_dir, positive_float, positive_int
 from common.outputs import write_text
 from common.processes import exit_code_of, output_of
+from common.torchrun_env import LAUNCH_VARIABLES, RENDEZVOUS_VARIABLES
 
 DEFAULT_STEPS = 20
 MAX_TWINS = 6

@@ -35,28 +35,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from common.cli import (
-    HelpFormatter,
-    Parser,
-    add_device_flag,
-    positive_int,
-    timeout_seconds,
-)
+from common.cli import HelpFormatter, Parser, add_device_flag
 from common.communication import ring_link_bytes
 from common.compat import all_gather_single, reduce_scatter_single
 from common.distributed import (
     DistContext,
     FatalError,
     distributed,
-    env_num_nodes,
-    env_world_size,
     max_over_ranks,
     print0,
     wants_cuda,
 )
 from common.flag_checks import check_launch_environment
-from common.flags import NUMBER, flag_kind, output_file
+from common.flags import NUMBER, flag_kind, output_file, positive_int, timeout_seconds
 from common.outputs import add_overwrite_flag, check_output_path, write_text
+from common.torchrun_env import env_num_nodes, env_world_size
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

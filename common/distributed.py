@@ -26,10 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common.compat import gloo_destroyed_without_gil
-
-# What torchrun tells each process it starts: where it stands in the job, and where the ranks meet.
-LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
+from common.torchrun_env import env_rank, env_world_size
 
 
 class FatalError(Exception):
@@ -60,11 +57,6 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def env_rank() -> int:
-    """Global rank from torchrun's environment; usable before the process group exists."""
-    return int(os.environ.get("RANK", "0"))
 
 
 def print0(*args: object, **kwargs: object) -> None:
@@ -274,17 +266,6 @@ def max_over_ranks(values: list[float], ctx: DistContext) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ctx.host_group)
     return tensor.tolist()
-
-
-def env_world_size() -> int:
-    """World size from torchrun's environment; usable before the process group exists."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def env_num_nodes() -> int:
-    """Machines in the job, from torchrun's environment: one torchrun (LOCAL_WORLD_SIZE workers) per node."""
-    world_size = env_world_size()
-    return max(1, world_size // int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

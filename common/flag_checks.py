@@ -14,10 +14,11 @@ import os
 import sys
 
 from common.cli import Parser
-from common.distributed import LAUNCH_VARIABLES, env_num_nodes, env_world_size, wants_cuda
+from common.distributed import wants_cuda
 from common.input_checks import check_model_size, check_synthetic_size, check_text_file, check_token_file
 from common.models import GPT_PRESETS
 from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step
+from common.torchrun_env import LAUNCH_VARIABLES, env_num_nodes, env_world_size
 
 
 def check_launch_environment(parser: Parser) -> None:

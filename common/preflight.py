@@ -34,12 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.distributed import LAUNCH_VARIABLES, RENDEZVOUS_VARIABLES
 from common.flags import existing_file, float_in_range, output_dir, positive_int, timeout_seconds
 from common.lockstep import read_reports, run_rank
 from common.outputs import open_log
 from common.processes import exit_code_of, run_tree, scratch_folder
 from common.run_dir import CHECKPOINTS, METRICS_FILE, MODEL_FILE
+from common.torchrun_env import LAUNCH_VARIABLES, RENDEZVOUS_VARIABLES
 
 STEPS = 3  # the third step is the one StepObserver measures: collectives_per_step needs it
 CHECKPOINT_INTERVAL = 2  # a checkpoint before step 3
@@ -50,8 +50,6 @@ OK, FOUND, BAD_INPUT = 0, 1, 2
 # The first present is the verdict: a crash before an ended peer, since the crash is why it ended.
 REPORT_ORDER = ("mismatch", "raised", "exited", "peer_ended", "timeout")
 # What torchrun tells its workers about their job; a pre-flight started inside a job must not inherit it.
-# The same names as check_equivalence.TORCHRUN_VARIABLES, written out: common.cli imports torch, which
-# this parent process never does.
 JOB_VARIABLES = (*LAUNCH_VARIABLES, *RENDEZVOUS_VARIABLES)
 
 

@@ -34,10 +34,13 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-from common.distributed import DistContext, FatalError, all_ranks_agree, print0
 from common.flags import output_dir
 from common.outputs import OVERWRITE_FLAG, holds_something
+
+if TYPE_CHECKING:
+    from common.distributed import DistContext
 
 METRICS_FILE = "metrics.jsonl"
 MODEL_FILE = "model.pt"
@@ -201,6 +204,10 @@ class RunDirLock:
 
     def __enter__(self) -> RunDirLock:
         holder = self._acquire() if self.ctx.is_main else None
+        # Imported here, not above: the lock alone needs torch, and the commands that only read a run's
+        # layout (common.preflight's launching process) start without it.
+        from common.distributed import FatalError, all_ranks_agree
+
         if not all_ranks_agree(holder is None, self.ctx):
             raise FatalError(
                 f"--run-dir {self.run_dir} is in use by another run ({holder or 'see rank 0'}): one run at a time "
@@ -239,9 +246,10 @@ class RunDirLock:
                 os.close(fd)
                 if err.errno not in NO_LOCKS_HERE:
                     raise
-                print0(
+                print(  # rank 0 alone takes the lock, so this is printed once
                     f"warning: {self.run_dir} is on a file system without locks ({err.strerror}); nothing "
-                    "stops a second run from writing into it at the same time"
+                    "stops a second run from writing into it at the same time",
+                    flush=True,
                 )
                 return None
             if self._still_the_lock_file(fd):
