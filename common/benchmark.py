@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from common.cli import HelpFormatter, positive_int
+from common.cli import HelpFormatter
 from common.compare_strategies import STRATEGIES, launch
-from common.flags import output_file
+from common.flags import output_file, positive_int
 from common.models import GPT_PRESETS
 from common.outputs import (
     OutputExists,

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.cli import HelpFormatter, non_negative_float, positive_float
-from common.flags import existing_dir
+from common.cli import HelpFormatter
+from common.flags import existing_dir, non_negative_float, positive_float
 from common.run_dir import METRICS_FILE, MODEL_FILE
 from common.safe_loading import describe_failure, load_file
 

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from common.cli import HelpFormatter, positive_int
+from common.cli import HelpFormatter
 from common.comm_model import run_estimate
 from common.estimate_memory import LAYOUTS, between_steps
-from common.flags import output_dir, output_file
+from common.flags import output_dir, output_file, positive_int
 from common.models import GPT_PRESETS
 from common.outputs import (
     OutputExists,

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 
-from common.cli import HelpFormatter, positive_float
+from common.cli import HelpFormatter
 from common.comm_measured import CommCheck
 from common.comm_model import model_collectives, step_seconds
 from common.communication import Traffic
 from common.estimate_memory import GIB, add_job_flags, between_steps, count_label, resolve_shard_group_size
-from common.flags import existing_file, int_in_range
+from common.flags import existing_file, int_in_range, positive_float
 
 STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
 

@@ -55,8 +55,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.activations import gpt_activations, mnist_activations
-from common.cli import HelpFormatter, positive_float, positive_int
-from common.flags import float_in_range, int_in_range
+from common.cli import HelpFormatter
+from common.flags import float_in_range, int_in_range, positive_float, positive_int
 from common.models import GPT, GPT_PRESETS, GPTConfig, MnistNet, count_parameters
 from common.shard_sizes import COMPUTE_BYTES, largest_shard_numel
 
