@@ -206,3 +206,15 @@ def test_bad_input_is_one_message_and_exit_2(argv: list[str], message: str, caps
         preflight.main(argv)
     assert stopped.value.code == preflight.BAD_INPUT
     assert message in capsys.readouterr().err
+
+
+def test_the_launching_process_never_imports_torch(tmp_path: Path) -> None:
+    """The command's own process only plans, launches and judges: importing torch would cost it seconds
+    for nothing (its ranks import it). The run directory's names come from common.run_dir, whose lock
+    alone needs torch."""
+    probe = (
+        "import sys, common.preflight; "
+        "print(found := [name for name in sys.modules if name[:5] == 'torch'][:3]); sys.exit(bool(found))"
+    )
+    imported = run_command([sys.executable, "-c", probe], tmp_path, timeout=60)
+    assert imported.returncode == 0, imported.describe()
