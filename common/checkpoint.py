@@ -36,11 +36,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from common.compat import full_state_dict_options
+from common.compat import full_state_dict_options, quiet_internal_warnings
 from common.distributed import (
     DistContext,
     FatalError,
     all_ranks_agree,
+    broadcast_object,
     local_part,
     local_state_bytes,
     max_over_ranks,
@@ -51,10 +52,8 @@ from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
 from common.run_dir import CHECKPOINTS, checkpoint_step, complete_checkpoints
 from common.safe_loading import (
     UntrustedCheckpoint,
-    broadcast_object,
     describe_failure,
     load_file,
-    quiet_internal_warnings,
     root_failure,
     sharded_reader,
 )

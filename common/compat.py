@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -107,3 +108,17 @@ def gloo_destroyed_without_gil() -> Iterator[None]:
     ]
     yield
     del gloo
+
+
+@contextmanager
+def quiet_internal_warnings() -> Iterator[None]:
+    """Silence warnings about torch's own internals that a user cannot act on.
+
+    FSDP1's sharded state dict still goes through ShardedTensor, which warns
+    about its deprecated helpers on every save and load (torch 2.14).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*will be deprecated")
+        warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup")
+        yield

@@ -10,21 +10,18 @@ A file that cannot be used becomes one line that says why.
 from __future__ import annotations
 
 import pickle
-import warnings
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from common.distributed import DistContext, FatalError, print0
+from common.compat import quiet_internal_warnings
+from common.distributed import DistContext, FatalError, broadcast_object, print0
 
 
 def load_file(path: Path) -> Any:
@@ -228,24 +225,3 @@ def root_failure(err: BaseException) -> BaseException:
     if isinstance(err, dcp.CheckpointException) and err.failures:
         return next(iter(err.failures.values()))[0]
     return err
-
-
-@contextmanager
-def quiet_internal_warnings() -> Iterator[None]:
-    """Silence warnings about torch's own internals that a user cannot act on.
-
-    FSDP1's sharded state dict still goes through ShardedTensor, which warns
-    about its deprecated helpers on every save and load (torch 2.14).
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
-        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*will be deprecated")
-        warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup")
-        yield
-
-
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
