@@ -1,0 +1,126 @@
+"""Run the zoo: each mistake in a fresh copy of the repository, and the test that must catch it.
+
+    python -m tests.zoo                 # every mistake
+    python -m tests.zoo NAME [NAME...]  # some of them
+    python -m tests.zoo --list          # their names, files and tests
+
+A mistake is caught when its named test fails in the patched copy and the failure's output matches
+the mistake's reason; a failure for another reason, or another test failing, does not count. A patch
+that no longer applies is a failure of the zoo. Exit status 0 only if every mistake run was caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.zoo.catalogue import MISTAKES
+from tests.zoo.mistake import Mistake
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_TIMEOUT_S = 600
+
+
+def repository_files() -> list[str]:
+    """What a clean clone holds, plus files not committed yet that git does not ignore."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [name for name in listed.stdout.splitlines() if (REPO / name).is_file()]
+
+
+def fresh_copy(destination: Path) -> None:
+    for name in repository_files():
+        target = destination / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, target)
+
+
+def run_test(copy: Path, mistake: Mistake) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(copy)
+    command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", mistake.test, *mistake.more_tests]
+    return subprocess.run(
+        command, cwd=copy, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S, check=False
+    )
+
+
+def verdict(mistake: Mistake, result: subprocess.CompletedProcess) -> str:
+    output = result.stdout + result.stderr
+    if result.returncode == 0:
+        return "SURVIVED: every test passed"
+    if f"FAILED {mistake.test}" not in output:
+        return f"SURVIVED: {mistake.test} did not fail (exit {result.returncode}; another test or an error)"
+    if not mistake.matches_reason(output):
+        return f"SURVIVED: {mistake.test} failed, but not for the reason /{mistake.reason}/"
+    return "caught"
+
+
+def run_one(mistake: Mistake) -> tuple[str, float, str]:
+    """(verdict, seconds, output tail) for one mistake in a fresh copy."""
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"zoo-{mistake.name}-") as folder:
+        copy = Path(folder)
+        fresh_copy(copy)
+        target = copy / mistake.path
+        try:
+            target.write_text(mistake.apply(target.read_text()))
+        except (ValueError, FileNotFoundError) as err:
+            return f"ZOO FAILURE: the patch does not apply ({err})", time.monotonic() - began, ""
+        try:
+            result = run_test(copy, mistake)
+        except subprocess.TimeoutExpired:
+            return f"SURVIVED: {mistake.test} ran past {TEST_TIMEOUT_S} s", time.monotonic() - began, ""
+        output = result.stdout + result.stderr
+        return verdict(mistake, result), time.monotonic() - began, output[-3000:]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("names", nargs="*", help="mistakes to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mistakes and exit")
+    parser.add_argument(
+        "--verbose", action="store_true", help="show the output of each test that did not catch its mistake"
+    )
+    args = parser.parse_args(argv)
+    known = {mistake.name for mistake in MISTAKES}
+    unknown = [name for name in args.names if name not in known]
+    if unknown:
+        parser.error(f"no such mistake: {', '.join(unknown)} (python -m tests.zoo --list names them)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    chosen = [mistake for mistake in MISTAKES if not args.names or mistake.name in args.names]
+    if args.list:
+        for mistake in chosen:
+            print(f"{mistake.name:34} {mistake.path:34} {mistake.test}")
+        return 0
+    began = time.monotonic()
+    caught = 0
+    print("| mistake | file | caught by | verdict | seconds |\n| --- | --- | --- | --- | --- |", flush=True)
+    for mistake in chosen:
+        result, seconds, output = run_one(mistake)
+        caught += result == "caught"
+        print(f"| {mistake.name} | `{mistake.path}` | `{mistake.test}` | {result} | {seconds:.0f} |", flush=True)
+        if result != "caught" and args.verbose:
+            print(output, flush=True)
+    print(f"\n{caught} of {len(chosen)} caught in {time.monotonic() - began:.0f} s", flush=True)
+    return 0 if caught == len(chosen) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Every mistake of the zoo, by the part of a training script it breaks."""
+
+from __future__ import annotations
+
+from tests.zoo import data_mistakes, state_mistakes, wrap_mistakes
+from tests.zoo.mistake import Mistake
+
+# The equivalence tests' verdict when a run leaves the noise band of one process.
+TRAINS_DIFFERENTLY = r"DIFFERENT"
+
+CLIPPING = [
+    Mistake(
+        name="fsdp1-clip-on-the-local-norm",
+        path="fsdp/train_transformer.py",
+        edits={
+            "grad_norm = model.clip_grad_norm_(args.grad_clip or math.inf)": (
+                "grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)"
+            )
+        },
+        test="tests/test_equivalence.py::test_transformer_matches_one_process[fsdp1-full_shard-2]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="each rank clips its shard by its own shard's norm: the global norm is never computed, the "
+        "logged norm is one rank's, and clipping scales every shard differently",
+        notice="the logged grad norm is about 1/sqrt(N) of a one-GPU run's, and falls further as you add GPUs",
+    ),
+]
+
+SCHEDULES = [
+    Mistake(
+        name="ddp-lr-times-world-size",
+        path="ddp/train_transformer.py",
+        edits={"lr=args.lr,": "lr=args.lr * ctx.world_size,"},
+        test="tests/test_equivalence.py::test_transformer_matches_one_process[ddp-2]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="the learning rate grows with the world size while the global batch stays the same",
+        notice="the same recipe diverges or trains differently on 8 GPUs than on 2",
+    ),
+]
+
+MISTAKES: list[Mistake] = [
+    *CLIPPING,
+    *SCHEDULES,
+    *data_mistakes.MISTAKES,
+    *wrap_mistakes.MISTAKES,
+    *state_mistakes.MISTAKES,
+]
