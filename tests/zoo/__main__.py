@@ -3,8 +3,10 @@
     python -m tests.zoo                 # every mistake
     python -m tests.zoo NAME [NAME...]  # some of them
     python -m tests.zoo --list          # their names, files and tests
+    python -m tests.zoo --markdown      # docs/classic-mistakes.md, as it must read
 
-A mistake is caught when its named test fails in the patched copy and the failure's output matches
+First every named test runs once on an unpatched copy: a test that fails there catches nothing. A
+mistake is caught when its named test fails in the patched copy and the failure's output matches
 the mistake's reason; a failure for another reason, or another test failing, does not count. A patch
 that no longer applies is a failure of the zoo. Exit status 0 only if every mistake run was caught.
 """
@@ -46,13 +48,25 @@ def fresh_copy(destination: Path) -> None:
         shutil.copy2(REPO / name, target)
 
 
-def run_test(copy: Path, mistake: Mistake) -> subprocess.CompletedProcess:
+def run_tests(copy: Path, tests: list[str], *options: str) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env["PYTHONPATH"] = str(copy)
-    command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", mistake.test, *mistake.more_tests]
+    command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *options, *tests]
     return subprocess.run(
         command, cwd=copy, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S, check=False
     )
+
+
+def failing_without_a_mistake(tests: list[str]) -> list[str]:
+    """The tests among ``tests`` that fail on an unpatched copy: they cannot tell a mistake from none."""
+    with tempfile.TemporaryDirectory(prefix="zoo-control-") as folder:
+        copy = Path(folder)
+        fresh_copy(copy)
+        result = run_tests(copy, tests, "-n", "auto")
+    output = result.stdout + result.stderr
+    if result.returncode not in (0, 1):  # 2-5: interrupted, an internal error, a usage error, nothing collected
+        return [f"{test} (pytest exit {result.returncode})" for test in tests]
+    return [test for test in tests if f"FAILED {test}" in output or f"ERROR {test}" in output]
 
 
 def verdict(mistake: Mistake, result: subprocess.CompletedProcess) -> str:
@@ -78,11 +92,45 @@ def run_one(mistake: Mistake) -> tuple[str, float, str]:
         except (ValueError, FileNotFoundError) as err:
             return f"ZOO FAILURE: the patch does not apply ({err})", time.monotonic() - began, ""
         try:
-            result = run_test(copy, mistake)
+            result = run_tests(copy, [mistake.test, *mistake.more_tests])
         except subprocess.TimeoutExpired:
             return f"SURVIVED: {mistake.test} ran past {TEST_TIMEOUT_S} s", time.monotonic() - began, ""
         output = result.stdout + result.stderr
         return verdict(mistake, result), time.monotonic() - began, output[-3000:]
+
+
+PAGE_HEAD = """# Classic mistakes, and the test that catches each
+
+The mistakes people make when they write or change a data-parallel training script, each as it does
+its damage: quietly, with a run that trains and a loss that falls. Every one of them is in this
+repository's zoo (`tests/zoo/`): a small patch to one of its files, and the test that fails when the
+patch is in. `python -m tests.zoo` puts each into a fresh copy of the repository and checks that its
+test catches it, for the reason named here; `python -m tests.zoo NAME` runs one.
+
+On a copy of a script in your own project, the mistakes that change training are the ones
+`python -m common.check_equivalence --nproc 2 YOUR_SCRIPT.py` finds: it trains your script at 2
+processes and at 1 and says DIFFERENT when they leave the noise band
+([your-own-project.md](your-own-project.md)). The others need the test named, in a clone of this
+repository with your change in its script.
+
+This page is written by `python -m tests.zoo --markdown`; `tests/test_zoo.py` checks that it is current.
+"""
+
+
+def docs_page(mistakes: list[Mistake]) -> str:
+    """The users' page: each mistake in two lines (its harm, how one notices), its test and the command."""
+    sections = [PAGE_HEAD]
+    for mistake in mistakes:
+        marker = f"<!-- test: {mistake.test.split('[')[0]} -->"  # the test backs what the lines say
+        sections.append(
+            f"\n## {mistake.name}\n\n"
+            f"In `{mistake.path}`. What it does: {mistake.harm}. {marker}\n"
+            f"How you would notice: {mistake.notice}. {marker}\n\n"
+            f"Caught by `{mistake.test}`:\n\n"
+            f'```bash\npython -m pytest "{mistake.test}"   # fails with the mistake in\n'
+            f"python -m tests.zoo {mistake.name}   # puts it in a fresh copy and checks the catch\n```\n"
+        )
+    return "".join(sections)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,6 +139,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("names", nargs="*", help="mistakes to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mistakes and exit")
+    parser.add_argument("--markdown", action="store_true", help="print the docs page of the mistakes and exit")
     parser.add_argument(
         "--verbose", action="store_true", help="show the output of each test that did not catch its mistake"
     )
@@ -105,6 +154,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     chosen = [mistake for mistake in MISTAKES if not args.names or mistake.name in args.names]
+    if args.markdown:
+        print(docs_page(chosen), end="")
+        return 0
     if args.list:
         for mistake in chosen:
             print(f"{mistake.name:34} {mistake.path:34} {mistake.test}")
