@@ -141,15 +141,16 @@ def test_one_run_at_a_time_and_a_killed_run_leaves_no_lock(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("make", [Path.touch, Path.mkdir], ids=["file", "folder"])
 def test_a_stop_request_during_startup_stops_the_run(make: Callable[[Path], None], tmp_path: Path) -> None:
-    """A STOP made with mkdir asks as `touch STOP` does: it was an IsADirectoryError traceback after the save."""
+    """A STOP made with mkdir asks as `touch STOP` does: it was an IsADirectoryError traceback after the save.
+
+    Made before the run starts, so it is there through all of the run's startup: made when the run
+    printed a line, it raced the first step's look at it (under load the run took a step first).
+    """
     run_dir = tmp_path / "run"
-
-    def stop_while_starting(line: str) -> None:
-        if line.startswith("model:"):  # built, not yet training
-            make(run_dir / "STOP")
-
+    run_dir.mkdir()
+    make(run_dir / "STOP")
     invocation = script_invocation(SCRIPT, [*SMALL, "--max-steps", "50"], run_dir, [])
-    run = run_warm(invocation, run_dir, None, 120, stop_while_starting).check()
+    run = run_warm(invocation, run_dir, None, 120).check()
     assert run.output.count("stopped at step 0 on request (a STOP file)") == 1, run.describe()
     assert (run_dir / "PREEMPTED").exists() and not (run_dir / "STOP").exists()
     assert [path.name for path in complete_checkpoints(run_dir)] == ["step-0.pt"]
