@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, TensorDataset
 
-from common.data import CompactDistributedSampler, eval_shard
+from common.data import CompactDistributedSampler, eval_loader, eval_shard
 from common.distributed import DistContext
 from common.tokens import IGNORE_INDEX, MarkovSource, markov_data
 
@@ -91,3 +91,20 @@ def test_the_compact_sampler_gives_torchs_order() -> None:
                 ours.set_epoch(epoch)
                 torchs.set_epoch(epoch)
                 assert list(ours) == list(torchs) and len(ours) == len(torchs)
+
+
+def test_the_evaluation_loaders_deal_every_example_once() -> None:
+    """What the ranks' evaluation loaders deal, together: each example once, none padded in twice."""
+    size = 1999
+    dataset = TensorDataset(torch.arange(size))
+    for world_size in (2, 3, 4):
+        dealt = [
+            index
+            for rank in range(world_size)
+            for (batch,) in eval_loader(dataset, 64, context(rank, world_size))
+            for index in batch.tolist()
+        ]
+        assert sorted(dealt) == list(range(size)), (
+            f"{world_size} ranks' evaluation loaders deal {len(dealt)} examples of {size}, "
+            f"{len(dealt) - len(set(dealt))} of them more than once"
+        )

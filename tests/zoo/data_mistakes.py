@@ -5,4 +5,211 @@ from __future__ import annotations
 
 from tests.zoo.mistake import Mistake
 
-MISTAKES: list[Mistake] = []
+# The equivalence tests' verdict when a run leaves the noise band of one process.
+TRAINS_DIFFERENTLY = r"DIFFERENT"
+EQUIVALENCE = "tests/test_equivalence.py"
+ORDER = "tests/test_training_order.py::test_each_epoch_deals_the_ranks_full_disjoint_batches_of_a_new_shuffle"
+LOGGED_LR = "tests/test_training_order.py::test_the_logged_lr_is_the_schedules_after_each_step"
+SET_EPOCH = "loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank\n"
+LAST_MICRO_STEP = "last_micro_step = micro_step == args.grad_accum_steps - 1"
+
+SAMPLER = [
+    Mistake(
+        name="ddp-no-set-epoch",
+        path="ddp/train_transformer.py",
+        edits={f"        {SET_EPOCH}": ""},
+        test=ORDER,
+        reason=r"epoch 2 dealt the same order as epoch 1: one shuffle repeated",
+        harm="the sampler never hears of the epoch: every epoch repeats the first one's shuffle, batch for batch",
+        notice="the loss curve shows the same bumps at the same place in every epoch; nothing fails",
+    ),
+    Mistake(
+        name="ddp-set-epoch-once",
+        path="ddp/train_transformer.py",
+        edits={
+            "    while step < total_steps:\n": "    loader.sampler.set_epoch(step // steps_per_epoch + 1)\n"
+            "    while step < total_steps:\n",
+            f"        {SET_EPOCH}": "",
+        },
+        test=ORDER,
+        reason=r"epoch 2 dealt the same order as epoch 1: one shuffle repeated",
+        harm="set_epoch is called once, before the loop: one shuffle, repeated every epoch",
+        notice="epochs after the first train on batches of the same make-up; only the first epoch looks right",
+    ),
+    Mistake(
+        name="sampler-ignores-its-epoch",
+        path="common/data.py",
+        edits={"generator.manual_seed(self.seed + self.epoch)": "generator.manual_seed(self.seed)"},
+        test="tests/test_data.py::test_the_compact_sampler_gives_torchs_order",
+        reason=r"assert list\(ours\) == list\(torchs\)",
+        harm="a hand-written sampler seeds its shuffle without the epoch: set_epoch is called and changes nothing",
+        notice="as with a missing set_epoch: every epoch the same order, with every call in place",
+    ),
+    Mistake(
+        name="fsdp1-sampler-seed-per-rank",
+        path="fsdp/train_transformer.py",
+        edits={
+            "CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)": (
+                "CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed + ctx.rank)"
+            )
+        },
+        test=f"{EQUIVALENCE}::test_transformer_matches_one_process[fsdp1-full_shard-2]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="each rank shuffles with its own seed, so the ranks' slices overlap: some examples are trained on "
+        "twice an epoch and others never",
+        notice="the held-out loss is worse than a one-GPU run's after the same epochs, more so with more GPUs",
+    ),
+    Mistake(
+        name="ddp-torch-sampler-without-drop-last",
+        path="ddp/train_transformer.py",
+        edits={
+            "from common.checkpoint import Checkpointer\n": (
+                "from torch.utils.data import DistributedSampler\n\nfrom common.checkpoint import Checkpointer\n"
+            ),
+            "sampler = CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)": (
+                "sampler = DistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)"
+            ),
+        },
+        test=ORDER,
+        reason=r"examples dealt twice \(to one rank or to two\)",
+        harm="torch's sampler without drop_last pads every epoch with repeated examples so the ranks come out even",
+        notice="nothing visible: a few examples weigh double every epoch, more with more GPUs and smaller data",
+    ),
+    Mistake(
+        name="uneven-ranks-without-drop-last",
+        path="common/data.py",
+        edits={"shuffle=True, seed=seed, drop_last=True)": "shuffle=True, seed=seed)"},
+        test="tests/test_data.py::test_the_compact_sampler_gives_torchs_order",
+        reason=r"assert list\(ours\) == list\(torchs\) and len\(ours\) == len\(torchs\)",
+        harm="without drop_last the slices differ by one example, so one rank runs out of batches a step before "
+        "the others",
+        notice="at the end of an epoch the job hangs in an all-reduce until the NCCL timeout, on some GPU counts only",
+    ),
+    Mistake(
+        name="short-last-batch",
+        path="common/data.py",
+        edits={"        sampler=sampler,\n        drop_last=True,\n": "        sampler=sampler,\n"},
+        test=ORDER,
+        reason=r"a batch not of --batch-size 8",
+        harm="the loader keeps each epoch's last, short batch: one step an epoch averages fewer examples",
+        notice="a spike in the loss and the gradient norm at the last step of every epoch",
+    ),
+]
+
+ACCUMULATION = [
+    Mistake(
+        name="ddp-never-syncs",
+        path="ddp/train_transformer.py",
+        edits={LAST_MICRO_STEP: "last_micro_step = micro_step == args.grad_accum_steps"},
+        test=f"{EQUIVALENCE}::test_transformer_matches_one_process[ddp-2]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="an off-by-one: no micro-step is the last, so no_sync skips the gradient all-reduce every time and "
+        "each rank steps with its own gradient",
+        notice="the replicas drift apart silently; the logged loss and grad norm are rank 0's alone",
+    ),
+    Mistake(
+        name="fsdp1-sync-on-the-first-micro-step",
+        path="fsdp/train_transformer.py",
+        edits={LAST_MICRO_STEP: "last_micro_step = micro_step == 0"},
+        test=f"{EQUIVALENCE}::test_transformer_matches_one_process[fsdp1-full_shard-4x2-accum]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="gradients are reduced after the first micro-step; what the later ones add stays on each rank",
+        notice="with --grad-accum-steps above 1 the run trains worse than without, at the same global batch",
+    ),
+    Mistake(
+        name="fsdp2-mean-loss-per-micro-batch",
+        path="fsdp/train_transformer_fsdp2.py",
+        edits={
+            "loss = summed * ctx.world_size / tokens": (
+                "loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())"
+            )
+        },
+        test=f"{EQUIVALENCE}::test_variable_lengths_match_one_process[fsdp2-3x2-accum]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="each micro-step's mean loss, not divided by the micro-steps nor the step's tokens: the gradient is "
+        "K times too large and short sequences' tokens weigh more",
+        notice="changing --grad-accum-steps at the same global batch changes the loss curve and the gradient norm",
+    ),
+    Mistake(
+        name="ddp-loss-not-times-world-size",
+        path="ddp/train_transformer.py",
+        edits={"loss = summed * ctx.world_size / tokens": "loss = summed / tokens"},
+        test=f"{EQUIVALENCE}::test_transformer_matches_one_process[ddp-2]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="the summed loss is divided by the global tokens and then averaged over ranks again: the gradient is "
+        "1/N of the right one",
+        notice="the logged grad norm halves each time the GPUs double; with SGD the run also slows down",
+    ),
+]
+
+EVALUATION = [
+    Mistake(
+        name="eval-padded-duplicates-counted",
+        path="common/data.py",
+        edits={
+            "        eval_shard(dataset, ctx),\n        batch_size=batch_size,\n        shuffle=False,\n": (
+                "        dataset,\n        batch_size=batch_size,\n"
+                "        sampler=DistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False),\n"
+            )
+        },
+        test="tests/test_data.py::test_the_evaluation_loaders_deal_every_example_once",
+        reason=r"evaluation loaders deal \d+ examples of 1999, \d+ of them more than once",
+        harm="DistributedSampler pads the evaluation set so the ranks come out even: a few examples are scored twice",
+        notice="the eval accuracy moves a little with the number of GPUs, and eval_samples exceeds the test set",
+    ),
+    Mistake(
+        name="eval-a-ranks-partial-sum",
+        path="common/evaluation.py",
+        edits={"    dist.all_reduce(totals)\n    return totals.tolist()": "    return totals.tolist()"},
+        test=f"{EQUIVALENCE}::test_mnist_matches_one_process[ddp-3]",
+        reason=r"DIFFERENT: beyond .*eval loss",
+        harm="the ranks' sums are never added up: rank 0 reports the score of its own share of the evaluation set",
+        notice="eval_samples is 1/N of the test set, and the eval metrics jump when the GPU count changes",
+    ),
+]
+
+SCHEDULES = [
+    Mistake(
+        name="ddp-lr-logged-before-the-step",
+        path="ddp/train_transformer.py",
+        edits={
+            "            optimizer.step()\n            scheduler.step()\n": (
+                "            optimizer.step()\n"
+                "            lr = scheduler.get_last_lr()[0]\n"
+                "            scheduler.step()\n"
+            ),
+            "progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])": (
+                "progress.report(step, epoch, step_loss, grad_norm, lr)"
+            ),
+        },
+        test=LOGGED_LR,
+        reason=r"logged lr is not the schedule's after that step",
+        harm="training is unchanged, but each logged learning rate is the one of the step before",
+        notice="the logged lr peaks one step after --warmup-steps and ends above the schedule's last value",
+    ),
+    Mistake(
+        name="warmup-starts-at-zero",
+        path="common/training.py",
+        edits={"return (step + 1) / warmup_steps": "return step / warmup_steps"},
+        test=LOGGED_LR,
+        reason=r"logged lr is not the schedule's after that step",
+        harm="an off-by-one in the warmup: the first step runs at lr 0 and the peak is reached a step late",
+        notice="the first step changes nothing (its loss repeats at step 2) and the logged lr lags the schedule",
+    ),
+    Mistake(
+        name="fsdp1-mnist-steplr-every-step",
+        path="fsdp/train_mnist.py",
+        edits={
+            "            optimizer.step()\n            observer.end_step()\n": (
+                "            optimizer.step()\n            scheduler.step()\n            observer.end_step()\n"
+            ),
+            "        scheduler.step()\n        with progress.paused():\n": "        with progress.paused():\n",
+        },
+        test=f"{EQUIVALENCE}::test_mnist_matches_one_process[fsdp1-full_shard-2]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="StepLR, meant once per epoch, is stepped every optimizer step: the lr decays by --gamma each step",
+        notice="the logged lr collapses within the first epoch and the loss stops falling",
+    ),
+]
+
+MISTAKES: list[Mistake] = [*SAMPLER, *ACCUMULATION, *EVALUATION, *SCHEDULES]
