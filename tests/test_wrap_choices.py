@@ -131,8 +131,8 @@ def test_fsdp2_shards_every_parameter(fake_world: DistContext) -> None:
 @pytest.mark.parametrize(
     ("script", "flags"),
     [
-        (FSDP1, ["--sharding-strategy", "hybrid_shard", "--replicate-degree", "2"]),
-        pytest.param(FSDP2, ["--replicate-degree", "2"], marks=NEEDS_FSDP2_ON_CPU),
+        pytest.param(FSDP1, ["--sharding-strategy", "hybrid_shard", "--replicate-degree", "2"], id="fsdp1"),
+        pytest.param(FSDP2, ["--replicate-degree", "2"], id="fsdp2", marks=NEEDS_FSDP2_ON_CPU),
     ],
 )
 def test_hsdp_shards_within_a_replica_and_reduces_across_replicas(

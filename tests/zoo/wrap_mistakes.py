@@ -5,4 +5,140 @@ from __future__ import annotations
 
 from tests.zoo.mistake import Mistake
 
-MISTAKES: list[Mistake] = []
+FSDP1 = "fsdp/train_transformer.py"
+FSDP2 = "fsdp/train_transformer_fsdp2.py"
+WRAP_TESTS = "tests/test_wrap_choices.py"
+# The equivalence tests' verdict when a run leaves the noise band of one process.
+TRAINS_DIFFERENTLY = r"DIFFERENT"
+
+PRECISION = [
+    Mistake(
+        name="fsdp1-reduce-gradients-in-bf16",
+        path=FSDP1,
+        edits={"reduce_dtype=torch.float32),": "reduce_dtype=compute_dtype),"},
+        test=f"{WRAP_TESTS}::test_bf16_computes_in_bf16_and_reduces_gradients_in_fp32[{FSDP1}]",
+        reason=r"gradients reduced in \['torch.bfloat16'\], not only fp32",
+        harm="the ranks' gradients are summed in bf16, whose 8-bit mantissa rounds away the small "
+        "contributions; the error grows with the number of GPUs",
+        notice="the loss curve is a little worse at 64 GPUs than at 8 with the same global batch, and nothing fails",
+    ),
+    Mistake(
+        name="fsdp2-reduce-gradients-in-bf16",
+        path=FSDP2,
+        # Leaving reduce_dtype out reduces in param_dtype: the policy's default.
+        edits={"param_dtype=torch.bfloat16, reduce_dtype=torch.float32)": "param_dtype=torch.bfloat16)"},
+        test=f"{WRAP_TESTS}::test_bf16_computes_in_bf16_and_reduces_gradients_in_fp32[{FSDP2}]",
+        reason=r"gradients reduced in \['torch.bfloat16'\], not only fp32",
+        harm="the reduce-scatter sums the ranks' gradients in bf16, losing precision as the world grows",
+        notice="a bf16 run drifts from an fp32 one more on many GPUs than on few; half the reduce-scatter traffic",
+    ),
+    Mistake(
+        name="fsdp1-keep-low-precision-grads",
+        path=FSDP1,
+        edits={
+            "reduce_dtype=torch.float32),": "reduce_dtype=torch.float32, keep_low_precision_grads=True),",
+        },
+        test=f"{WRAP_TESTS}::test_bf16_computes_in_bf16_and_reduces_gradients_in_fp32[{FSDP1}]",
+        reason=r"the optimizer and the clip see gradients in \{'torch.bfloat16'\}",
+        harm="the gradients stay in bf16 after the reduction: the clip's global norm and AdamW's moments "
+        "are computed from rounded values",
+        notice="the logged grad norm moves in coarse steps, and small updates vanish late in training",
+    ),
+]
+
+UNITS = [
+    Mistake(
+        name="fsdp1-a-unit-per-linear",
+        path=FSDP1,
+        edits={"return module in layers": "return isinstance(module, torch.nn.Linear)"},
+        test=f"{WRAP_TESTS}::test_each_block_and_the_root_is_one_unit[{FSDP1}]",
+        reason=r"a forward gathers \d+ units, not one per Block and the root",
+        harm="every Linear layer is gathered and reduced on its own: many small collectives, each "
+        "paying the network's latency, and the attention and norms left to the root, gathered all step",
+        notice="the step is slower than with one unit per Block, and the profile shows many short all-gathers",
+    ),
+    Mistake(
+        name="fsdp2-a-unit-per-linear",
+        path=FSDP2,
+        edits={
+            "for layer in layers:": (
+                "for layer in [module for module in model.modules() if isinstance(module, torch.nn.Linear)]:"
+            )
+        },
+        test=f"{WRAP_TESTS}::test_each_block_and_the_root_is_one_unit[{FSDP2}]",
+        reason=r"a forward gathers \d+ units, not one per Block and the root",
+        harm="each Linear layer is sharded and gathered on its own: many small collectives instead of one per Block",
+        notice="the step is slower than with one unit per Block, and the profile shows many short all-gathers",
+    ),
+    Mistake(
+        name="fsdp2-root-not-sharded",
+        path=FSDP2,
+        edits={"    fully_shard(model, **fsdp_options)\n": ""},
+        test=f"{WRAP_TESTS}::test_fsdp2_shards_every_parameter",
+        reason=r"not sharded: \[.*'tok_emb.weight'",
+        harm="the embeddings, final norm and head stay whole plain tensors on every rank and their "
+        "gradients are never averaged across ranks",
+        notice="the run stops at the first step (the model has no set_requires_gradient_sync, or the "
+        "clip mixes DTensors and tensors)",
+    ),
+]
+
+MESHES = [
+    Mistake(
+        name="fsdp1-hsdp-mesh-dims-swapped",
+        path=FSDP1,
+        edits={
+            "ctx.device.type, (args.replicate_degree, shard_degree),": (
+                "ctx.device.type, (shard_degree, args.replicate_degree),"
+            )
+        },
+        test=f"{WRAP_TESTS}::test_hsdp_shards_within_a_replica_and_reduces_across_replicas[fsdp1]",
+        reason=r"sharded across groups of \{.*\}, not 4",
+        harm="with --replicate-degree 2 on 8 GPUs, copies are sharded 2 ways and replicated 4 times: "
+        "twice the memory per GPU the flag promised",
+        notice="the memory per GPU is that of a larger --replicate-degree, and it does not change when you set it",
+    ),
+    Mistake(
+        name="fsdp2-hsdp-mesh-dims-swapped",
+        path=FSDP2,
+        edits={
+            "shape, dim_names = (args.replicate_degree, shard_degree),": (
+                "shape, dim_names = (shard_degree, args.replicate_degree),"
+            )
+        },
+        test=f"{WRAP_TESTS}::test_hsdp_shards_within_a_replica_and_reduces_across_replicas[fsdp2]",
+        reason=r"sharded across groups of \{.*\}, not 4",
+        harm="with --replicate-degree 2 on 8 GPUs, copies are sharded 2 ways and replicated 4 times: "
+        "twice the memory per GPU the flag promised",
+        notice="the memory per GPU is that of a larger --replicate-degree, and it does not change when you set it",
+    ),
+]
+
+CLIPPING = [
+    Mistake(
+        name="fsdp2-clip-each-shard-by-its-own-norm",
+        path=FSDP2,
+        edits={
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).full_tensor()": (
+                "torch.nn.utils.get_total_norm(local_grads := [p.grad.to_local() for p in model.parameters()])\n"
+                "            torch.nn.utils.clip_grads_with_norm_(local_grads, args.grad_clip or math.inf, grad_norm)"
+            )
+        },
+        test="tests/test_equivalence.py::test_transformer_matches_one_process[fsdp2-2]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="each rank clips its slice of the gradients by its own slice's norm: the global norm is never "
+        "computed, and the shards of one gradient are scaled differently",
+        notice="the logged grad norm is about 1/sqrt(N) of a one-GPU run's, and falls further as you add GPUs",
+    ),
+    Mistake(
+        name="fsdp2-log-the-local-norm",
+        path=FSDP2,
+        edits={"args.grad_clip or math.inf).full_tensor()": "args.grad_clip or math.inf).to_local()"},
+        test="tests/test_equivalence.py::test_transformer_matches_one_process[fsdp2-2]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="the clipping is right, but the logged grad norm is this rank's part of it, not the global norm",
+        notice="the logged grad norm is smaller than a one-GPU run's and changes with the number of GPUs",
+    ),
+]
+
+MISTAKES: list[Mistake] = [*PRECISION, *UNITS, *MESHES, *CLIPPING]
