@@ -13,6 +13,7 @@ from __future__ import annotations
 import runpy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +24,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from common.communication import CollectiveRecorder
 from common.distributed import DistContext, teardown_distributed
 from common.models import GPT, gpt_config
+from common.run_dir import complete_checkpoints
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU
-from tests.harness.runs import REPO
+from tests.harness.runs import REPO, run_script
 
 FSDP1 = "fsdp/train_transformer.py"
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
@@ -145,3 +147,14 @@ def test_hsdp_shards_within_a_replica_and_reduces_across_replicas(
     assert groups == {"all_gather": {4}, "reduce_scatter": {4}}, f"sharded across groups of {groups}, not 4"
     replicas = {s.group_size for s in sent if s.kind == "all_reduce"}
     assert replicas == {2}, f"gradients all-reduced across groups of {replicas}, not the 2 replicas"
+
+
+def test_fp16_scales_the_loss(tmp_path: Path) -> None:
+    """fp16 has 5 exponent bits: gradients below 6e-8 flush to zero. The FSDP1 script scales the loss
+    before backward and unscales before the clip (ShardedGradScaler), and saves the scale it reached."""
+    flags = ["--mixed-precision", "fp16", "--max-steps", "2", "--train-sequences", "64", "--heldout-sequences", "8",
+             "--block-size", "16", "--checkpoint-format", "full", "--checkpoint-interval", "2"]  # fmt: skip
+    run_script(FSDP1, flags, tmp_path).check()
+    (checkpoint,) = complete_checkpoints(tmp_path)
+    scaler = torch.load(checkpoint, weights_only=True)["trainer"]["extra"]["scaler"]
+    assert scaler.get("scale", 0.0) > 1.0, f"fp16 trained without a loss scale: the scaler saved {scaler}"

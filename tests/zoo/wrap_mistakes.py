@@ -10,6 +10,13 @@ FSDP2 = "fsdp/train_transformer_fsdp2.py"
 WRAP_TESTS = "tests/test_wrap_choices.py"
 # The equivalence tests' verdict when a run leaves the noise band of one process.
 TRAINS_DIFFERENTLY = r"DIFFERENT"
+# The pre-flight's verdict when the ranks would not issue the same collectives, on a bounded wait.
+RANKS_DISAGREE = r"pre-flight: (MISMATCH at collective|rank \d would issue collective|rank \d waited for rank \d at)"
+
+
+def preflight_of(script: str) -> str:
+    return f"tests/test_preflight.py::test_unbroken_script_passes[{script}]"
+
 
 PRECISION = [
     Mistake(
@@ -43,6 +50,30 @@ PRECISION = [
         harm="the gradients stay in bf16 after the reduction: the clip's global norm and AdamW's moments "
         "are computed from rounded values",
         notice="the logged grad norm moves in coarse steps, and small updates vanish late in training",
+    ),
+    Mistake(
+        name="fsdp1-fp16-without-loss-scaling",
+        path=FSDP1,
+        edits={'enabled=args.mixed_precision == "fp16")': "enabled=False)"},
+        test=f"{WRAP_TESTS}::test_fp16_scales_the_loss",
+        reason=r"fp16 trained without a loss scale",
+        harm="fp16 gradients are not scaled up before backward: the small ones flush to zero and those "
+        "weights stop learning",
+        notice="an fp16 run's loss stalls above a bf16 or fp32 run's; the logged grad norm is smaller",
+    ),
+    Mistake(
+        name="fsdp1-accumulate-in-bf16-under-no-sync",
+        path=FSDP1,
+        edits={
+            "with nullcontext() if last_micro_step or compute_dtype is not None else model.no_sync():": (
+                "with nullcontext() if last_micro_step else model.no_sync():"
+            )
+        },
+        test="tests/test_hot_path.py::test_fsdp1_accumulates_gradients_in_fp32_under_mixed_precision",
+        reason=r"torch\.bfloat16",
+        harm="under no_sync FSDP1 adds the micro-steps' unsharded gradients up in bf16, rounding each sum, "
+        "before the one reduction",
+        notice="with --grad-accum-steps and bf16 the run trains a little worse than without accumulation",
     ),
 ]
 
@@ -130,15 +161,56 @@ CLIPPING = [
         "computed, and the shards of one gradient are scaled differently",
         notice="the logged grad norm is about 1/sqrt(N) of a one-GPU run's, and falls further as you add GPUs",
     ),
+]
+
+SOME_RANKS_ONLY = [
     Mistake(
-        name="fsdp2-log-the-local-norm",
-        path=FSDP2,
-        edits={"args.grad_clip or math.inf).full_tensor()": "args.grad_clip or math.inf).to_local()"},
-        test="tests/test_equivalence.py::test_transformer_matches_one_process[fsdp2-2]",
-        reason=TRAINS_DIFFERENTLY,
-        harm="the clipping is right, but the logged grad norm is this rank's part of it, not the global norm",
-        notice="the logged grad norm is smaller than a one-GPU run's and changes with the number of GPUs",
+        name="fsdp1-full-state-dict-on-rank-0-only",
+        path=FSDP1,
+        edits={
+            "state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))": (
+                "state = get_model_state_dict(model, options=full_state_dict_options(ctx.device)) "
+                "if ctx.is_main else None"
+            )
+        },
+        test=preflight_of(FSDP1),
+        reason=RANKS_DISAGREE,
+        harm="rank 0 waits for the other ranks' shards of the model, which they never send",
+        notice="the job hangs after training, with no model.pt, until --dist-timeout ends it",
+    ),
+    Mistake(
+        name="loss-averaged-on-rank-0-only",
+        path="common/training.py",
+        edits={"mean_loss = mean_over_ranks(loss)": "mean_loss = mean_over_ranks(loss) if self.ctx.is_main else 0.0"},
+        test=preflight_of("ddp/train_transformer.py"),
+        reason=RANKS_DISAGREE,
+        harm="rank 0 averages the logged loss over ranks alone: its all-reduce meets the others' next "
+        "collective, which hangs or mixes unrelated tensors",
+        notice="the job hangs at the first logging step, or logs a loss that makes no sense",
+    ),
+    Mistake(
+        name="final-record-on-rank-0-only",
+        path="ddp/train_mnist.py",
+        edits={"    finish_run(\n        log,": "    if ctx.is_main:\n        finish_run(\n        log,"},
+        test=preflight_of("ddp/train_mnist.py"),
+        reason=RANKS_DISAGREE,
+        harm="only rank 0 writes the final record, but its memory figures are a maximum over ranks that "
+        "the others never join",
+        notice="the job trains, saves model.pt, then hangs at the end until --dist-timeout",
     ),
 ]
 
-MISTAKES: list[Mistake] = [*PRECISION, *UNITS, *MESHES, *CLIPPING]
+DDP = [
+    Mistake(
+        name="ddp-forward-through-model-module",
+        path="ddp/train_transformer.py",
+        edits={"logits = model(inputs)": "logits = model.module(inputs)"},
+        test="tests/test_equivalence.py::test_transformer_matches_one_process[ddp-2]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="the forward bypasses DDP, so backward never all-reduces: each rank trains its own copy on "
+        "its own data, and model.pt is rank 0's copy",
+        notice="the loss is noisier than the global batch implies, and the ranks' copies differ when compared",
+    ),
+]
+
+MISTAKES: list[Mistake] = [*DDP, *PRECISION, *UNITS, *MESHES, *CLIPPING, *SOME_RANKS_ONLY]
