@@ -50,7 +50,9 @@ class DtypeRecorder(CollectiveRecorder):
         super().__init__()
         self.sent: list[Sent] = []
 
-    def before_collective(self, func, kind: str, group: dist.ProcessGroup, args: tuple, kwargs: dict) -> None:
+    def before_collective(
+        self, func: torch._ops.OpOverload, kind: str, group: dist.ProcessGroup, args: tuple, kwargs: dict
+    ) -> None:
         leaves = torch.utils._pytree.tree_leaves([args, kwargs])
         dtypes = frozenset(t.dtype for t in leaves if isinstance(t, torch.Tensor))
         self.sent.append(Sent(kind, dtypes, group.size()))

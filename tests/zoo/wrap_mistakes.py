@@ -25,7 +25,7 @@ PRECISION = [
         edits={"reduce_dtype=torch.float32),": "reduce_dtype=compute_dtype),"},
         test=f"{WRAP_TESTS}::test_bf16_computes_in_bf16_and_reduces_gradients_in_fp32[{FSDP1}]",
         reason=r"gradients reduced in \['torch.bfloat16'\], not only fp32",
-        harm="the ranks' gradients are summed in bf16, whose 8-bit mantissa rounds away the small "
+        harm="the ranks' gradients are summed in bf16, whose 8 significant bits round away the small "
         "contributions; the error grows with the number of GPUs",
         notice="the loss curve is a little worse at 64 GPUs than at 8 with the same global batch, and nothing fails",
     ),
@@ -85,7 +85,7 @@ UNITS = [
         test=f"{WRAP_TESTS}::test_each_block_and_the_root_is_one_unit[{FSDP1}]",
         reason=r"a forward gathers \d+ units, not one per Block and the root",
         harm="every Linear layer is gathered and reduced on its own: many small collectives, each "
-        "paying the network's latency, and the attention and norms left to the root, gathered all step",
+        "paying the network's latency, and the norms and embeddings are left to the root, gathered all step",
         notice="the step is slower than with one unit per Block, and the profile shows many short all-gathers",
     ),
     Mistake(
@@ -127,7 +127,7 @@ MESHES = [
         reason=r"sharded across groups of \{.*\}, not 4",
         harm="with --replicate-degree 2 on 8 GPUs, copies are sharded 2 ways and replicated 4 times: "
         "twice the memory per GPU the flag promised",
-        notice="the memory per GPU is that of a larger --replicate-degree, and it does not change when you set it",
+        notice="the memory per GPU is that of --replicate-degree 4, not 2, on 8 GPUs: R acts as N/R",
     ),
     Mistake(
         name="fsdp2-hsdp-mesh-dims-swapped",
@@ -141,7 +141,7 @@ MESHES = [
         reason=r"sharded across groups of \{.*\}, not 4",
         harm="with --replicate-degree 2 on 8 GPUs, copies are sharded 2 ways and replicated 4 times: "
         "twice the memory per GPU the flag promised",
-        notice="the memory per GPU is that of a larger --replicate-degree, and it does not change when you set it",
+        notice="the memory per GPU is that of --replicate-degree 4, not 2, on 8 GPUs: R acts as N/R",
     ),
 ]
 
@@ -161,7 +161,24 @@ CLIPPING = [
         "computed, and the shards of one gradient are scaled differently",
         notice="the logged grad norm is about 1/sqrt(N) of a one-GPU run's, and falls further as you add GPUs",
     ),
+    Mistake(
+        name="fsdp2-add-the-shards-norms",
+        path=FSDP2,
+        edits={
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).full_tensor()": (
+                "torch.nn.utils.get_total_norm(local_grads := [p.grad.to_local() for p in model.parameters()])\n"
+                "            dist.all_reduce(grad_norm)  # every rank's part of the norm\n"
+                "            torch.nn.utils.clip_grads_with_norm_(local_grads, args.grad_clip or math.inf, grad_norm)"
+            )
+        },
+        test="tests/test_equivalence.py::test_transformer_matches_one_process[fsdp2-2]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="the global norm is taken as the sum of the shards' norms instead of the square root of the "
+        "sum of their squares: too large, so every step is clipped harder than it should be",
+        notice="the logged grad norm grows with the number of GPUs (about sqrt(N) times a one-GPU run's)",
+    ),
 ]
+
 
 SOME_RANKS_ONLY = [
     Mistake(
