@@ -17,15 +17,17 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.compat import torch_at_least
-from common.distributed import FatalError, distributed
+from common.distributed import FatalError, distributed, generation_store
 from common.models import GPT, GPTConfig
 from common.run_dir import complete_checkpoints
 from common.tokens import token_file_data
@@ -245,3 +247,22 @@ def test_a_token_file_cut_short_under_a_running_job_stops_with_its_name(tmp_path
     os.truncate(tokens, 100)
     with pytest.raises(ValueError, match=f"{tokens} changed under the run: it ends at token 50, "):
         data.train[5]
+
+
+def test_each_restart_meets_in_a_store_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's agent keeps one store for every generation of workers it starts. What a failed generation
+    left there (its ranks' addresses) must not be what the next one reads: it would connect to dead peers.
+    The restart case above sees this only now and then; here the two generations' keys are compared."""
+    agent_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent_store.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    timeout = timedelta(seconds=30)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    generation_store(1, 2, timeout).set("rank-1-address", "the worker that was killed")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = generation_store(1, 2, timeout)
+    assert not restarted.check(["rank-1-address"]), "the restarted workers read the failed generation's keys"
+    restarted.set("rank-1-address", "its replacement")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert generation_store(1, 2, timeout).get("rank-1-address") == b"the worker that was killed"
