@@ -12,8 +12,8 @@ import math
 import runpy
 from pathlib import Path
 
-from tests.harness.noise_floor import TRANSFORMER_ARGS, NoiseRuns
-from tests.harness.runs import REPO, run_script
+from tests.harness.noise_floor import MNIST_ARGS, TRANSFORMER_ARGS, NoiseRuns
+from tests.harness.runs import REPO, Run, run_script
 
 # Runs the script it is given (argv[1]) and writes, per rank, the batches of example indices the training
 # loader deals at each pass over it: one pass per epoch. The training loader is the one over a data set of
@@ -47,31 +47,26 @@ finally:
 
 # 63 sequences do not split evenly between 2 ranks: 31 a rank make 3 batches of 8 and 7 left over (a sampler
 # that pads instead deals 32, 4 batches, one example twice). 3 steps an epoch, so 7 steps start 3 epochs
-# (2 where a mistake makes an epoch 4 steps).
-RANKS, TRAIN_SEQUENCES, BATCH, STEPS = 2, 63, 8, 7
+# (2 where a mistake makes an epoch 4 steps). 5 held-out sequences in batches of 2: rank 0 scores 2 batches,
+# rank 1 one, then runs its first again to keep in step, which must not count.
+RANKS, TRAIN_SEQUENCES, BATCH, STEPS, HELDOUT = 2, 63, 8, 7, 5
 ORDER_ARGS = [
-    *("--train-sequences", str(TRAIN_SEQUENCES), "--heldout-sequences", "4", "--batch-size", str(BATCH)),
+    *("--train-sequences", str(TRAIN_SEQUENCES), "--batch-size", str(BATCH)),
+    *("--heldout-sequences", str(HELDOUT), "--eval-batch-size", "2"),
     *("--max-steps", str(STEPS), "--eval-interval", str(STEPS), "--block-size", "16", "--n-layer", "1"),
     *("--d-model", "32", "--warmup-steps", "1"),
 ]
 
 
-def dealt_batches(script: str, run_dir: Path, tmp_path: Path) -> list[list[list[list[int]]]]:
+def dealt_batches(run: Run) -> list[list[list[list[int]]]]:
     """[rank][epoch][batch] -> the example indices the training loader dealt there."""
-    recorder = tmp_path / "record_dealt.py"
-    recorder.write_text(DEALT_RECORDER)
-    run = run_script(script, ORDER_ARGS, run_dir, nproc=RANKS, wrapper=[str(recorder)]).check()
-    dealt = [json.loads((run_dir / f"dealt-rank{rank}.json").read_text()) for rank in range(RANKS)]
+    dealt = [json.loads((run.run_dir / f"dealt-rank{rank}.json").read_text()) for rank in range(RANKS)]
     epochs = {len(passes) for passes in dealt}
     assert len(epochs) == 1 and min(epochs) >= 2, (f"epochs begun by each rank: {epochs}", run.describe())
     return dealt
 
 
-def test_each_epoch_deals_the_ranks_full_disjoint_batches_of_a_new_shuffle(tmp_path: Path) -> None:
-    """Every epoch the ranks get as many full batches each, no example twice, in an order no earlier
-    epoch had: otherwise a rank waits alone in a collective, examples weigh double, or every epoch
-    repeats the first one's order."""
-    dealt = dealt_batches("ddp/train_transformer.py", tmp_path / "run", tmp_path)
+def assert_each_epoch_dealt_once_and_anew(dealt: list[list[list[list[int]]]]) -> None:
     for epoch in range(len(dealt[0])):
         batches = [dealt[rank][epoch] for rank in range(RANKS)]
         counts = [len(of_rank) for of_rank in batches]
@@ -85,6 +80,20 @@ def test_each_epoch_deals_the_ranks_full_disjoint_batches_of_a_new_shuffle(tmp_p
             assert batches != [dealt[rank][earlier] for rank in range(RANKS)], (
                 f"epoch {epoch + 1} dealt the same order as epoch {earlier + 1}: one shuffle repeated"
             )
+
+
+def test_the_ranks_are_dealt_each_example_once_an_epoch_and_an_evaluation(tmp_path: Path) -> None:
+    """Every epoch the ranks get as many full batches each, no example twice, in an order no earlier
+    epoch had: otherwise a rank waits alone in a collective, examples weigh double, or every epoch
+    repeats the first one's order. The evaluation, over shards one batch apart, counts each held-out
+    sequence once."""
+    recorder = tmp_path / "record_dealt.py"
+    recorder.write_text(DEALT_RECORDER)
+    run = run_script("ddp/train_transformer.py", ORDER_ARGS, tmp_path / "run", nproc=RANKS, wrapper=[str(recorder)])
+    run.check()
+    assert_each_epoch_dealt_once_and_anew(dealt_batches(run))
+    counted = run.final()["eval_samples"]
+    assert counted == HELDOUT, f"the evaluation counted {counted} held-out sequences of {HELDOUT}"
 
 
 def schedule_lr(peak: float, warmup: int, total: int, min_ratio: float, steps_taken: int) -> float:
@@ -113,3 +122,15 @@ def test_the_logged_lr_is_the_schedules_after_each_step(transformer_noise: Noise
         )
     }
     assert not wrong, f"logged lr is not the schedule's after that step, (logged, schedule) by step: {wrong}"
+
+
+def test_the_logged_lr_of_the_cnn_decays_once_an_epoch(mnist_noise: NoiseRuns, tmp_path: Path) -> None:
+    """The MNIST scripts' StepLR: every step of epoch e logs --lr times --gamma to the power e - 1, checked on
+    the DDP CNN's one-process reference run (its steps are all in the first epoch, at the full --lr)."""
+    parse_args = runpy.run_path(str(REPO / "ddp/train_mnist.py"))["parse_args"]
+    args = parse_args([*MNIST_ARGS, "--synthetic", "--run-dir", str(tmp_path / "unused")])
+    records = [json.loads(line) for line in (mnist_noise.reference / "metrics.jsonl").read_text().splitlines()]
+    logged = [(r["step"], r["epoch"], r["lr"]) for r in records if r["event"] == "train"]
+    assert [step for step, _, _ in logged] == list(range(1, args.max_steps + 1)), logged
+    wrong = [(step, lr) for step, epoch, lr in logged if not math.isclose(lr, args.lr * args.gamma ** (epoch - 1))]
+    assert not wrong, f"logged lr is not --lr {args.lr} x --gamma {args.gamma} per epoch before, (step, lr): {wrong}"

@@ -8,7 +8,7 @@ from tests.zoo.mistake import Mistake
 # The equivalence tests' verdict when a run leaves the noise band of one process.
 TRAINS_DIFFERENTLY = r"DIFFERENT"
 EQUIVALENCE = "tests/test_equivalence.py"
-ORDER = "tests/test_training_order.py::test_each_epoch_deals_the_ranks_full_disjoint_batches_of_a_new_shuffle"
+ORDER = "tests/test_training_order.py::test_the_ranks_are_dealt_each_example_once_an_epoch_and_an_evaluation"
 LOGGED_LR = "tests/test_training_order.py::test_the_logged_lr_is_the_schedules_after_each_step"
 SET_EPOCH = "loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank\n"
 LAST_MICRO_STEP = "last_micro_step = micro_step == args.grad_accum_steps - 1"
@@ -98,6 +98,16 @@ SAMPLER = [
 
 ACCUMULATION = [
     Mistake(
+        name="tokens-counted-on-this-rank-only",
+        path="common/training.py",
+        edits={"    dist.all_reduce(count)\n    return count": "    return count"},
+        test=f"{EQUIVALENCE}::test_transformer_matches_one_process[ddp-2]",
+        reason=TRAINS_DIFFERENTLY,
+        harm="each rank divides its summed loss by its own tokens, not the whole step's: the gradient is N times "
+        "too large, and ranks with fewer tokens weigh more",
+        notice="the logged loss and grad norm grow with the number of GPUs",
+    ),
+    Mistake(
         name="ddp-never-syncs",
         path="ddp/train_transformer.py",
         edits={LAST_MICRO_STEP: "last_micro_step = micro_step == args.grad_accum_steps"},
@@ -108,13 +118,15 @@ ACCUMULATION = [
         notice="the replicas drift apart silently; the logged loss and grad norm are rank 0's alone",
     ),
     Mistake(
-        name="fsdp1-sync-on-the-first-micro-step",
-        path="fsdp/train_transformer.py",
+        name="ddp-sync-on-the-first-micro-step",
+        path="ddp/train_transformer.py",
         edits={LAST_MICRO_STEP: "last_micro_step = micro_step == 0"},
-        test=f"{EQUIVALENCE}::test_transformer_matches_one_process[fsdp1-full_shard-4x2-accum]",
+        test=f"{EQUIVALENCE}::test_transformer_matches_one_process[ddp-2x2-accum]",
         reason=TRAINS_DIFFERENTLY,
-        harm="gradients are reduced after the first micro-step; what the later ones add stays on each rank",
-        notice="with --grad-accum-steps above 1 the run trains worse than without, at the same global batch",
+        harm="no_sync on the wrong micro-steps: gradients are all-reduced after the first micro-step, and what "
+        "the later ones add stays on each rank, so the replicas drift apart",
+        notice="with --grad-accum-steps above 1 the run trains worse than without, at the same global batch; "
+        "FSDP1 even fails in the optimizer",
     ),
     Mistake(
         name="fsdp2-mean-loss-per-micro-batch",
@@ -144,6 +156,15 @@ ACCUMULATION = [
 
 EVALUATION = [
     Mistake(
+        name="eval-repeated-batch-counted",
+        path="common/evaluation.py",
+        edits={"yield first, False": "yield first, True"},
+        test=ORDER,
+        reason=r"the evaluation counted 7 held-out sequences of 5",
+        harm="a rank whose shard is a batch shorter runs its first batch again to keep in step, and counts it",
+        notice="eval_samples exceeds the held-out set at some GPU counts and batch sizes, and the score shifts",
+    ),
+    Mistake(
         name="eval-padded-duplicates-counted",
         path="common/data.py",
         edits={
@@ -165,6 +186,15 @@ EVALUATION = [
         reason=r"DIFFERENT: beyond .*eval loss",
         harm="the ranks' sums are never added up: rank 0 reports the score of its own share of the evaluation set",
         notice="eval_samples is 1/N of the test set, and the eval metrics jump when the GPU count changes",
+    ),
+    Mistake(
+        name="logged-loss-is-rank-0s",
+        path="common/training.py",
+        edits={"    dist.all_reduce(total, op=dist.ReduceOp.SUM)\n": ""},
+        test=f"{EQUIVALENCE}::test_transformer_matches_one_process[ddp-2]",
+        reason=r"DIFFERENT: beyond .*loss left the band first",
+        harm="training is unchanged, but the logged training loss is rank 0's share, divided by the world size",
+        notice="the logged loss falls by half when the GPUs double, while the eval loss stays put",
     ),
 ]
 
@@ -209,6 +239,22 @@ SCHEDULES = [
         reason=TRAINS_DIFFERENTLY,
         harm="StepLR, meant once per epoch, is stepped every optimizer step: the lr decays by --gamma each step",
         notice="the logged lr collapses within the first epoch and the loss stops falling",
+    ),
+    Mistake(
+        name="ddp-mnist-steplr-before-the-epoch",
+        path="ddp/train_mnist.py",
+        edits={
+            "        epoch = step // steps_per_epoch + 1\n": (
+                "        epoch = step // steps_per_epoch + 1\n        scheduler.step()\n"
+            ),
+            "        scheduler.step()\n        with progress.paused():\n": "        with progress.paused():\n",
+        },
+        test="tests/test_training_order.py::test_the_logged_lr_of_the_cnn_decays_once_an_epoch",
+        reason=r"logged lr is not --lr 1.0 x --gamma 0.7 per epoch before",
+        harm="StepLR stepped at the start of each epoch (the order before PyTorch 1.1): the first epoch already "
+        "runs at --lr times --gamma",
+        notice="the logged lr of epoch 1 is below --lr, and torch warns that lr_scheduler.step() came before "
+        "optimizer.step()",
     ),
 ]
 
