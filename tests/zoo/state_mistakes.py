@@ -1,8 +1,239 @@
 """Mistakes in what outlives a step: checkpoints and resuming, stop signals, the run directory's lock,
-restarts."""
+restarts, and the final model file."""
 
 from __future__ import annotations
 
 from tests.zoo.mistake import Mistake
 
-MISTAKES: list[Mistake] = []
+STOP_AND_RESUME = "tests/test_checkpoint.py::test_stopped_and_resumed_run_matches_an_uninterrupted_one"
+# The stopped-and-resumed run's losses, gradient norms and learning rates, step by step, are not the reference's.
+RESUMES_DIFFERENTLY = r"assert train_history\(resumed\) == train_history\(reference\)"
+# The resumed run did not continue from the checkpoint the stop wrote, at the step it stopped.
+RESUMED_ELSEWHERE = r"assert resumed\.output\.count\(f\"resumed from \{checkpoint\} at step \{stopped_at\}\"\) == 1"
+
+CHECKPOINTS = [
+    Mistake(
+        name="rng-not-restored-on-resume",
+        path="common/checkpoint.py",
+        edits={'restore_rng(trainer["rng"])': "pass"},
+        test=f"{STOP_AND_RESUME}[ddp-transformer]",
+        reason=RESUMES_DIFFERENTLY,
+        harm="a resumed run draws dropout masks from the freshly seeded stream again, not where it left off",
+        notice="the loss curve after each requeue is not the one an uninterrupted run draws: runs do not reproduce",
+    ),
+    Mistake(
+        name="scheduler-left-out-of-the-checkpoint",
+        path="ddp/train_transformer.py",
+        edits={'extra={"scheduler": scheduler},': "extra={},"},
+        test=f"{STOP_AND_RESUME}[ddp-transformer]",
+        reason=RESUMES_DIFFERENTLY,
+        harm="after a resume the learning-rate schedule starts again from step 0: warmup again, then the "
+        "cosine from its top",
+        notice="the logged lr jumps back to the warmup at every requeue; the loss spikes right after each resume",
+    ),
+    Mistake(
+        name="optimizer-state-not-loaded",
+        path="common/checkpoint.py",
+        edits={
+            "            set_optimizer_state_dict(\n"
+            '                self.model, self.optimizer, checkpoint["optimizer"] if self.ctx.is_main else {}, '
+            "options=options\n"
+            "            )\n": ""
+        },
+        test=f"{STOP_AND_RESUME}[ddp-transformer]",
+        reason=RESUMES_DIFFERENTLY,
+        harm="a resumed run's Adam starts with zero moments and step count: its first updates are far too large",
+        notice="a loss spike right after every resume, and a grad norm that jumps at the same step",
+    ),
+    Mistake(
+        name="resume-restarts-the-epoch",
+        path="ddp/train_transformer.py",
+        edits={"itertools.islice(iter(loader), done_in_epoch * args.grad_accum_steps, None)": "iter(loader)"},
+        test=f"{STOP_AND_RESUME}[ddp-transformer]",
+        reason=RESUMES_DIFFERENTLY,
+        harm="a run resumed mid-epoch trains the epoch's first batches again and never sees its last ones",
+        notice="a dip in the loss right after each resume (batches seen twice); with frequent requeues part of "
+        "the data is never trained on",
+    ),
+    Mistake(
+        name="resume-picks-the-oldest-checkpoint",
+        path="common/checkpoint.py",
+        edits={"path = found[-1]": "path = found[0]"},
+        test=f"{STOP_AND_RESUME}[ddp-transformer]",
+        reason=RESUMED_ELSEWHERE,
+        harm="--resume continues from the oldest checkpoint kept, not the newest: the steps in between are trained "
+        "again",
+        notice="after a requeue the step count in the progress line goes back further than the checkpoint interval",
+    ),
+    Mistake(
+        name="checkpoint-step-one-ahead",
+        path="common/checkpoint.py",
+        edits={'"step": step,': '"step": step + 1,'},
+        test=f"{STOP_AND_RESUME}[ddp-mnist]",
+        reason=RESUMED_ELSEWHERE,
+        harm="a checkpoint records one step more than its state holds: each resume skips a step's batches and the "
+        "schedule runs one step ahead",
+        notice="the 'resumed ... at step N' line names one step past the 'stopped at step' line; each resumed run "
+        "trains one step fewer",
+    ),
+    Mistake(
+        name="sharded-checkpoint-saved-by-rank-0-alone",
+        path="common/checkpoint.py",
+        edits={
+            "failure = write_failure(lambda: dcp.save(state, checkpoint_id=temporary))": (
+                "failure = write_failure(lambda: dcp.save(state, checkpoint_id=temporary)) "
+                "if self.ctx.is_main else None"
+            )
+        },
+        test=f"{STOP_AND_RESUME}[fsdp1-transformer]",
+        reason=r"in _save_sharded\n(.|\n)*Timed out waiting \d+ms",
+        harm="rank 0 waits in DCP's collectives for ranks that never call them: the other ranks' shards are never "
+        "written and the checkpoint never completes",
+        notice="the job hangs at its first checkpoint until the collective timeout, then dies",
+    ),
+]
+
+# The run asked to stop did not stop cleanly: it failed (exit code 1) instead of checkpointing and exiting 0.
+STOP_FAILED = r">\s+stopped = run_until_stopped\((.|\n)*?E\s+exit code [1-9]"
+
+STOP_SIGNALS = "tests/test_stop_signals.py::test_a_stop_signal_ends_the_run_with_a_checkpoint"
+
+SIGNALS = [
+    Mistake(
+        name="sigusr1-not-a-stop-signal",
+        path="common/preemption.py",
+        edits={"STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)": "STOP_SIGNALS = (signal.SIGTERM,)"},
+        test=f"{STOP_SIGNALS}[SIGUSR1]",
+        reason=r"SIGUSR1 would have killed the run, with no checkpoint",
+        harm="a job sent SIGUSR1 ahead of its time limit (sbatch --signal=USR1@SECONDS, to the job's steps) dies of "
+        "it: no checkpoint, every step since the last one lost",
+        notice="the job ends at the warning, not at the next step boundary: no 'stopped at step' line, no PREEMPTED "
+        "marker, and the resume starts from an older checkpoint",
+    ),
+    Mistake(
+        name="sigterm-not-a-stop-signal",
+        path="common/preemption.py",
+        edits={"STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)": "STOP_SIGNALS = (signal.SIGUSR1,)"},
+        test=f"{STOP_SIGNALS}[SIGTERM]",
+        reason=r"SIGTERM would have killed the run, with no checkpoint",
+        harm="scancel, a preemption or torchrun stopping its workers kills the run outright: the steps since the "
+        "last checkpoint are lost",
+        notice="a preempted or cancelled job leaves no PREEMPTED marker and its resume starts from an older checkpoint",
+    ),
+    Mistake(
+        name="stop-file-left-behind",
+        path="common/preemption.py",
+        edits={
+            '(marker) + "\\n", overwrite=True)  # this run\'s own\n            self._remove_stop_file()\n': (
+                '(marker) + "\\n", overwrite=True)  # this run\'s own\n'
+            )
+        },
+        test="tests/test_run_dir.py::test_a_stop_request_during_startup_stops_the_run[file]",
+        reason=r'assert \(run_dir / "PREEMPTED"\)\.exists\(\) and not \(run_dir / "STOP"\)\.exists\(\)',
+        harm="the STOP that was obeyed stays in the run directory, so every resumed run stops again at its first step",
+        notice="after a requeue the job checkpoints and exits at once, again and again, never training a step",
+    ),
+    Mistake(
+        name="each-rank-decides-to-stop-alone",
+        path="common/preemption.py",
+        edits={"return not all_ranks_agree(not asked, self.ctx)": "return asked"},
+        test=f"{STOP_AND_RESUME}[ddp-transformer]",
+        reason=STOP_FAILED,
+        harm="rank 0 sees the STOP file and leaves to checkpoint while the other ranks go on with the next step's "
+        "collectives",
+        notice="a job asked to stop hangs until the collective timeout, then fails instead of saving",
+    ),
+]
+
+# The second run on a busy run directory was not refused: it trained (exit code 0).
+NOT_REFUSED = r'>\s+one_message\(second, f"is in use by another run(.|\n)*>\s+assert run\.returncode != 0'
+
+LOCKS = [
+    Mistake(
+        name="run-dir-lock-released-before-training",
+        path="ddp/train_transformer.py",
+        edits={
+            "            with RunDirLock(args.run_dir, ctx):\n                train(args, ctx)\n": (
+                "            with RunDirLock(args.run_dir, ctx):\n                pass\n            train(args, ctx)\n"
+            )
+        },
+        test="tests/test_run_dir.py::test_one_run_at_a_time_and_a_killed_run_leaves_no_lock",
+        reason=NOT_REFUSED,
+        harm="a job submitted twice trains twice into one folder: interleaved metrics, checkpoints pruned and "
+        "replaced by the other run",
+        notice="metrics.jsonl holds each step twice with different losses; a resume picks up the other job's "
+        "checkpoint",
+    ),
+    Mistake(
+        name="run-dir-lock-file-closed-after-writing",
+        path="common/run_dir.py",
+        edits={
+            "        self.fd = fd\n        return None\n": (
+                "        os.close(fd)  # the holder is written\n        return None\n"
+            )
+        },
+        test="tests/test_run_dir.py::test_one_run_at_a_time_and_a_killed_run_leaves_no_lock",
+        reason=NOT_REFUSED,
+        harm="closing the lock file drops the lock: nothing stops a second run from writing the same run directory",
+        notice="two jobs on one --run-dir both train; their checkpoints and metrics.jsonl mix",
+    ),
+]
+
+RESTARTS = [
+    Mistake(
+        name="restart-store-without-generation-prefix",
+        path="common/distributed.py",
+        edits={
+            "return dist.PrefixStore(f\"restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\", store)": (
+                "return store"
+            )
+        },
+        test="tests/test_failures.py::test_each_restart_meets_in_a_store_of_its_own",
+        reason=r"the restarted workers read the failed generation's keys",
+        harm="workers restarted by torchrun --max-restarts read the failed generation's addresses from the store and "
+        "connect to dead peers",
+        notice="after a worker dies, the restart often fails too ('Connection refused') or hangs in init_process_group",
+    ),
+]
+
+FINAL_MODEL = [
+    Mistake(
+        name="final-model-not-gathered",
+        path="fsdp/train_mnist.py",
+        edits={
+            "state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))": (
+                "state = get_model_state_dict(model)"
+            )
+        },
+        test="tests/test_fsdp.py::test_mnist_trains_and_saves_the_plain_model",
+        reason=r"in save_model_file\n(.|\n)*not supported for ShardedTensor",
+        harm="model.pt would hold rank 0's shards of each weight, not the whole model; here the run dies saving it, "
+        "after all its training",
+        notice="the job fails at its very end with a ShardedTensor error and leaves no model.pt",
+    ),
+    Mistake(
+        name="final-model-saved-with-the-ddp-prefix",
+        path="ddp/train_mnist.py",
+        edits={
+            "state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))": (
+                "state = model.state_dict()"
+            )
+        },
+        test="tests/test_ddp.py::test_mnist_trains",
+        reason=r'Unexpected key\(s\) in state_dict: "module\.',
+        harm="model.pt holds the DDP wrapper's state dict: every name starts with 'module.'",
+        notice="loading model.pt into the plain model outside the job fails: missing keys, unexpected 'module.' keys",
+    ),
+    Mistake(
+        name="checkpoint-written-in-place",
+        path="common/saving.py",
+        edits={"    save_torch(obj, path, overwrite=True)\n": "    torch.save(obj, path)\n"},
+        test="tests/test_outputs.py::test_every_file_write_goes_through_common_outputs",
+        reason=r"common/saving\.py:\d+",
+        harm="a job killed while saving leaves a truncated step-N.pt or model.pt under its final name, over the "
+        "good one",
+        notice="after a crash or time limit during a save, --resume fails on a damaged checkpoint",
+    ),
+]
+
+MISTAKES: list[Mistake] = [*CHECKPOINTS, *SIGNALS, *LOCKS, *RESTARTS, *FINAL_MODEL]
