@@ -99,7 +99,7 @@ def test_the_ranks_are_dealt_each_example_once_an_epoch_and_an_evaluation(tmp_pa
 def schedule_lr(peak: float, warmup: int, total: int, min_ratio: float, steps_taken: int) -> float:
     """The documented schedule: the learning rate of the step after ``steps_taken`` steps. It climbs in
     equal parts to ``peak`` over the first ``warmup`` steps, then falls along half a cosine to
-    ``min_ratio * peak`` at the last step."""
+    ``min_ratio * peak`` once all ``total`` steps are taken."""
     if steps_taken < warmup:
         return peak * (steps_taken + 1) / warmup
     done = (steps_taken - warmup) / max(1, total - warmup)

@@ -83,7 +83,8 @@ SAMPLER = [
         reason=r"assert list\(ours\) == list\(torchs\) and len\(ours\) == len\(torchs\)",
         harm="without drop_last the slices differ by one example, so one rank runs out of batches a step before "
         "the others",
-        notice="at the end of an epoch the job hangs in an all-reduce until the NCCL timeout, on some GPU counts only",
+        notice="at the end of an epoch one rank runs out of batches: the job fails, or hangs until the collective "
+        "timeout, on some GPU counts only",
     ),
     Mistake(
         name="short-last-batch",
@@ -92,7 +93,7 @@ SAMPLER = [
         test=ORDER,
         reason=r"a batch not of --batch-size 8",
         harm="the loader keeps each epoch's last, short batch: one step an epoch averages fewer examples",
-        notice="a spike in the loss and the gradient norm at the last step of every epoch",
+        notice="a noisier loss and grad norm at the last step of every epoch, one step more an epoch than expected",
     ),
 ]
 
@@ -224,7 +225,7 @@ SCHEDULES = [
         test=LOGGED_LR,
         reason=r"logged lr is not the schedule's after that step",
         harm="an off-by-one in the warmup: the first step runs at lr 0 and the peak is reached a step late",
-        notice="the first step changes nothing (its loss repeats at step 2) and the logged lr lags the schedule",
+        notice="each logged lr of the warmup is the one of the step before: the peak is logged a step late",
     ),
     Mistake(
         name="fsdp1-mnist-steplr-every-step",
