@@ -51,7 +51,7 @@ def fresh_copy(destination: Path) -> None:
 def run_tests(copy: Path, tests: list[str], *options: str) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env["PYTHONPATH"] = str(copy)
-    command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *options, *tests]
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *options, *tests]
     return subprocess.run(
         command, cwd=copy, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S, check=False
     )
@@ -162,10 +162,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mistake.name:34} {mistake.path:34} {mistake.test}")
         return 0
     began = time.monotonic()
+    control = failing_without_a_mistake(sorted({mistake.test for mistake in chosen}))
+    print(f"control: {len(control)} of the named tests fail without any mistake {control or ''}", flush=True)
     caught = 0
     print("| mistake | file | caught by | verdict | seconds |\n| --- | --- | --- | --- | --- |", flush=True)
     for mistake in chosen:
-        result, seconds, output = run_one(mistake)
+        if mistake.test in control:
+            result, seconds, output = "ZOO FAILURE: its test fails without the mistake", 0.0, ""
+        else:
+            result, seconds, output = run_one(mistake)
         caught += result == "caught"
         print(f"| {mistake.name} | `{mistake.path}` | `{mistake.test}` | {result} | {seconds:.0f} |", flush=True)
         if result != "caught" and args.verbose:
