@@ -20,8 +20,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from common.processes import exit_code_of, run_tree
 from tests.zoo.catalogue import MISTAKES
 from tests.zoo.mistake import Mistake
 
@@ -48,13 +50,22 @@ def fresh_copy(destination: Path) -> None:
         shutil.copy2(REPO / name, target)
 
 
-def run_tests(copy: Path, tests: list[str], *options: str) -> subprocess.CompletedProcess:
+@dataclass(frozen=True)
+class TestRun:
+    returncode: int
+    output: str
+    timed_out: bool
+
+
+def run_tests(copy: Path, tests: list[str], *options: str) -> TestRun:
+    """pytest on ``tests`` in ``copy``; every process it starts ends with it, at the timeout or a Ctrl-C too."""
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env["PYTHONPATH"] = str(copy)
     command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *options, *tests]
-    return subprocess.run(
-        command, cwd=copy, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S, check=False
-    )
+    with tempfile.TemporaryFile("w+", errors="replace") as output:
+        ended = run_tree(command, output, env=env, cwd=copy, timeout=TEST_TIMEOUT_S)
+        output.seek(0)
+        return TestRun(ended.returncode, output.read(), ended.timed_out)
 
 
 def failing_without_a_mistake(tests: list[str]) -> list[str]:
@@ -63,14 +74,16 @@ def failing_without_a_mistake(tests: list[str]) -> list[str]:
         copy = Path(folder)
         fresh_copy(copy)
         result = run_tests(copy, tests, "-n", "auto")
-    output = result.stdout + result.stderr
+    output = result.output
     if result.returncode not in (0, 1):  # 2-5: interrupted, an internal error, a usage error, nothing collected
         return [f"{test} (pytest exit {result.returncode})" for test in tests]
     return [test for test in tests if f"FAILED {test}" in output or f"ERROR {test}" in output]
 
 
-def verdict(mistake: Mistake, result: subprocess.CompletedProcess) -> str:
-    output = result.stdout + result.stderr
+def verdict(mistake: Mistake, result: TestRun) -> str:
+    output = result.output
+    if result.timed_out:
+        return f"SURVIVED: {mistake.test} ran past {TEST_TIMEOUT_S} s"
     if result.returncode == 0:
         return "SURVIVED: every test passed"
     if f"FAILED {mistake.test}" not in output:
@@ -91,12 +104,8 @@ def run_one(mistake: Mistake) -> tuple[str, float, str]:
             target.write_text(mistake.apply(target.read_text()))
         except (ValueError, FileNotFoundError) as err:
             return f"ZOO FAILURE: the patch does not apply ({err})", time.monotonic() - began, ""
-        try:
-            result = run_tests(copy, [mistake.test, *mistake.more_tests])
-        except subprocess.TimeoutExpired:
-            return f"SURVIVED: {mistake.test} ran past {TEST_TIMEOUT_S} s", time.monotonic() - began, ""
-        output = result.stdout + result.stderr
-        return verdict(mistake, result), time.monotonic() - began, output[-3000:]
+        result = run_tests(copy, [mistake.test, *mistake.more_tests])
+        return verdict(mistake, result), time.monotonic() - began, result.output[-3000:]
 
 
 PAGE_HEAD = """# Classic mistakes, and the test that catches each
@@ -180,4 +189,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code_of(main, "python -m tests.zoo"))
