@@ -172,14 +172,17 @@ def clean_teardown() -> Iterator[None]:
 
     FSDP's modules form reference cycles that hold on to their process groups: collected at the
     interpreter's exit instead, a gloo group's worker threads can outlive the interpreter, find no
-    GIL, and abort a finished run (torch 2.14.1, about 1 run in 10). A run that failed holds the
-    model in its traceback's frames as well: those frames let go of their locals here, before the
-    collection (the traceback itself is kept, for its report). Collected before the destroy, not
+    GIL, and abort a finished run (torch 2.14.1, about 1 run in 10). A run refused with a FatalError
+    holds the model in its traceback's frames as well: those frames let go of their locals here,
+    before the collection (the traceback itself is kept, for its message). Only those: a crash keeps
+    its frames, and its teardown its old pace (freeing the model sooner, and DDP with it, let the peer
+    of a crashed rank report first now and then, which then names the wrong rank as the root cause in
+    torchrun's summary). Collected before the destroy, not
     after: on torch < 2.8 a group freed by the collector holds the GIL while it waits for gloo's
     threads (common.compat.gloo_destroyed_without_gil).
     """
     failure = sys.exc_info()[1]
-    if failure is not None:
+    if isinstance(failure, FatalError):
         traceback.clear_frames(failure.__traceback__)
     gc.collect()
     with gloo_destroyed_without_gil():
