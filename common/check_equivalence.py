@@ -23,7 +23,6 @@ are the K that divide it, from 2 up to half of it (six at most), and N times the
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from common.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
 from common.flags import existing_file, output_dir, positive_float, positive_int
 from common.outputs import write_text
 from common.processes import exit_code_of, output_of
-from common.torchrun_env import LAUNCH_VARIABLES, RENDEZVOUS_VARIABLES
+from common.torchrun_env import outside_any_job
 
 DEFAULT_STEPS = 20
 MAX_TWINS = 6
@@ -134,16 +133,12 @@ def plan(flags: list[str], nproc: int) -> list[Planned]:
     ]
 
 
-# What torchrun tells its workers about their job; a check started inside a job must not inherit it.
-TORCHRUN_VARIABLES = {*LAUNCH_VARIABLES, *RENDEZVOUS_VARIABLES}
-
-
 def run_in_subprocess(script: str, flags: list[str], nproc: int | None, run_dir: Path) -> tuple[int, str]:
     """``python SCRIPT`` or ``torchrun --standalone``, in a clean launcher environment."""
     launcher = [sys.executable]
     if nproc is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {key: value for key, value in os.environ.items() if key not in TORCHRUN_VARIABLES}
+    env = outside_any_job()  # a check started inside a job must not join it
     # One thread per process in every run, torchrun's own default for its workers: on the CPU two
     # threads add a layer's partial sums in another order than one, which the twins would not share.
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -176,10 +176,9 @@ def clean_teardown() -> Iterator[None]:
     holds the model in its traceback's frames as well: those frames let go of their locals here,
     before the collection (the traceback itself is kept, for its message). Only those: a crash keeps
     its frames, and its teardown its old pace (freeing the model sooner, and DDP with it, let the peer
-    of a crashed rank report first now and then, which then names the wrong rank as the root cause in
-    torchrun's summary). Collected before the destroy, not
-    after: on torch < 2.8 a group freed by the collector holds the GIL while it waits for gloo's
-    threads (common.compat.gloo_destroyed_without_gil).
+    of a crashed rank report first now and then, and torchrun then named the wrong rank as the root
+    cause). Collected before the destroy, not after: on torch < 2.8 a group freed by the collector
+    holds the GIL while it waits for gloo's threads (common.compat.gloo_destroyed_without_gil).
     """
     failure = sys.exc_info()[1]
     if isinstance(failure, FatalError):
@@ -203,10 +202,8 @@ def errors_reported_once() -> Iterator[None]:
     try:
         yield
     except FatalError as err:
+        # Its frames, which held the model, were cleared before the teardown (clean_teardown).
         print0(f"error: {err}", file=sys.stderr)
-        # The traceback holds the failed frames' locals, the model among them: let it go, so that
-        # what is left of it is freed now (see clean_teardown).
-        traceback.clear_frames(err.__traceback__)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         # The first Ctrl-C during training asks for a stop instead (common.preemption).
@@ -236,8 +233,7 @@ def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext
         try:
             yield add_host_group(ctx)
         finally:
-            with clean_teardown():
-                dist.destroy_process_group()
+            teardown_distributed()
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:

@@ -39,7 +39,7 @@ from common.lockstep import read_reports, run_rank
 from common.outputs import open_log
 from common.processes import exit_code_of, run_tree, scratch_folder
 from common.run_dir import CHECKPOINTS, METRICS_FILE, MODEL_FILE
-from common.torchrun_env import LAUNCH_VARIABLES, RENDEZVOUS_VARIABLES
+from common.torchrun_env import outside_any_job
 
 STEPS = 3  # the third step is the one StepObserver measures: collectives_per_step needs it
 CHECKPOINT_INTERVAL = 2  # a checkpoint before step 3
@@ -49,8 +49,6 @@ DEFAULT_TIMEOUT_S = 600.0
 OK, FOUND, BAD_INPUT = 0, 1, 2
 # The first present is the verdict: a crash before an ended peer, since the crash is why it ended.
 REPORT_ORDER = ("mismatch", "raised", "exited", "peer_ended", "timeout")
-# What torchrun tells its workers about their job; a pre-flight started inside a job must not inherit it.
-JOB_VARIABLES = (*LAUNCH_VARIABLES, *RENDEZVOUS_VARIABLES)
 
 
 def preflight_flags(script_text: str, run_dir: Path, dist_timeout: float) -> list[str]:
@@ -247,7 +245,7 @@ def human_bytes(size: float) -> str:
 
 
 def rank_env(project: Path) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key not in JOB_VARIABLES}
+    env = outside_any_job()  # a pre-flight started inside a job must not join it
     env.setdefault("OMP_NUM_THREADS", "1")
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU and gloo, whatever this machine has
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(project), env.get("PYTHONPATH", "")]))

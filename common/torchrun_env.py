@@ -13,6 +13,13 @@ LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
 
 
+def outside_any_job() -> dict[str, str]:
+    """This process's environment without torchrun's variables: what a command passes to the ranks it
+    starts, which must make a job of their own, not join the one this command may run in."""
+    job = {*LAUNCH_VARIABLES, *RENDEZVOUS_VARIABLES}
+    return {key: value for key, value in os.environ.items() if key not in job}
+
+
 def env_rank() -> int:
     """Global rank; 0 for a plain ``python script.py``."""
     return int(os.environ.get("RANK", "0"))
