@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,6 @@ class Mistake:
     reason: str  # a regex that the failing test's output must match: the catch is for this reason
     harm: str  # what the mistake does to training, in one line
     notice: str  # how one would notice it on a GPU cluster, in one line
-    more_tests: tuple[str, ...] = field(default=())  # other tests that run with it (collected, not required to fail)
 
     def apply(self, source: str) -> str:
         """``source`` with every edit made; ValueError naming the first edit that does not match once."""
