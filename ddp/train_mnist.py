@@ -12,7 +12,6 @@ would not have.
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 import time
@@ -101,7 +100,7 @@ def train(args, ctx: DistContext) -> None:
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
     # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle: torch's DistributedSampler, its
-    # order kept as one tensor. Every rank gets as many batches as the others, so none waits alone.
+    # order computed as it goes (no table). Every rank gets as many batches as the others, so none waits alone.
     sampler = CompactDistributedSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)  # DISTRIBUTED
     loader = train_loader(train_set, args.batch_size, sampler, ctx)
     test_loader = eval_loader(test_set, args.test_batch_size, ctx)
@@ -155,10 +154,11 @@ def train(args, ctx: DistContext) -> None:
     result = None
     while step < total_steps:
         epoch = step // steps_per_epoch + 1
-        loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank
-        # A run resumed mid-epoch passes over the batches it trained on before the checkpoint.
         done_in_epoch = step % steps_per_epoch
-        batches = itertools.islice(iter(loader), done_in_epoch * args.grad_accum_steps, None)
+        # DISTRIBUTED: a new shuffle each epoch, the same on every rank. A run resumed mid-epoch starts
+        # after the examples it trained (every rank's), at any world size, and reads none of them again.
+        loader.sampler.set_epoch(epoch, start=done_in_epoch * global_batch)
+        batches = iter(loader)
         for _ in range(min(steps_per_epoch - done_in_epoch, total_steps - step)):
             # Between two steps the saved state describes the run completely.
             if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step

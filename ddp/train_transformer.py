@@ -15,7 +15,6 @@ reachable loss is known, so the run can tell how close it got.
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 import time
@@ -127,7 +126,7 @@ def train(args, ctx: DistContext) -> None:
         data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
     print0(f"data: {data.description}")
     # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle: torch's DistributedSampler, its
-    # order kept as one tensor. Every rank gets as many batches as the others, so none waits alone.
+    # order computed as it goes (no table). Every rank gets as many batches as the others, so none waits alone.
     sampler = CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)  # DISTRIBUTED
     loader = train_loader(data.train, args.batch_size, sampler, ctx)
     heldout_loader = eval_loader(data.heldout, args.eval_batch_size, ctx)
@@ -187,10 +186,11 @@ def train(args, ctx: DistContext) -> None:
     result = None
     while step < total_steps:
         epoch = step // steps_per_epoch + 1
-        loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank
-        # A run resumed mid-epoch passes over the batches it trained on before the checkpoint.
         done_in_epoch = step % steps_per_epoch
-        batches = itertools.islice(iter(loader), done_in_epoch * args.grad_accum_steps, None)
+        # DISTRIBUTED: a new shuffle each epoch, the same on every rank. A run resumed mid-epoch starts
+        # after the examples it trained (every rank's), at any world size, and reads none of them again.
+        loader.sampler.set_epoch(epoch, start=done_in_epoch * global_batch)
+        batches = iter(loader)
         for _ in range(min(steps_per_epoch - done_in_epoch, total_steps - step)):
             # Between two steps the saved state describes the run completely.
             if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step

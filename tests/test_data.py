@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
-from common.data import CompactDistributedSampler, eval_loader, eval_shard
+from common.data import CompactDistributedSampler, IndexShuffle, eval_loader, eval_shard
 from common.distributed import DistContext
 from common.tokens import IGNORE_INDEX, MarkovSource, markov_data
 
@@ -80,17 +81,51 @@ def test_variable_lengths_pad_each_sequence_after_its_own_length() -> None:
     assert cut.entropy_floor > fixed.entropy_floor
 
 
-def test_the_compact_sampler_gives_torchs_order() -> None:
-    """The same examples, in the same order, as DistributedSampler(shuffle=True, drop_last=True)."""
-    for size, world_size in ((10_000, 1), (9_999, 3), (20_001, 4)):
-        dataset = range(size)
-        for rank in range(world_size):
-            ours = CompactDistributedSampler(dataset, world_size, rank, seed=7)  # type: ignore[arg-type]
-            torchs = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=7, drop_last=True)  # type: ignore[arg-type]
-            for epoch in (0, 3):
-                ours.set_epoch(epoch)
-                torchs.set_epoch(epoch)
-                assert list(ours) == list(torchs) and len(ours) == len(torchs)
+def dealt(size: int, world_size: int, epoch: int, start: int = 0) -> list[list[int]]:
+    """What each rank's sampler gives for ``epoch`` of a data set of ``size``, from position ``start``."""
+    ranks = []
+    for rank in range(world_size):
+        sampler = CompactDistributedSampler(range(size), world_size, rank, seed=7)  # type: ignore[arg-type]
+        sampler.set_epoch(epoch, start=start)
+        ranks.append(list(sampler))
+        assert len(sampler) == len(ranks[-1])
+    return ranks
+
+
+def global_order(ranks: list[list[int]]) -> list[int]:
+    """The ranks' examples interleaved, position by position, as the global batches take them."""
+    return [index for position in zip(*ranks, strict=True) for index in position]
+
+
+def test_the_sampler_deals_each_example_once_in_one_order_at_any_world_size() -> None:
+    """DistributedSampler's contract (disjoint ranks, equal counts, drop_last), and what resuming needs:
+    the global order is the same at every world size, so a run can start at any position of it."""
+    for size in (1, 2, 9_999, 20_001):
+        one_process = dealt(size, 1, epoch=3)[0]
+        assert sorted(one_process) == list(range(size))
+        assert one_process != dealt(size, 1, epoch=4)[0] or size < 100, "each epoch its own shuffle"
+        for world_size in (2, 3, 4):
+            ranks = dealt(size, world_size, epoch=3)
+            kept = size // world_size * world_size  # drop_last: every rank the same count
+            assert [len(rank) for rank in ranks] == [kept // world_size] * world_size
+            assert global_order(ranks) == one_process[:kept]
+            # A run resumed after 5 global batches of 4 x world_size: the rest of the order, and nothing of before.
+            start = 5 * 4 * world_size
+            assert global_order(dealt(size, world_size, epoch=3, start=start)) == one_process[start:kept]
+
+
+def test_the_samplers_order_is_shuffled_like_a_random_permutation() -> None:
+    """Of a uniformly random order of n examples, two neighbours in the data land n/3 apart on average,
+    and 2% of them within n/100 of each other (1 - 0.99^2). Measured on MNIST's 60,000 at seeds 0 to 2,
+    1 to 6 rounds of the network: 0.330 to 0.335 and 1.89% to 2.01% from 3 rounds on; 2 rounds gave 2.76%."""
+    size = 60_000
+    for seed in range(3):
+        order = IndexShuffle(size, seed)(np.arange(size))
+        position = np.empty(size, dtype=np.int64)
+        position[order] = np.arange(size)
+        apart = np.abs(np.diff(position)) / size
+        assert 0.32 < apart.mean() < 0.345, apart.mean()
+        assert 0.017 < (apart < 0.01).mean() < 0.023, (apart < 0.01).mean()
 
 
 def test_the_evaluation_loaders_deal_every_example_once() -> None:
