@@ -19,3 +19,5 @@ PER_IMAGE_MNIST = f"{HARNESS}/per_image_mnist.py"
 PAUSE_ONCE = f"{HARNESS}/pause_once.py"
 # Not a wrapper but a program of its own: rounds of gloo process groups set up and torn down.
 TEARDOWN_ROUNDS = f"{HARNESS}/teardown_rounds.py"
+# Writes down every example the training loader reads, by which rank and generation of the job.
+RECORD_READS = f"{HARNESS}/record_reads.py"

@@ -10,7 +10,7 @@ TRAINS_DIFFERENTLY = r"DIFFERENT"
 EQUIVALENCE = "tests/test_equivalence.py"
 ORDER = "tests/test_training_order.py::test_the_ranks_are_dealt_each_example_once_an_epoch_and_an_evaluation"
 LOGGED_LR = "tests/test_training_order.py::test_the_logged_lr_is_the_schedules_after_each_step"
-SET_EPOCH = "loader.sampler.set_epoch(epoch)  # DISTRIBUTED: a new shuffle each epoch, the same on every rank\n"
+SET_EPOCH = "loader.sampler.set_epoch(epoch, start=done_in_epoch * global_batch)\n"
 LAST_MICRO_STEP = "last_micro_step = micro_step == args.grad_accum_steps - 1"
 
 SAMPLER = [
@@ -39,9 +39,9 @@ SAMPLER = [
     Mistake(
         name="sampler-ignores-its-epoch",
         path="common/data.py",
-        edits={"generator.manual_seed(self.seed + self.epoch)": "generator.manual_seed(self.seed)"},
-        test="tests/test_data.py::test_the_compact_sampler_gives_torchs_order",
-        reason=r"assert list\(ours\) == list\(torchs\)",
+        edits={"IndexShuffle(len(self.dataset), self.seed + self.epoch)": "IndexShuffle(len(self.dataset), self.seed)"},
+        test="tests/test_data.py::test_the_sampler_deals_each_example_once_in_one_order_at_any_world_size",
+        reason=r"each epoch its own shuffle",
         harm="a hand-written sampler seeds its shuffle without the epoch: set_epoch is called and changes nothing",
         notice="as with a missing set_epoch: every epoch the same order, with every call in place",
     ),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from tests.zoo.mistake import Mistake
 
+# Where a run resumed mid-epoch starts: after the examples every rank trained.
+RESUMED_EPOCH = "loader.sampler.set_epoch(epoch, start=done_in_epoch * global_batch)"
 STOP_AND_RESUME = "tests/test_checkpoint.py::test_stopped_and_resumed_run_matches_an_uninterrupted_one"
 # The stopped-and-resumed run's losses, gradient norms and learning rates, step by step, are not the reference's.
 RESUMES_DIFFERENTLY = r"assert train_history\(resumed\) == train_history\(reference\)"
@@ -48,12 +50,22 @@ CHECKPOINTS = [
     Mistake(
         name="resume-restarts-the-epoch",
         path="ddp/train_transformer.py",
-        edits={"itertools.islice(iter(loader), done_in_epoch * args.grad_accum_steps, None)": "iter(loader)"},
+        edits={RESUMED_EPOCH: "loader.sampler.set_epoch(epoch)"},
         test=f"{STOP_AND_RESUME}[ddp-transformer]",
         reason=RESUMES_DIFFERENTLY,
         harm="a run resumed mid-epoch trains the epoch's first batches again and never sees its last ones",
         notice="a dip in the loss right after each resume (batches seen twice); with frequent requeues part of "
         "the data is never trained on",
+    ),
+    Mistake(
+        name="fsdp2-resume-skips-one-ranks-share",
+        path="fsdp/train_transformer_fsdp2.py",
+        edits={RESUMED_EPOCH: RESUMED_EPOCH.replace("global_batch", "args.batch_size * args.grad_accum_steps")},
+        test=f"{STOP_AND_RESUME}[fsdp2-transformer]",
+        reason=RESUMES_DIFFERENTLY,
+        harm="a resumed run starts after the examples one rank trained, not all of them: at N ranks it trains "
+        "(N - 1)/N of the epoch's first part again",
+        notice="nothing at one GPU; at several, a dip in the loss after each resume, deeper with more GPUs",
     ),
     Mistake(
         name="resume-picks-the-oldest-checkpoint",

@@ -1,0 +1,115 @@
+"""Run a training script with its training set writing down every example it reads, and who read it.
+
+    torchrun --standalone --nproc_per_node=2 tests/harness/record_reads.py FOLDER SCRIPT [FLAGS...]
+
+Each process appends to FOLDER/reads-PID.jsonl: a first line naming the process (rank, world size
+and the job it belongs to), a line with the step it resumed at, then one line per example the
+training loader reads, its index, as it reads it. ``trained_steps`` puts them back together as the
+examples each optimizer step trained on, keeping, for a step trained twice (a crash, then a resume
+from an earlier checkpoint), the generation that came later.
+
+The evaluation's examples are not counted: only what ``common.data.train_loader`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
+
+# What tells two generations of one job's processes apart: a new torchrun, an in-job restart, a requeue.
+GENERATION_VARIABLES = (
+    *("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"),
+    *("SLURM_JOB_ID", "SLURM_RESTART_COUNT"),
+)
+
+
+class ReadsRecorded(Dataset):
+    def __init__(self, dataset: Dataset, log: Callable[[dict[str, Any]], None]) -> None:
+        self.dataset, self.log = dataset, log
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        self.log({"read": index})
+        return self.dataset[index]
+
+
+def main() -> None:
+    folder, script = Path(sys.argv[1]), sys.argv[2]
+    # The checkout's root, as the scripts put it first: a Slurm job's processes have no PYTHONPATH of the tests'.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import common.checkpoint
+    import common.data
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = (folder / f"reads-{os.getpid()}.jsonl").open("a", buffering=1)  # a line survives a SIGKILL after it
+
+    def log(record: dict[str, Any]) -> None:
+        out.write(json.dumps(record) + "\n")
+
+    log({
+        "rank": int(os.environ.get("RANK", "0")),
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "generation": [os.environ.get(name) for name in GENERATION_VARIABLES],
+        "started": time.time(),
+    })  # fmt: skip
+    train_loader, resume = common.data.train_loader, common.checkpoint.Checkpointer.resume
+
+    def recorded_loader(dataset: Dataset, *args: Any, **kwargs: Any) -> Any:
+        return train_loader(ReadsRecorded(dataset, log), *args, **kwargs)
+
+    def recorded_resume(self: Any, *args: Any, **kwargs: Any) -> Any:
+        resumed = resume(self, *args, **kwargs)
+        log({"resumed_at": resumed.step})
+        return resumed
+
+    common.data.train_loader = recorded_loader  # the scripts import it by name, after this
+    common.checkpoint.Checkpointer.resume = recorded_resume  # type: ignore[method-assign]
+    sys.argv = sys.argv[2:]
+    runpy.run_path(script, run_name="__main__")
+
+
+def trained_steps(folder: Path, global_batch: int) -> dict[int, list[int]]:
+    """Step number (from 1) -> the sorted indices of the examples it trained, all ranks together.
+
+    A process reads global_batch / world_size examples a step, from the step after the one it resumed
+    at. Generations are taken in the order they started; each one's steps replace what earlier ones
+    read from its own first step on, which an earlier generation may have read and not trained.
+    """
+    generations: dict[tuple, dict[str, Any]] = {}
+    for path in folder.glob("reads-*.jsonl"):
+        # A process killed mid-write leaves at most its last line torn.
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+        header, rest = lines[0], lines[1:]
+        resumed_at = [line["resumed_at"] for line in rest if "resumed_at" in line]
+        reads = [line["read"] for line in rest if "read" in line]
+        if not resumed_at:
+            assert not reads, f"{path}: reads before the run resumed or started"
+            continue  # stopped before training: a refusal, or killed while it started
+        generation = generations.setdefault(
+            tuple(header["generation"]), {"started": header["started"], "resumed_at": resumed_at[0], "steps": {}}
+        )
+        assert generation["resumed_at"] == resumed_at[0], f"{path}: the ranks of one generation resumed apart"
+        generation["started"] = min(generation["started"], header["started"])
+        per_step = global_batch // header["world_size"]
+        for offset in range(0, len(reads), per_step):
+            step = resumed_at[0] + offset // per_step + 1
+            generation["steps"].setdefault(step, []).extend(reads[offset : offset + per_step])
+    trained: dict[int, list[int]] = {}
+    for generation in sorted(generations.values(), key=lambda generation: generation["started"]):
+        trained = {step: indices for step, indices in trained.items() if step <= generation["resumed_at"]}
+        trained.update({step: sorted(indices) for step, indices in generation["steps"].items()})
+    return trained
+
+
+if __name__ == "__main__":
+    main()
