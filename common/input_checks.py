@@ -13,7 +13,15 @@ import argparse
 import os
 from pathlib import Path
 
-from common.tokens import BadTokenFile, first_id_outside, read_token_metadata, token_metadata_path
+from common.tokens import (
+    MAX_VOCAB_SIZE,
+    TOKEN_BYTES,
+    BadTokenFile,
+    first_id_outside,
+    read_token_metadata,
+    text_character_counts,
+    token_metadata_path,
+)
 
 
 def machine_memory() -> int:
@@ -48,8 +56,10 @@ def check_synthetic_size(parser: argparse.ArgumentParser, args: argparse.Namespa
 
 
 def check_text_file(parser: argparse.ArgumentParser, path: Path, block_size: int) -> None:
+    """A text that common.tokens.text_data can hold and number, read a chunk at a time: this runs in
+    every rank before training, so it keeps no more than a chunk of it."""
     try:
-        text = path.read_text(encoding="utf-8")
+        characters, distinct = text_character_counts(path)
     except FileNotFoundError:
         parser.error(f"--text-file {path}: no such file")
     except UnicodeDecodeError:
@@ -58,9 +68,23 @@ def check_text_file(parser: argparse.ArgumentParser, path: Path, block_size: int
         parser.error(f"--text-file {path}: cannot read it ({err.strerror})")
     # 90% trains and 10% is held out; each part needs at least one window.
     needed = 10 * (block_size + 1)
-    if len(text) < needed:
+    if characters < needed:
         parser.error(
-            f"--text-file {path} has {len(text)} characters; at --block-size {block_size} it needs at least {needed}"
+            f"--text-file {path} has {characters} characters; at --block-size {block_size} it needs at least {needed}"
+        )
+    if distinct > MAX_VOCAB_SIZE:
+        parser.error(
+            f"--text-file {path} holds {distinct:,} distinct characters; a character-level vocabulary holds at most "
+            f"{MAX_VOCAB_SIZE:,} (uint16 ids). Prepare it as bytes with python -m common.prepare_tokens and give "
+            "--token-file"
+        )
+    # Every process holds a uint16 id for each character; a --token-file is read a window at a time instead.
+    held = characters * TOKEN_BYTES
+    if held > machine_memory():
+        parser.error(
+            f"--text-file {path} has {characters:,} characters: their ids would take {held / 2**30:,.1f} GiB per "
+            f"process, more than this machine's {machine_memory() / 2**30:,.1f} GiB. Prepare it with python -m "
+            "common.prepare_tokens and give --token-file, which is read a window at a time"
         )
 
 

@@ -196,3 +196,33 @@ def test_an_id_written_under_a_running_job_stops_before_the_model_reads_it(token
     assert data.train[4][1].max() < 256
     with pytest.raises(ValueError, match=f"{tokens} changed under the run: token 163 is id 300, outside its vocab"):
         data.train[5]
+
+
+def test_text_windows_are_the_texts_characters_in_code_point_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a character-level run trains on: the text as read_text gives it (\\r\\n read as \\n), each character
+    numbered by its place in sorted(set(text)), cut into windows of block_size + 1 a block_size apart. The ids
+    are read 7 characters at a time, so characters first seen in a later chunk and a \\r\\n split between
+    chunks are met; the characters come first in an order other than their code points'."""
+    from common.tokens import text_data
+
+    monkeypatch.setattr("common.tokens.TEXT_CHUNK_CHARACTERS", 7)
+    pieces = ["😀", "z", "\r\n", "é", "中", " ", "a", "\r", "\n", "Z"]
+    text = "".join(pieces[index] for index in np.random.default_rng(0).integers(0, len(pieces), 200))
+    path = tmp_path / "text.txt"
+    path.write_bytes(text.encode("utf-8"))
+    read = path.read_text(encoding="utf-8")
+    vocabulary = sorted(set(read))
+    ids = torch.tensor([vocabulary.index(character) for character in read])
+    block = 5
+    data = text_data(path, block)
+    assert data.decoding == {"characters": "".join(vocabulary)} and data.vocab_size == len(vocabulary)
+    split = int(len(ids) * 0.9)
+    for windows, stream in ((data.train, ids[:split]), (data.heldout, ids[split:])):
+        assert len(windows) == (len(stream) - 1) // block
+        for index in range(len(windows)):
+            inputs, targets = windows[index]
+            expected = stream[index * block : index * block + block + 1]
+            assert inputs.dtype == torch.int64 and torch.equal(inputs, expected[:-1])
+            assert torch.equal(targets, expected[1:])
