@@ -141,6 +141,9 @@ class IndexShuffle:
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         """The examples at ``positions`` (each below ``size``) of the order."""
+        if positions.size and not 0 <= positions.min() <= positions.max() < self.size:
+            # Cycle walking from outside range(size) need never come back into it: it would loop forever.
+            raise IndexError(f"positions {positions.min()} to {positions.max()} of an order of {self.size}")
         examples = self._permute_bits(positions.astype(np.uint64))
         outside = examples >= self.size
         while outside.any():

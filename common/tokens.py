@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from common.prepare_tokens import token_metadata_path  # the writer's rule, one place
+
 # The source is part of the task, not of the run: a fixed seed keeps it the same
 # whatever --seed the training uses, so runs with different seeds are comparable.
 MARKOV_SEED = 1234
@@ -301,11 +303,6 @@ class TokenWindows(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fd": None}  # a DataLoader worker opens the file itself
-
-
-def token_metadata_path(tokens: Path) -> Path:
-    """TOKENS.json: what common.prepare_tokens writes beside a token file about it."""
-    return tokens.with_name(tokens.name + ".json")
 
 
 # Ids are stored as little-endian uint16, so no token file holds an id of a larger vocabulary.

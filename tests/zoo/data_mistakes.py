@@ -79,8 +79,8 @@ SAMPLER = [
         name="uneven-ranks-without-drop-last",
         path="common/data.py",
         edits={"shuffle=True, seed=seed, drop_last=True)": "shuffle=True, seed=seed)"},
-        test="tests/test_data.py::test_the_compact_sampler_gives_torchs_order",
-        reason=r"assert list\(ours\) == list\(torchs\) and len\(ours\) == len\(torchs\)",
+        test="tests/test_data.py::test_the_sampler_deals_each_example_once_in_one_order_at_any_world_size",
+        reason=r"IndexError: positions \d+ to \d+ of an order of",
         harm="without drop_last the slices differ by one example, so one rank runs out of batches a step before "
         "the others",
         notice="at the end of an epoch one rank runs out of batches: the job fails, or hangs until the collective "
