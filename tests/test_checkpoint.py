@@ -30,8 +30,9 @@ from tests.harness.model_files import assert_same_parameters
 from tests.harness.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
 from tests.harness.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
 from tests.harness.noise_floor import NoiseRuns, assert_same_training
+from tests.harness.record_reads import assert_trained_once
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
-from tests.harness.wrappers import INJECT_FAULT
+from tests.harness.wrappers import INJECT_FAULT, RECORD_READS
 
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
 SCRIPTS = ["ddp/train_mnist.py", "ddp/train_transformer.py", "fsdp/train_mnist.py", "fsdp/train_transformer.py", FSDP2]
@@ -87,13 +88,16 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(
 ) -> None:
     if "mnist" in script:
         args = [*args, "--data-dir", str(tiny_mnist_dir)]
-    reference = run_script(script, args, tmp_path / "reference", nproc=2).check()
+    reference_reads, reads = tmp_path / "reference-reads", tmp_path / "interrupted-reads"
+    reference = run_script(script, args, tmp_path / "reference", nproc=2, wrapper=[RECORD_READS, str(reference_reads)])
+    reference.check()
     losses = [record["loss"] for record in reference.events("train")]
     assert sum(losses[-5:]) < sum(losses[:5]), "the reference run must learn something"
 
     run_dir = tmp_path / "interrupted"
     stop_after = per_epoch + STOP_AFTER_EPOCH_STEPS
-    stopped = run_until_stopped(script, args, run_dir, nproc=2, stop_after=stop_after).check()
+    recorded = [RECORD_READS, str(reads)]
+    stopped = run_until_stopped(script, args, run_dir, nproc=2, stop_after=stop_after, wrapper=recorded).check()
     marker = json.loads((run_dir / "PREEMPTED").read_text())
     stopped_at = marker["step"]
     assert stop_after <= stopped_at < 2 * per_epoch, stopped.describe()  # inside the second epoch
@@ -107,7 +111,7 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(
     assert complete_checkpoints(run_dir)[-expected:] == complete_checkpoints(run_dir)
     assert complete_checkpoints(run_dir)[-1] == checkpoint
 
-    resumed = run_script(script, [*args, "--resume"], run_dir, nproc=2).check()
+    resumed = run_script(script, [*args, "--resume"], run_dir, nproc=2, wrapper=recorded).check()
     assert resumed.output.count(f"resumed from {checkpoint} at step {stopped_at}") == 1, resumed.describe()
     (resume_record,) = resumed.events("resume")
     assert resume_record["step"] == stopped_at
@@ -115,6 +119,8 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(
     assert steps_after_resume[0] == stopped_at + 1
     assert not (run_dir / "PREEMPTED").exists()
 
+    # The same examples at every step, read once: checked by what was read, not only by the losses.
+    assert_trained_once(reads, reference_reads, reference.final()["global_batch_size"], resumed.describe())
     assert train_history(resumed) == train_history(reference)
     assert eval_history(resumed) == eval_history(reference)
     assert resumed.final()["steps"] == total

@@ -56,10 +56,13 @@ def main() -> None:
     def log(record: dict[str, Any]) -> None:
         out.write(json.dumps(record) + "\n")
 
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # A process alone in its world is a generation of its own: `python script.py` sets none of the variables.
+    generation = [os.environ.get(name) for name in GENERATION_VARIABLES] if world_size > 1 else [os.getpid()]
     log({
         "rank": int(os.environ.get("RANK", "0")),
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "generation": [os.environ.get(name) for name in GENERATION_VARIABLES],
+        "world_size": world_size,
+        "generation": generation,
         "started": time.time(),
     })  # fmt: skip
     train_loader, resume = common.data.train_loader, common.checkpoint.Checkpointer.resume
@@ -109,6 +112,20 @@ def trained_steps(folder: Path, global_batch: int) -> dict[int, list[int]]:
         trained = {step: indices for step, indices in trained.items() if step <= generation["resumed_at"]}
         trained.update({step: sorted(indices) for step, indices in generation["steps"].items()})
     return trained
+
+
+def assert_trained_once(reads: Path, reference: Path, global_batch: int, description: str) -> None:
+    """The steps recorded in ``reads`` trained, step for step, the examples the uninterrupted run recorded in
+    ``reference`` did: the same multiset, each example of an epoch once, whatever stopped the run between."""
+    trained, expected = trained_steps(reads, global_batch), trained_steps(reference, global_batch)
+    assert sorted(trained) == sorted(expected), (
+        f"steps trained {sorted(trained)}, by the uninterrupted run {sorted(expected)}\n{description}"
+    )
+    differing = [step for step in expected if trained[step] != expected[step]]
+    assert not differing, (
+        f"steps {differing} trained other examples than the uninterrupted run's: step {differing[0]}: "
+        f"{trained[differing[0]]} instead of {expected[differing[0]]}\n{description}"
+    )
 
 
 if __name__ == "__main__":

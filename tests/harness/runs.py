@@ -198,7 +198,13 @@ PROGRESS_LINE = re.compile(r"^step +(\d+)/")
 
 
 def run_until_stopped(
-    script: str, args: list[str], run_dir: Path, nproc: int | None, stop_after: int, timeout: float = 240
+    script: str,
+    args: list[str],
+    run_dir: Path,
+    nproc: int | None,
+    stop_after: int,
+    timeout: float = 240,
+    wrapper: list[str] = [],  # noqa: B006 - never mutated
 ) -> Run:
     """Like ``run_script``, but create RUN_DIR/STOP once the progress line reports step ``stop_after``.
 
@@ -212,4 +218,4 @@ def run_until_stopped(
         if match and int(match.group(1)) == stop_after:
             (run_dir / "STOP").touch()
 
-    return run_warm(script_invocation(script, args, run_dir, []), run_dir, nproc, timeout, stop_at_step)
+    return run_warm(script_invocation(script, args, run_dir, wrapper), run_dir, nproc, timeout, stop_at_step)
