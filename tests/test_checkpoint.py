@@ -30,7 +30,7 @@ from tests.harness.model_files import assert_same_parameters
 from tests.harness.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
 from tests.harness.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
 from tests.harness.noise_floor import NoiseRuns, assert_same_training
-from tests.harness.record_reads import assert_trained_once
+from tests.harness.record_reads import assert_trained_once, trained_steps
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
 from tests.harness.wrappers import INJECT_FAULT, RECORD_READS
 
@@ -128,6 +128,36 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(
 
     if kind == "sharded" and "--checkpoint-interval" in args:
         check_export(run_dir, resumed.final()["eval_loss"])
+
+
+# 44 sequences in global batches of 8: 5 steps an epoch, and 44 - 5 x 8 = 4 sequences that drop_last leaves out.
+EPOCH_END_ARGS = [
+    *("--train-sequences", "44", "--heldout-sequences", "8", "--block-size", "16", "--global-batch-size", "8"),
+    *("--max-steps", "7", "--checkpoint-interval", "4", "--log-interval", "1"),
+]
+
+
+def test_a_run_resumed_at_the_last_step_of_an_epoch_reads_only_what_it_trains(tmp_path: Path) -> None:
+    """Resumed from step 4 of a 5-step epoch, the loaders read the 3 steps left, 24 sequences, and nothing of
+    the 32 the checkpoint had already trained on: a data set whose reads cost (images decoded, remote
+    shards) is not read again to find the place."""
+    script = "ddp/train_transformer.py"
+    reference_reads, resumed_reads = tmp_path / "reference-reads", tmp_path / "resumed-reads"
+    reference_dir = tmp_path / "reference"
+    run_script(script, EPOCH_END_ARGS, reference_dir, nproc=2, wrapper=[RECORD_READS, str(reference_reads)]).check()
+    (checkpoint,) = [path for path in complete_checkpoints(reference_dir) if checkpoint_step(path) == 4]
+    resumed = run_script(
+        script, [*EPOCH_END_ARGS, "--resume-from", str(checkpoint)], tmp_path / "resumed", nproc=2,
+        wrapper=[RECORD_READS, str(resumed_reads)],
+    ).check()  # fmt: skip
+    reads = [json.loads(line) for path in resumed_reads.glob("reads-*.jsonl") for line in path.read_text().splitlines()]
+    read = sum("read" in line for line in reads)
+    assert read == 3 * 8, f"the resumed run's loaders read {read} sequences to train 3 steps of 8\n{resumed.describe()}"
+    trained = trained_steps(reference_reads, 8)
+    assert trained_steps(resumed_reads, 8) == {step: trained[step] for step in (5, 6, 7)}, resumed.describe()
+    # What drop_last leaves out of an epoch: its last 4 sequences, the same at any world size (the order is).
+    first_epoch = [index for step in range(1, 6) for index in trained[step]]
+    assert len(first_epoch) == len(set(first_epoch)) == 40
 
 
 def check_export(run_dir: Path, eval_loss: float) -> None:
