@@ -27,9 +27,9 @@ from common.settings import NOT_TRAINING_SETTINGS, changed_settings
 from common.tokens import markov_data
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU, cases
 from tests.harness.model_files import assert_same_parameters
+from tests.harness.noise_floor import GLOBAL_BATCH, NoiseRuns, assert_same_training
 from tests.harness.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
 from tests.harness.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
-from tests.harness.noise_floor import NoiseRuns, assert_same_training
 from tests.harness.record_reads import assert_trained_once, trained_steps
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
 from tests.harness.wrappers import INJECT_FAULT, RECORD_READS
@@ -179,23 +179,29 @@ def check_export(run_dir: Path, eval_loss: float) -> None:
     assert loss_sum / tokens == pytest.approx(eval_loss, rel=1e-5)
 
 
-# --- a checkpoint saved at 4 processes, resumed at 2 ---------------------------------------------
+# --- a run stopped at 4 processes, resumed at 2, then at 3 --------------------------------------
 
 
-def test_sharded_checkpoint_saved_at_4_processes_resumes_at_2(transformer_noise: NoiseRuns, tmp_path: Path) -> None:
-    """The run resharded from 4 processes to 2 is the one-process training.
+@pytest.mark.parametrize("script", ["ddp/train_transformer.py", FSDP2])
+def test_a_run_stopped_at_4_processes_then_2_then_3_trains_each_example_once(
+    script: str, transformer_noise: NoiseRuns, tmp_path: Path
+) -> None:
+    """Stopped at 4 processes, resumed at 2, stopped again, resumed at 3: each step trains the examples the
+    one-process reference's did, and the run is the same training (the FSDP2 checkpoint resharded twice).
 
-    The equivalence tests' settings: the same examples in every step at any world size. (The
-    uninterrupted 2-process run is test_equivalence.py's fsdp1-full_shard-2.)
+    The equivalence tests' settings: a global batch of 24, the same examples in every step at any world size.
     """
-    script = "fsdp/train_transformer.py"
-    run_dir = tmp_path / "resharded"
-    run_until_stopped(script, EQUIVALENCE_ARGS, run_dir, nproc=4, stop_after=8).check()
-    stopped_at = json.loads((run_dir / "PREEMPTED").read_text())["step"]
-    resumed = run_script(script, [*EQUIVALENCE_ARGS, "--resume"], run_dir, nproc=2).check()
-    assert f"at step {stopped_at} (saved by 4 process(es), now 2)" in resumed.output, resumed.describe()
-    # Up to the checkpoint the run had 4 ranks, so it matches to rounding, not bit for bit.
-    assert_same_training(transformer_noise, run_dir, resumed.describe(), EQUIVALENCE_STEPS)
+    run_dir, reads = tmp_path / "resized", tmp_path / "reads"
+    recorded = [RECORD_READS, str(reads)]
+    run_until_stopped(script, EQUIVALENCE_ARGS, run_dir, nproc=4, stop_after=6, wrapper=recorded).check()
+    resumed = [*EQUIVALENCE_ARGS, "--resume"]
+    run_until_stopped(script, resumed, run_dir, nproc=2, stop_after=12, wrapper=recorded).check()
+    run = run_script(script, resumed, run_dir, nproc=3, wrapper=recorded).check()
+    resumes = [(record["step"], record["world_size"]) for record in run.events("resume")]
+    assert [world_size for _, world_size in resumes] == [2, 3] and 6 <= resumes[0][0] < 12 <= resumes[1][0], resumes
+    assert_trained_once(reads, transformer_noise.reference_reads, GLOBAL_BATCH, run.describe())
+    # Up to each checkpoint the run had other world sizes, so it matches to rounding, not bit for bit.
+    assert_same_training(transformer_noise, run_dir, run.describe(), EQUIVALENCE_STEPS)
 
 
 # --- kills and damage: the last good checkpoint survives ------------------------------------------

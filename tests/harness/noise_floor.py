@@ -19,6 +19,7 @@ from filelock import FileLock
 from common.check_equivalence import plan
 from common.compare_runs import NoiseVerdict, compare_with_noise, noise_report
 from tests.harness.runs import run_script
+from tests.harness.wrappers import RECORD_READS
 
 GLOBAL_BATCH = 24
 COMMON = ["--deterministic", "--global-batch-size", str(GLOBAL_BATCH), "--log-interval", "1"]
@@ -56,6 +57,11 @@ class NoiseRuns:
 
     reference: Path
     twins: list[Path]
+
+    @property
+    def reference_reads(self) -> Path:
+        """What the reference's training loader read (tests/harness/record_reads.py)."""
+        return self.reference.with_name(self.reference.name + "-reads")
 
     def verdict(self, candidate: Path) -> NoiseVerdict:
         """How far ``candidate`` drifts from the reference, against how far the twins do."""
@@ -99,7 +105,9 @@ def shared_noise_runs(tmp_path_factory: pytest.TempPathFactory, family: str, dat
     root.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{root}.lock"):
         if not (root / "done").exists():
+            runs = noise_runs_in(root, flags)
             for name, run_flags in planned_noise_runs(flags):
-                run_script(script, run_flags, root / name).check()
+                recorded = [RECORD_READS, str(runs.reference_reads)] if root / name == runs.reference else []
+                run_script(script, run_flags, root / name, wrapper=recorded).check()
             (root / "done").touch()
     return noise_runs_in(root, flags)
