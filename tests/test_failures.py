@@ -31,13 +31,15 @@ from common.distributed import FatalError, distributed, generation_store
 from common.models import GPT, GPTConfig
 from common.run_dir import complete_checkpoints
 from common.tokens import token_file_data
+from tests.harness.noise_floor import GLOBAL_BATCH, NoiseRuns, assert_same_training
 from tests.harness.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
 from tests.harness.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
-from tests.harness.noise_floor import NoiseRuns, assert_same_training
+from tests.harness.record_reads import assert_trained_once
 from tests.harness.runs import descendants, kill_all, run_command, run_script, script_invocation, start
-from tests.harness.wrappers import INJECT_FAULT
+from tests.harness.wrappers import INJECT_FAULT, RECORD_READS
 
 SCRIPT = "ddp/train_transformer.py"
+FSDP2 = "fsdp/train_transformer_fsdp2.py"
 ARGS = [
     *("--max-steps", "20", "--log-interval", "1", "--block-size", "32", "--train-sequences", "320"),
     *("--heldout-sequences", "40", "--checkpoint-interval", "2"),
@@ -68,27 +70,28 @@ def test_a_failing_rank_ends_the_job_within_a_minute_and_is_named(tmp_path: Path
     assert "RuntimeError: injected failure on rank 1 at step 3" in root_cause, run.describe()
 
 
+@pytest.mark.parametrize("script", [SCRIPT, FSDP2])
 def test_a_worker_killed_once_is_restarted_by_torchrun_and_the_run_is_the_same(
-    transformer_noise: NoiseRuns, tmp_path: Path
+    script: str, transformer_noise: NoiseRuns, tmp_path: Path
 ) -> None:
     """torchrun --max-restarts=1, and rank 1 SIGKILLed at step 3 in the first generation only.
 
     The second generation meets in torchrun's store, where the first one left its addresses; it must
-    start cleanly, resume from step 2 and train what an uninterrupted run trains: the noise floor's
-    one-process reference and twins judge it.
+    start cleanly, resume from step 2 and train what an uninterrupted run trains: the examples the noise
+    floor's one-process reference read at each step, and within the noise floor of its twins.
 
-    One script is enough: the store prefix per generation is common.distributed's, the same for every
-    script, and each script's resume from a checkpoint is test_checkpoint.py's stopped-and-resumed case.
-    DDP is the script that failed most often without the prefix (3 restarts of 5, DESIGN.md).
+    The store prefix per generation is common.distributed's, the same for every script; DDP is the script
+    that failed most often without it (3 restarts of 5, DESIGN.md), FSDP2 the one that reshards.
     """
-    run_dir = tmp_path / "restarted"
+    run_dir, reads = tmp_path / "restarted", tmp_path / "reads"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
     args = [*EQUIVALENCE_ARGS, "--checkpoint-interval", "2", "--resume"]
-    invocation = script_invocation(SCRIPT, args, run_dir, [INJECT_FAULT, "sigkill-once"])
+    invocation = script_invocation(script, args, run_dir, [RECORD_READS, str(reads), INJECT_FAULT, "sigkill-once"])
     restarted = run_command([*torchrun, *invocation], run_dir, timeout=150)
     assert restarted.returncode == 0, restarted.describe()
     assert [record["step"] for record in restarted.events("resume")] == [2], restarted.describe()
     assert [record["step"] for record in restarted.events("train")] == list(range(1, EQUIVALENCE_STEPS + 1))
+    assert_trained_once(reads, transformer_noise.reference_reads, GLOBAL_BATCH, restarted.describe())
     assert_same_training(transformer_noise, run_dir, restarted.describe(), EQUIVALENCE_STEPS)
 
 
@@ -141,8 +144,9 @@ def lose_the_node(agent: subprocess.Popen) -> None:
     kill_all(agent.pid)
 
 
+@pytest.mark.parametrize("script", [SCRIPT, FSDP2])
 def test_a_node_lost_the_other_continues_alone_and_the_run_is_the_same(
-    transformer_noise: NoiseRuns, tmp_path: Path
+    script: str, transformer_noise: NoiseRuns, tmp_path: Path
 ) -> None:
     """Two torchrun agents, a "node" of one process each, in an elastic rendezvous (--nnodes=1:2). At step 6
     the second node is lost. The first node's worker fails in its next collective; its torchrun starts it
@@ -152,7 +156,7 @@ def test_a_node_lost_the_other_continues_alone_and_the_run_is_the_same(
     The second agent is the one lost: the first hosts the rendezvous store (the endpoint's port), which
     must outlive any node that can be lost (README, "Which layer recovers from what").
     """
-    run_dir = tmp_path / "run"
+    run_dir, reads = tmp_path / "run", tmp_path / "reads"
     port = port_in_band()
     elastic = [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1"),
@@ -163,7 +167,7 @@ def test_a_node_lost_the_other_continues_alone_and_the_run_is_the_same(
         "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
     ]
     args = [*EQUIVALENCE_ARGS, "--checkpoint-interval", "2", "--resume"]
-    command = [*elastic, *script_invocation("ddp/train_transformer.py", args, run_dir, [])]
+    command = [*elastic, *script_invocation(script, args, run_dir, [RECORD_READS, str(reads)])]
     survivor = start(command)
     # Both agents are on this machine, so either could host the store: the first to listen on the port.
     # The survivor must: a store whose node is lost is gone, and the survivors with it (measured).
@@ -192,6 +196,7 @@ def test_a_node_lost_the_other_continues_alone_and_the_run_is_the_same(
     # The newest checkpoint when the node went: step 4 or later (one every 2 steps, the loss at step 6).
     assert resume["world_size"] == 1 and resume["step"] >= 4, describe
     assert [record["step"] for record in records if record["event"] == "train"] == list(range(1, EQUIVALENCE_STEPS + 1))
+    assert_trained_once(reads, transformer_noise.reference_reads, GLOBAL_BATCH, describe)
     assert_same_training(transformer_noise, run_dir, describe, EQUIVALENCE_STEPS)
 
 
