@@ -37,9 +37,10 @@ from typing import TypeVar
 
 import pytest
 
-from tests.harness.runs import REPO, clean_env
+from tests.harness.record_reads import assert_trained_once
+from tests.harness.runs import REPO, clean_env, run_script
 from tests.harness.slurm_cluster import INSTALL_COMMAND, SlurmCluster, missing_programs, process_environ
-from tests.harness.wrappers import PAUSE_ONCE
+from tests.harness.wrappers import PAUSE_ONCE, RECORD_READS
 
 T = TypeVar("T")
 
@@ -305,7 +306,7 @@ def stopped(pids: list[int]) -> list[int] | None:
 # The preemption case: a job in each preemptible partition, with each launcher.
 PREEMPTIBLE = [
     ("scavenger", "ddp", "ddp/train_transformer.py"),
-    ("scavenger-nograce", "fsdp", "fsdp/train_transformer.py"),
+    ("scavenger-nograce", "fsdp", "fsdp/train_transformer_fsdp2.py"),
 ]
 # The trainers pause after step 5 by themselves, so the count no longer decides whether a run is
 # still training when it is preempted (at 200, steps seen from outside, one run ended first).
@@ -435,19 +436,21 @@ class TestOnARealCluster:
     ) -> None:
         """PreemptMode=REQUEUE, as scavenger partitions have it (tests/harness/slurm_cluster.py): a job in a partition
         with GraceTime=60 and one in a partition with none share node2, and one job of a higher PriorityTier
-        asks for all of node2's CPUs. Slurm preempts both.
+        asks for all of node2's CPUs. Slurm preempts both. Each job, DDP's and FSDP2's, trains every step once,
+        and each step the examples an uninterrupted run reads for it (tests/harness/record_reads.py).
 
         One CPU each, so one thread each: at two, the two jobs and the time-limit job's two processes ran six
         threads on this machine's two cores, and the 195 steps after the requeue took 40 s instead of 3."""
         # A global batch of 4 (the last --global-batch-size wins): the steps at a quarter of the cost.
         args = [*TRANSFORMER_ARGS, "--global-batch-size", "4", "--max-steps", str(PREEMPTED_STEPS),
                 "--checkpoint-interval", "20"]  # fmt: skip
+        reads = checkout.parent / f"{checkout.name}-reads"
         jobs = {
             partition: submit(
                 slurm_cluster,
                 checkout,
                 f"slurm/{launcher}.sbatch",
-                [PAUSE_ONCE, script, *args],
+                [RECORD_READS, str(reads / partition), PAUSE_ONCE, script, *args],
                 1,
                 (f"--partition={partition}", "--nodelist=node2"),
             )  # fmt: skip
@@ -473,6 +476,9 @@ class TestOnARealCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
         assert slurm_cluster.job(int(urgent))["Partition"] == "urgent"
+        # What each step of the jobs must train: the examples an uninterrupted one-process run reads.
+        uninterrupted = [RECORD_READS, str(reads / "uninterrupted")]
+        run_script("ddp/train_transformer.py", args, reads / "uninterrupted-run", wrapper=uninterrupted).check()
         times = {}
         for partition, job in jobs.items():
             ended = job.wait_until_ended(START_S + 60)
@@ -483,6 +489,7 @@ class TestOnARealCluster:
             (resume,) = [record for record in records if record["event"] == "resume"]
             assert 5 <= resume["step"] < PREEMPTED_STEPS, job.describe()  # held at step 5 until preempted
             assert steps_of(records) == list(range(1, PREEMPTED_STEPS + 1)), "every step once"
+            assert_trained_once(reads / partition, reads / "uninterrupted", 4, job.describe())
             assert not (job.run_dir / "PREEMPTED").exists()
         # GraceTime=60: the trainers save and end within it, and the job would end FAILED, never requeued;
         # the launcher reads the preemption in PreemptTime and requeues it. GraceTime=0: Slurm requeues it.

@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc_per_node=2 tests/harness/record_reads.py FOLDER SCRIPT [FLAGS...]
 
+SCRIPT may be another wrapper (inject_fault.py FAULT SCRIPT ...), and flags before FOLDER are passed on.
+
 Each process appends to FOLDER/reads-PID.jsonl: a first line naming the process (rank, world size
 and the job it belongs to), a line with the step it resumed at, then one line per example the
 training loader reads, its index, as it reads it. ``trained_steps`` puts them back together as the
@@ -44,7 +46,11 @@ class ReadsRecorded(Dataset):
 
 
 def main() -> None:
-    folder, script = Path(sys.argv[1]), sys.argv[2]
+    # FOLDER is the argument just before the program; a launcher that puts flags first (the sbatch
+    # launchers' --run-dir and --resume) has them passed on after the program, as it would to the script.
+    arguments = sys.argv[1:]
+    at = next(index for index, argument in enumerate(arguments) if argument.endswith(".py"))
+    folder, script = Path(arguments[at - 1]), arguments[at]
     # The checkout's root, as the scripts put it first: a Slurm job's processes have no PYTHONPATH of the tests'.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import common.checkpoint
@@ -77,7 +83,7 @@ def main() -> None:
 
     common.data.train_loader = recorded_loader  # the scripts import it by name, after this
     common.checkpoint.Checkpointer.resume = recorded_resume  # type: ignore[method-assign]
-    sys.argv = sys.argv[2:]
+    sys.argv = [script, *arguments[: at - 1], *arguments[at + 1 :]]
     runpy.run_path(script, run_name="__main__")
 
 
@@ -118,6 +124,7 @@ def assert_trained_once(reads: Path, reference: Path, global_batch: int, descrip
     """The steps recorded in ``reads`` trained, step for step, the examples the uninterrupted run recorded in
     ``reference`` did: the same multiset, each example of an epoch once, whatever stopped the run between."""
     trained, expected = trained_steps(reads, global_batch), trained_steps(reference, global_batch)
+    assert expected, f"the uninterrupted run recorded no reads in {reference}"
     assert sorted(trained) == sorted(expected), (
         f"steps trained {sorted(trained)}, by the uninterrupted run {sorted(expected)}\n{description}"
     )
