@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from common import prepare_tokens, sample
+from common.run_dir import CHECKPOINTS
 from common.tokens import token_file_data
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
 
@@ -227,3 +228,24 @@ def test_prepare_tokens_never_imports_torch() -> None:
     probe = "import sys, common.prepare_tokens; print([name for name in sys.modules if name.startswith('torch')])"
     imported = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert imported.stdout.strip() == "[]", imported.stdout
+
+
+def test_a_resumed_run_leaves_the_ids_to_the_windows_it_reads(
+    token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A requeue, a restart or a --resume does not read the whole corpus again at its start, as a fresh
+    start does: its start read it, and each window is checked as it is read."""
+    tokens = tmp_path / token_file.name
+    ids = np.fromfile(token_file, dtype="<u2")
+    ids[1000] = 300
+    ids.tofile(tokens)
+    Path(f"{tokens}.json").write_text(Path(f"{token_file}.json").read_text())
+    run_dir = tmp_path / "run"
+    parse_args = runpy.run_path(str(REPO / "ddp/train_transformer.py"))["parse_args"]
+    flags = ["--token-file", str(tokens), "--run-dir", str(run_dir), *SMALL, "--resume"]
+    with pytest.raises(SystemExit):
+        parse_args(flags)  # nothing to resume yet: a fresh start, which reads every id
+    assert "holds id 300 (token 1,000)" in capsys.readouterr().err
+    (run_dir / CHECKPOINTS).mkdir(parents=True)
+    (run_dir / CHECKPOINTS / "step-4.pt").touch()
+    assert parse_args(flags).token_file == tokens
