@@ -249,3 +249,18 @@ def test_a_resumed_run_leaves_the_ids_to_the_windows_it_reads(
     (run_dir / CHECKPOINTS).mkdir(parents=True)
     (run_dir / CHECKPOINTS / "step-4.pt").touch()
     assert parse_args(flags).token_file == tokens
+
+
+def test_a_text_larger_than_memory_allows_is_refused_with_the_way_to_train_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--text-file holds 2 bytes a character in every process; a text that cannot fit is pointed to
+    common.prepare_tokens, which streams it, and --token-file, which reads a window at a time."""
+    text = write_text(tmp_path / "text.txt", 60_000)
+    monkeypatch.setattr("common.input_checks.machine_memory", lambda: 100_000)
+    parse_args = runpy.run_path(str(REPO / "ddp/train_transformer.py"))["parse_args"]
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--text-file", str(text), "--run-dir", str(tmp_path / "run"), *SMALL])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and error.count("error:") == 1, error
+    assert "60,000 characters: their ids would take" in error and "common.prepare_tokens" in error, error
