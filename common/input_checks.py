@@ -13,15 +13,8 @@ import argparse
 import os
 from pathlib import Path
 
-from common.tokens import (
-    MAX_VOCAB_SIZE,
-    TOKEN_BYTES,
-    BadTokenFile,
-    first_id_outside,
-    read_token_metadata,
-    text_character_counts,
-    token_metadata_path,
-)
+from common.token_format import MAX_VOCAB_SIZE, TOKEN_BYTES, token_metadata_path
+from common.tokens import BadTokenFile, first_id_outside, read_token_metadata, text_character_counts
 
 
 def machine_memory() -> int:

@@ -31,6 +31,7 @@ import numpy as np
 from common.flags import existing_file, output_file
 from common.outputs import add_overwrite_flag, check_output_path, write_outputs
 from common.processes import exit_code_of
+from common.token_format import MAX_VOCAB_SIZE, TOKEN_DTYPE, token_metadata_path
 
 VOCAB_SIZE = 256  # YOUR TOKENIZER: its vocabulary size
 TOKENIZER = "bytes"  # what common.sample decodes with: "bytes", or the name of yours
@@ -41,13 +42,6 @@ def encode(chunk: bytes) -> np.ndarray | list[int]:
     """YOUR TOKENIZER: the ids of a chunk of UTF-8 text. Bytes need no boundaries; a real tokenizer
     should be given whole lines or documents (read them instead of fixed-size chunks)."""
     return np.frombuffer(chunk, dtype=np.uint8)
-
-
-def token_metadata_path(tokens: Path) -> Path:
-    """TOKENS.json: what this command writes beside a token file about it, and --token-file reads. Here,
-    where common.tokens imports it from: this command never imports torch, which alone took it from 110 to
-    640 MiB of memory on a 1 GB text (measured)."""
-    return tokens.with_name(tokens.name + ".json")
 
 
 class NotText(ValueError):
@@ -85,12 +79,12 @@ def append_ids(sources: list[Path], out: IO[bytes]) -> int:
     for source in sources:
         for chunk in checked_text(source, read_chunks(source)):
             ids = np.asarray(encode(chunk), dtype=np.int64)
-            if ids.size and not 0 <= ids.min() <= ids.max() < VOCAB_SIZE <= 1 << 16:
+            if ids.size and not 0 <= ids.min() <= ids.max() < VOCAB_SIZE <= MAX_VOCAB_SIZE:
                 raise ValueError(
                     f"the tokenizer gave ids {ids.min()} to {ids.max()}, outside 0 to VOCAB_SIZE - 1 "
                     f"({VOCAB_SIZE - 1}), and uint16 holds at most 65535"
                 )
-            out.write(ids.astype("<u2").tobytes())  # little-endian uint16, as --token-file reads it
+            out.write(ids.astype(TOKEN_DTYPE).tobytes())  # little-endian uint16, as --token-file reads it
             count += ids.size
     if count == 0:
         raise ValueError("the text files are empty: no tokens")

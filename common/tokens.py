@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from common.prepare_tokens import token_metadata_path  # the writer's rule, one place
+from common.token_format import MAX_VOCAB_SIZE, TOKEN_BYTES, TOKEN_DTYPE, token_metadata_path
 
 # The source is part of the task, not of the run: a fixed seed keeps it the same
 # whatever --seed the training uses, so runs with different seeds are comparable.
@@ -291,7 +291,7 @@ class TokenWindows(Dataset):
                 f"before the window of tokens {start:,} to {start + self.block_size:,}. Check the file, or prepare it "
                 "again with common.prepare_tokens"
             )
-        ids = np.frombuffer(data, dtype="<u2")
+        ids = np.frombuffer(data, dtype=TOKEN_DTYPE)
         if ids.max() >= self.vocab_size:  # numpy's max on the uint16 ids: a few microseconds a window
             offset = int(np.argmax(ids >= self.vocab_size))
             raise ValueError(
@@ -305,9 +305,6 @@ class TokenWindows(Dataset):
         return {**self.__dict__, "_fd": None}  # a DataLoader worker opens the file itself
 
 
-# Ids are stored as little-endian uint16, so no token file holds an id of a larger vocabulary.
-MAX_VOCAB_SIZE = 1 << 16
-TOKEN_BYTES = 2  # one id, a little-endian uint16
 SCAN_CHUNK_IDS = 1 << 24  # ids read at a time while a file is checked: a 32 MiB buffer, whatever its size
 
 
@@ -370,7 +367,7 @@ def first_id_outside(path: Path, tokens: int, vocab_size: int) -> tuple[int, int
     """
     if vocab_size >= MAX_VOCAB_SIZE or tokens == 0:  # every uint16 is an id of the vocabulary
         return None
-    chunk = np.empty(SCAN_CHUNK_IDS, dtype="<u2")
+    chunk = np.empty(SCAN_CHUNK_IDS, dtype=TOKEN_DTYPE)
     start = 0
     with path.open("rb", buffering=0) as ids:
         while start < tokens:
