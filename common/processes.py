@@ -132,9 +132,13 @@ def start_time(pid: int) -> str:
 def descendants(pid: int) -> list[int]:
     """The processes ``pid`` started, and theirs, from Linux's /proc (the test harness uses it too)."""
     found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # the process ended meanwhile (pathlib's glob raised for it, mid-scan)
+        return []
+    for task in tasks:
         try:
-            children = [int(child) for child in (task / "children").read_text().split()]
+            children = [int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
         except OSError:  # the task ended meanwhile
             continue
         for child in children:
