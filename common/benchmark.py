@@ -2,6 +2,7 @@
 
     python -m common.benchmark                         # every visible GPU; the gpt2 preset in bf16
     python -m common.benchmark --nproc 2 --out b.json  # on CPU: the tiny preset, 2 processes
+    python -m common.benchmark --overhead --model tiny  # what the harness costs a step (common/overhead.py)
 
 Each strategy trains the same model, in bf16, on the same global batch, for --warmup steps
 that are not measured (the first collectives, allocations, compilation) and then --steps
@@ -32,6 +33,7 @@ from common.outputs import (
     output_folder,
     write_text,
 )
+from common.overhead import measure, overhead_table
 from common.processes import exit_code_of
 from common.run_dir import check_run_folders, finished_run_in
 
@@ -45,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--nproc",
         type=positive_int,
-        default=torch.cuda.device_count() or 2,
+        default=None,
         help="processes (default: the GPUs, else 2)",
     )
     parser.add_argument(
@@ -57,24 +59,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size",
         type=positive_int,
-        default=16 if on_gpu else 8,
+        default=None,
         help="sequences per process per step (default: 16 on GPUs, else 8)",
     )
     parser.add_argument(
-        "--warmup", type=positive_int, default=5, help="steps before the clock starts (default: %(default)s)"
+        "--warmup", type=positive_int, default=None, help="steps before the clock starts (default: 5; --overhead: 25)"
     )
-    parser.add_argument("--steps", type=positive_int, default=20, help="measured steps (default: %(default)s)")
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="measured steps (default: 20; --overhead: 200)"
+    )
+    parser.add_argument(
+        "--overhead",
+        action="store_true",
+        help="instead: the DDP transformer script's ms per step beside a bare loop of the same training, one "
+        "process each, in turns (common/overhead.py); --warmup, --steps and --rounds apply, the others not",
+    )
+    parser.add_argument(
+        "--rounds", type=positive_int, default=3, help="--overhead: runs of each, interleaved (default: %(default)s)"
+    )
     parser.add_argument(
         "--out",
         type=output_file,
-        default=Path("runs/benchmark/benchmark.json"),
-        help="the table as JSON; each strategy's run goes beside it, in a folder of its name (default: %(default)s)",
+        default=None,
+        help="the table as JSON; each strategy's run goes beside it, in a folder of its name (default: "
+        "runs/benchmark/benchmark.json; with --overhead, runs/benchmark/overhead.json)",
     )
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    if args.overhead and (args.nproc is not None or args.batch_size is not None):
+        parser.error(
+            "--overhead runs one process of the script at its own batch: --nproc and --batch-size do not apply"
+        )
+    args.nproc = args.nproc or torch.cuda.device_count() or 2
+    args.batch_size = args.batch_size or (16 if on_gpu else 8)
+    if args.warmup is None:
+        args.warmup = 25 if args.overhead else 5
+    if args.steps is None:
+        args.steps = 200 if args.overhead else 20
+    if args.out is None:
+        args.out = Path("runs/benchmark") / ("overhead.json" if args.overhead else "benchmark.json")
     check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
-    earlier = "an earlier benchmark's runs"
-    check_run_folders(parser, run_dirs(args.out).values(), "--out", args.out, args.overwrite, earlier)
+    if not args.overhead:  # its runs go to a temporary folder
+        earlier = "an earlier benchmark's runs"
+        check_run_folders(parser, run_dirs(args.out).values(), "--out", args.out, args.overwrite, earlier)
     return args
 
 
@@ -121,6 +148,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.overhead:
+        return overhead_main(args)
     flags = training_flags(args)
     rows = []
     try:
@@ -137,6 +166,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = {"model": args.model, "batch_size": args.batch_size, "runs": rows}
         write_text(args.out, json.dumps(summary, indent=2) + "\n", args.overwrite)
+    except OSError as err:
+        print(
+            f"error: could not write --out {args.out}: {err.strerror or err}. The table above holds it all",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+def overhead_main(args: argparse.Namespace) -> int:
+    result = measure(args.model, args.warmup, args.steps, args.rounds)
+    print()
+    print(overhead_table(result))
+    try:
+        write_text(args.out, json.dumps(result, indent=2) + "\n", args.overwrite)
     except OSError as err:
         print(
             f"error: could not write --out {args.out}: {err.strerror or err}. The table above holds it all",

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The first thing to run on a machine with GPUs: the tests that need CUDA, then the benchmark.
+# The first thing to run on a machine with GPUs: the tests that need CUDA, then the benchmark and the
+# harness's cost per step.
 # About 5 minutes on one GPU. The benchmark's table also lands in runs/benchmark/gpu.json, replacing an earlier one.
 #
 #   bash tests/gpu_check.sh
@@ -12,3 +13,5 @@ python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version
 # common.estimate_memory's peak per rank against torch.cuda.max_memory_allocated (tests/test_activations.py).
 python -m pytest -m cuda -v -p no:cacheprovider
 python -m common.benchmark --out runs/benchmark/gpu.json --overwrite  # a second check replaces the first
+# What the harness costs a step where steps are short: the tiny preset, the script beside a bare loop.
+python -m common.benchmark --overhead --model tiny --out runs/benchmark/gpu-overhead.json --overwrite

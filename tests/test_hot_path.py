@@ -21,6 +21,8 @@ from common import benchmark
 from common.compare_strategies import Strategy
 from common.data import CompactDistributedSampler, _open_mnist, normalize_images, train_loader
 from common.distributed import DistContext
+from common.models import GPT, GPT_PRESETS, GPTConfig, count_parameters
+from common.tokens import MarkovSource
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.per_image_mnist import per_image_mnist
 from tests.harness.runs import Run, run_script
@@ -179,3 +181,20 @@ def test_the_benchmark_compares_ddp_fsdp1_and_fsdp2_in_bf16(
         final = Run([], 0, "", tmp_path / row["strategy"]).final()
         assert final["mixed_precision"] == "bf16" and final["steps"] == 3 and final["world_size"] == 1
     assert "| fsdp2 | 1 |" in capsys.readouterr().out
+
+
+def test_the_overhead_benchmark_times_the_script_beside_a_bare_loop_of_the_same_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m common.benchmark --overhead`, in this process, with its runs as subprocesses: a round of each,
+    the same model's bytes trained by both (the bare loop builds the script's own preset), and the ratio of
+    their medians. The times themselves are a benchmark's, not a test's (docs/performance.md)."""
+    out = tmp_path / "overhead.json"
+    flags = ["--overhead", "--model", "tiny", "--warmup", "2", "--steps", "3", "--rounds", "1", "--out", str(out)]
+    assert benchmark.main(flags) == 0
+    result = json.loads(out.read_text())
+    tiny = GPT(GPTConfig(vocab_size=MarkovSource().vocab_size, **GPT_PRESETS["tiny"]))  # the script's default data
+    assert result["parameter_bytes"] == 4 * count_parameters(tiny), result
+    assert len(result["script_ms"]) == len(result["bare_ms"]) == 1 and min(result["script_ms"] + result["bare_ms"]) > 0
+    assert result["ratio"] == result["script_median_ms"] / result["bare_median_ms"]
+    assert "| tiny |" in capsys.readouterr().out

@@ -69,6 +69,8 @@ SAMPLER = [
             "sampler = CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)": (
                 "sampler = DistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)"
             ),
+            # torch's set_epoch has no start: a resume would read the epoch from its beginning again.
+            SET_EPOCH: "loader.sampler.set_epoch(epoch)\n",
         },
         test=ORDER,
         reason=r"examples dealt twice \(to one rank or to two\)",
