@@ -101,7 +101,8 @@ def final_record(run_dir: Path) -> dict:
 def assert_evaluated_alike(reference: Path, candidate: Path, description: str) -> None:
     """Each rank scores its own unpadded share of the held-out set; the sums over ranks must count
     every example once (the loss itself is compared with the noise floor)."""
-    assert final_record(candidate)["eval_samples"] == final_record(reference)["eval_samples"], description
+    scored, by_one_process = (final_record(run)["eval_samples"] for run in (candidate, reference))
+    assert scored == by_one_process, f"eval_samples {scored} where one process scored {by_one_process}\n{description}"
 
 
 @pytest.mark.parametrize(("case", "script", "nproc", "extra"), cases(MNIST_CASES, floor=MNIST_FLOOR))

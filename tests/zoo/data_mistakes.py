@@ -186,7 +186,8 @@ EVALUATION = [
         path="common/evaluation.py",
         edits={"    dist.all_reduce(totals)\n    return totals.tolist()": "    return totals.tolist()"},
         test=f"{EQUIVALENCE}::test_mnist_matches_one_process[ddp-3]",
-        reason=r"DIFFERENT: beyond .*eval loss",
+        # The loss of one rank's third of 200 images can fall inside the noise band; the count cannot.
+        reason=r"eval_samples 67 where one process scored 200",
         harm="the ranks' sums are never added up: rank 0 reports the score of its own share of the evaluation set",
         notice="eval_samples is 1/N of the test set, and the eval metrics jump when the GPU count changes",
     ),
