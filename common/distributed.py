@@ -255,7 +255,11 @@ def all_ranks_agree(ok: bool, ctx: DistContext) -> bool:
     """True only if ``ok`` holds on every rank: one rank's failure stops them all.
 
     A collective on the host group: every rank calls it at the same point, and it reads no GPU value.
+    A world of one agrees with itself: the stop check calls this every step, and its all-reduce alone
+    cost 0.5 to 0.9 ms of an 18 ms step (the tiny preset on this 2-core CPU, measured).
     """
+    if ctx.world_size == 1:
+        return ok
     flag = torch.tensor([1 if ok else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.host_group)
     return bool(flag.item())

@@ -39,6 +39,9 @@ class TokenData:
     description: str
     # How common.sample turns ids back into text: {"characters": "..."} or {"tokenizer": "bytes"}; {} for ids only.
     decoding: dict[str, Any] = field(default_factory=dict)
+    # Whether a target can be IGNORE_INDEX. Only data that never pads lets a step know its token count in
+    # advance (common.training.TokenCount); yours is counted, step by step, unless you say otherwise.
+    padded: bool = True
 
 
 def _entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -156,6 +159,7 @@ def markov_data(
         source.vocab_size,
         floor,
         description,
+        padded=variable_length,
     )
 
 
@@ -173,7 +177,7 @@ def text_data(path: Path, block_size: int, heldout_fraction: float = 0.1) -> Tok
         f"characters of {path}: vocab {len(vocab)}, {len(train)} train / {len(heldout)} held-out windows "
         f"(a uniform guess costs {math.log(len(vocab)):.3f} nats/token)"
     )
-    return TokenData(train, heldout, len(vocab), None, description, {"characters": vocab})
+    return TokenData(train, heldout, len(vocab), None, description, {"characters": vocab}, padded=False)
 
 
 class CharacterWindows(Dataset):
@@ -396,4 +400,5 @@ def token_file_data(path: Path, block_size: int, heldout_windows: int) -> TokenD
         f"{total:,} {metadata.tokenizer} tokens of {path} (vocab {metadata.vocab_size}), read a window at a time: "
         f"{len(train):,} train / {len(heldout):,} held-out windows"
     )
-    return TokenData(train, heldout, metadata.vocab_size, None, description, {"tokenizer": metadata.tokenizer})
+    decoding = {"tokenizer": metadata.tokenizer}
+    return TokenData(train, heldout, metadata.vocab_size, None, description, decoding, padded=False)

@@ -75,8 +75,8 @@ from common.tokens import markov_data, text_data, token_file_data
 from common.training import (
     FiniteLossCheck,
     ProgressReporter,
+    TokenCount,
     finish_run,
-    global_token_count,
     plan_total_steps,
     warmup_cosine,
 )
@@ -239,6 +239,8 @@ def train(args, ctx: DistContext) -> None:
     progress = ProgressReporter(
         log, ctx, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
     )
+    # Padded data counts its tokens every step (one all-reduce); data that never pads knows the count.
+    count_tokens = TokenCount(data.padded, global_batch * args.block_size, ctx)
     step = resumed.step
     result = None
     while step < total_steps:
@@ -261,7 +263,7 @@ def train(args, ctx: DistContext) -> None:
             # DISTRIBUTED: the tokens that count in this step, on every rank; each micro-step's loss is its
             # sum divided by them, so a token weighs the same at any world size and accumulation split.
             # Counted before the measured step, as the stop agreement is: bookkeeping, not the strategy's.
-            tokens = global_token_count(micro_batches, ctx)
+            tokens = count_tokens(micro_batches)
             observer.begin_step(step)  # from here to end_step: one optimizer step, nothing else
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=ctx.device)

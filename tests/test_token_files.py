@@ -6,6 +6,7 @@ as byte tokens by common.prepare_tokens itself.
 
 from __future__ import annotations
 
+import itertools
 import json
 import runpy
 import subprocess
@@ -15,10 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from common import prepare_tokens, sample
+from common.distributed import distributed
 from common.run_dir import CHECKPOINTS
-from common.tokens import token_file_data
+from common.tokens import TokenData, markov_data, text_data, token_file_data
+from common.training import TokenCount, global_token_count
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
 
 ALPHABET = b"etaoinshrdlu cmfwypvbgkjqxz\n"
@@ -264,3 +268,22 @@ def test_a_text_larger_than_memory_allows_is_refused_with_the_way_to_train_on_it
     error = capsys.readouterr().err
     assert refused.value.code == 2 and error.count("error:") == 1, error
     assert "60,000 characters: their ids would take" in error and "common.prepare_tokens" in error, error
+
+
+def test_a_step_knows_its_token_count_only_for_data_that_never_pads(token_file: Path, tmp_path: Path) -> None:
+    """TokenCount skips counting only where every target counts: the number it knows is the number counted.
+    Data that says nothing of padding is counted (TokenData's default), so a user's own padded data is too."""
+    text = write_text(tmp_path / "text.txt", 5_000)
+    datasets = {
+        "synthetic": markov_data(16, 40, 8),
+        "synthetic, variable length": markov_data(16, 40, 8, variable_length=True),
+        "text": text_data(text, 16),
+        "token file": token_file_data(token_file, 16, 20),
+    }
+    assert [name for name, data in datasets.items() if data.padded] == ["synthetic, variable length"]
+    assert TokenData(datasets["text"].train, datasets["text"].heldout, 2, None, "yours").padded
+    with distributed("cpu", timeout_s=60) as ctx:
+        for name, data in datasets.items():
+            micro_batches = list(itertools.islice(DataLoader(data.train, batch_size=8), 2))
+            counted = int(global_token_count(micro_batches, ctx))
+            assert int(TokenCount(data.padded, 2 * 8 * 16, ctx)(micro_batches)) == counted, name
