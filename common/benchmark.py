@@ -161,27 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     except OutputExists as err:  # another benchmark on the same --out finished a run first
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print()
-    print(table(rows))
-    try:
-        summary = {"model": args.model, "batch_size": args.batch_size, "runs": rows}
-        write_text(args.out, json.dumps(summary, indent=2) + "\n", args.overwrite)
-    except OSError as err:
-        print(
-            f"error: could not write --out {args.out}: {err.strerror or err}. The table above holds it all",
-            file=sys.stderr,
-        )
-        return 1
-    print(f"\nwritten to {args.out}")
-    return 0
+    summary = {"model": args.model, "batch_size": args.batch_size, "runs": rows}
+    return print_and_write(table(rows), summary, args)
 
 
 def overhead_main(args: argparse.Namespace) -> int:
     result = measure(args.model, args.warmup, args.steps, args.rounds)
+    return print_and_write(overhead_table(result), result, args)
+
+
+def print_and_write(shown: str, summary: dict[str, Any], args: argparse.Namespace) -> int:
+    """The table on the console, then ``summary`` as JSON in --out; 1 if that cannot be written."""
     print()
-    print(overhead_table(result))
+    print(shown)
     try:
-        write_text(args.out, json.dumps(result, indent=2) + "\n", args.overwrite)
+        write_text(args.out, json.dumps(summary, indent=2) + "\n", args.overwrite)
     except OSError as err:
         print(
             f"error: could not write --out {args.out}: {err.strerror or err}. The table above holds it all",
