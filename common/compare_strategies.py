@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import runpy
 import sys
@@ -45,7 +44,7 @@ from common.outputs import (
     write_by_name,
 )
 from common.processes import exit_code_of, output_of
-from common.run_dir import METRICS_FILE, MODEL_FILE, check_run_folders, finished_run_in
+from common.run_dir import MODEL_FILE, check_run_folders, final_record, finished_run_in
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -93,12 +92,6 @@ def launch(strategy: Strategy, world_size: int, run_dir: Path, common_flags: lis
     if returncode != 0:
         sys.exit(f"{strategy.name} at {world_size} failed (exit code {returncode}):\n{output}")
     return final_record(run_dir)
-
-
-def final_record(run_dir: Path) -> dict:
-    lines = (run_dir / METRICS_FILE).read_text(encoding="utf-8").splitlines()
-    (record,) = [r for r in map(json.loads, lines) if r["event"] == "final"]
-    return record
 
 
 def parameter_shapes(run_dir: Path) -> dict[str, tuple[int, ...]]:

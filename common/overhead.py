@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.compare_strategies import REPO, final_record
 from common.processes import output_of, scratch_folder
+from common.run_dir import final_record
 
+REPO = Path(__file__).resolve().parents[1]
 SCRIPT = "ddp/train_transformer.py"
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
+import json
 import os
 import re
 import socket
@@ -67,6 +68,13 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
         return []
     found = [path for path in folder.iterdir() if checkpoint_step(path) is not None]
     return sorted(found, key=checkpoint_step)  # type: ignore[arg-type]
+
+
+def final_record(run_dir: Path) -> dict:
+    """The one ``final`` record of a finished run's metrics.jsonl."""
+    lines = (run_dir / METRICS_FILE).read_text(encoding="utf-8").splitlines()
+    (record,) = [r for r in map(json.loads, lines) if r["event"] == "final"]
+    return record
 
 
 def finished_run_in(folder: Path) -> bool:
