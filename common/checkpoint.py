@@ -49,7 +49,7 @@ from common.distributed import (
     shard_group_size,
 )
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
-from common.run_dir import CHECKPOINTS, checkpoint_step, complete_checkpoints
+from common.run_dir import CHECKPOINTS, checkpoint_step, checkpoint_to_resume, complete_checkpoints
 from common.safe_loading import (
     UntrustedCheckpoint,
     describe_failure,
@@ -279,15 +279,10 @@ class Checkpointer:
         A checkpoint that exists but cannot be loaded stops the run with a
         message: silently starting over would throw away the work it holds.
         """
-        if resume_from is not None:
-            path = resume_from
-        elif resume:
-            found = complete_checkpoints(self.folder.parent)
-            if not found:
+        path = checkpoint_to_resume(self.folder.parent, resume, resume_from)
+        if path is None:
+            if resume:
                 print0(f"--resume: no checkpoint in {self.folder}, starting from step 0")
-                return Resumed(0, None)
-            path = found[-1]
-        else:
             return Resumed(0, None)
 
         settings = Settings.of(self.optimizer, self.extra)  # what this run's flags asked for

@@ -17,7 +17,7 @@ from common.cli import Parser
 from common.distributed import wants_cuda
 from common.input_checks import check_model_size, check_synthetic_size, check_text_file, check_token_file
 from common.models import GPT_PRESETS
-from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step, complete_checkpoints
+from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step, checkpoint_to_resume
 from common.torchrun_env import LAUNCH_VARIABLES, env_num_nodes, env_world_size
 
 
@@ -86,8 +86,8 @@ def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
         check_text_file(parser, args.text_file, args.block_size)
     if args.token_file is not None:
         # A requeued or restarted run read the whole file when it started: only a fresh start reads it again.
-        resuming = args.resume_from is not None or (args.resume and bool(complete_checkpoints(args.run_dir)))
-        check_token_file(parser, args.token_file, args.block_size, read_every_id=not resuming)
+        fresh = checkpoint_to_resume(args.run_dir, args.resume, args.resume_from) is None
+        check_token_file(parser, args.token_file, args.block_size, read_every_id=fresh)
     if args.variable_length and (args.text_file or args.token_file):
         parser.error("--variable-length cuts the synthetic sequences; the windows of a text or token file are whole")
     if args.text_file is None and args.token_file is None:

@@ -70,6 +70,15 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)  # type: ignore[arg-type]
 
 
+def checkpoint_to_resume(run_dir: Path, resume: bool, resume_from: Path | None) -> Path | None:
+    """The checkpoint a start continues: ``--resume-from``'s, or with ``--resume`` the newest complete one in
+    ``run_dir``; None for a fresh start."""
+    if resume_from is not None:
+        return resume_from
+    found = complete_checkpoints(run_dir) if resume else []
+    return found[-1] if found else None
+
+
 def final_record(run_dir: Path) -> dict:
     """The one ``final`` record of a finished run's metrics.jsonl."""
     lines = (run_dir / METRICS_FILE).read_text(encoding="utf-8").splitlines()

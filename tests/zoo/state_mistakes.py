@@ -71,8 +71,8 @@ CHECKPOINTS = [
     ),
     Mistake(
         name="resume-picks-the-oldest-checkpoint",
-        path="common/checkpoint.py",
-        edits={"path = found[-1]": "path = found[0]"},
+        path="common/run_dir.py",
+        edits={"return found[-1] if found else None": "return found[0] if found else None"},
         test=f"{STOP_AND_RESUME}[ddp-transformer]",
         reason=RESUMED_ELSEWHERE,
         harm="--resume continues from the oldest checkpoint kept, not the newest: the steps in between are trained "
