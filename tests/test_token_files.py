@@ -162,18 +162,25 @@ BAD_TOKEN_FILES = {
 }
 
 
+def altered_copy(token_file: Path, folder: Path, written_id: int | None = None, fields: dict | None = None) -> Path:
+    """``token_file`` and its .json copied into ``folder``: token 1,000 made ``written_id``, and the .json's
+    ``fields`` replaced (a None removes one)."""
+    tokens = folder / token_file.name
+    ids = np.fromfile(token_file, dtype="<u2")
+    if written_id is not None:
+        ids[1000] = written_id
+    ids.tofile(tokens)
+    metadata = {**json.loads(Path(f"{token_file}.json").read_text()), **(fields or {})}
+    Path(f"{tokens}.json").write_text(json.dumps({key: value for key, value in metadata.items() if value is not None}))
+    return tokens
+
+
 @pytest.mark.parametrize("case", sorted(BAD_TOKEN_FILES))
 def test_a_token_file_that_its_metadata_does_not_describe_is_refused_at_parse_time(
     case: str, token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fields, written_id, message = BAD_TOKEN_FILES[case]
-    tokens = tmp_path / token_file.name
-    ids = np.fromfile(token_file, dtype="<u2")
-    if written_id is not None:
-        ids[1000] = written_id
-    ids.tofile(tokens)
-    metadata = {**json.loads(Path(f"{token_file}.json").read_text()), **fields}
-    Path(f"{tokens}.json").write_text(json.dumps({key: value for key, value in metadata.items() if value is not None}))
+    tokens = altered_copy(token_file, tmp_path, written_id, fields)
     parse_args = runpy.run_path(str(REPO / "ddp/train_transformer.py"))["parse_args"]
     with pytest.raises(SystemExit) as refused:
         parse_args(["--token-file", str(tokens), "--run-dir", str(tmp_path / "run"), *SMALL])
@@ -184,9 +191,7 @@ def test_a_token_file_that_its_metadata_does_not_describe_is_refused_at_parse_ti
 def test_an_id_written_under_a_running_job_stops_before_the_model_reads_it(token_file: Path, tmp_path: Path) -> None:
     """The file changed after the parse-time check (another job rewrote it): the window that holds the id
     stops the rank with the file's name, where the embedding would raise an IndexError (on a GPU, an assert)."""
-    tokens = tmp_path / token_file.name
-    tokens.write_bytes(token_file.read_bytes())
-    Path(f"{tokens}.json").write_text(Path(f"{token_file}.json").read_text())
+    tokens = altered_copy(token_file, tmp_path)
     data = token_file_data(tokens, 32, 20)
     ids = np.memmap(tokens, dtype="<u2", mode="r+")
     ids[5 * 32 + 3] = 300  # in the sixth training window, tokens 160 to 192
@@ -239,11 +244,7 @@ def test_a_resumed_run_leaves_the_ids_to_the_windows_it_reads(
 ) -> None:
     """A requeue, a restart or a --resume does not read the whole corpus again at its start, as a fresh
     start does: its start read it, and each window is checked as it is read."""
-    tokens = tmp_path / token_file.name
-    ids = np.fromfile(token_file, dtype="<u2")
-    ids[1000] = 300
-    ids.tofile(tokens)
-    Path(f"{tokens}.json").write_text(Path(f"{token_file}.json").read_text())
+    tokens = altered_copy(token_file, tmp_path, written_id=300)
     run_dir = tmp_path / "run"
     parse_args = runpy.run_path(str(REPO / "ddp/train_transformer.py"))["parse_args"]
     flags = ["--token-file", str(tokens), "--run-dir", str(run_dir), *SMALL, "--resume"]
