@@ -48,6 +48,7 @@ from common.distributed import (
 )
 from common.flag_checks import check_launch_environment
 from common.flags import NUMBER, flag_kind, output_file, positive_int, timeout_seconds
+from common.metrics import synchronize
 from common.outputs import add_overwrite_flag, check_output_path, write_text
 from common.torchrun_env import env_num_nodes, env_world_size
 
@@ -182,12 +183,6 @@ def collective(op: str, elements: int, dtype: torch.dtype, ctx: DistContext) -> 
     scattered = torch.zeros(elements, dtype=dtype, device=ctx.device)
     piece = torch.zeros(shard, dtype=dtype, device=ctx.device)
     return lambda: reduce_scatter_single(piece, scattered)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the GPU's queue: NCCL collectives return once enqueued, gloo's once done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def seconds_per_call(run: Callable[[], None], warmup: int, iters: int, ctx: DistContext) -> float:

@@ -135,6 +135,13 @@ def progress_line(
     )
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queue, so that a clock read next counts the work queued before it: a kernel or
+    an NCCL collective returns once enqueued, gloo's once done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start CUDA's peak-allocation count from now (the process's peak resident set cannot be reset)."""
     if device.type == "cuda":

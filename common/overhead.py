@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.metrics import synchronize
 from common.processes import output_of, scratch_folder
 from common.run_dir import final_record
 
@@ -68,14 +69,6 @@ def bare_loop(model: str, warmup: int, steps: int, run_dir: Path) -> dict[str, f
     synchronize(device)
     step_ms = 1000 * (time.perf_counter() - started) / steps
     return {"step_ms": step_ms, "parameter_bytes": sum(p.numel() * p.element_size() for p in gpt.parameters())}
-
-
-def synchronize(device: Any) -> None:
-    """A GPU's queued steps finished, so that the clock reads the time they took."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def script_run(model: str, warmup: int, steps: int, run_dir: Path) -> dict[str, float]:
