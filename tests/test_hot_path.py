@@ -9,6 +9,7 @@ fp32 under mixed precision; and the throughput figure counts training alone.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader
 from common import benchmark
 from common.compare_strategies import Strategy
 from common.data import CompactDistributedSampler, _open_mnist, normalize_images, train_loader
-from common.distributed import DistContext
+from common.distributed import DistContext, set_cpu_threads
 from common.models import GPT, GPT_PRESETS, GPTConfig, count_parameters
 from common.tokens import MarkovSource
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
@@ -198,3 +199,22 @@ def test_the_overhead_benchmark_times_the_script_beside_a_bare_loop_of_the_same_
     assert len(result["script_ms"]) == len(result["bare_ms"]) == 1 and min(result["script_ms"] + result["bare_ms"]) > 0
     assert result["ratio"] == result["script_median_ms"] / result["bare_median_ms"]
     assert "| tiny |" in capsys.readouterr().out
+
+
+def test_one_process_with_every_core_keeps_torchs_own_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting torch's thread count, even to the number it already had, also made MKL use every thread on
+    the small matrix products of a small model: 15% on the tiny preset's step (common/distributed.py). So the
+    count changes only where processes share the cores, or where torch's default is not this process's share
+    (a Slurm task limited to some of a node's cores)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    asked: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # torch's default on a machine of 4 cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    set_cpu_threads(1)
+    assert asked == []
+    set_cpu_threads(2)  # two processes share the 4 cores
+    assert asked == [2]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # a task given 2 of the 4
+    set_cpu_threads(1)
+    assert asked == [2, 2]
