@@ -1,0 +1,389 @@
+"""One rank of an N-rank job, on one CPU: what it holds and sends, measured by running the scripts' own wrap.
+
+    python -m common.simulate --world-size 1024 --strategy fsdp2 --model gpt2 --out fsdp2-1024.json
+    python -m common.simulate --world-size 64 --strategy hsdp --model medium --mixed-precision bf16
+    python -m common.simulate --world-size 256 --strategy fsdp1 --model gpt2 --rank 255
+
+The transformer script of the strategy builds its model and wraps it with its own ``wrap_model``
+(the real DDP, FSDP1 or fully_shard: their buckets, flat parameters and padding), on torch's fake
+process group, whose collectives return at once, and with fake tensors, which have shapes and
+storage sizes but no memory. Then three training steps run as the script runs them (zero_grad,
+forward, loss, backward, clipping, AdamW); the third is measured, as the runs measure theirs (DDP
+rebuilds its buckets after its first step). Written, for the rank: the bytes of its parameters,
+gradients and optimizer state after the step, the peak of its live tensors' bytes during the step,
+and every collective of the step (common.communication's recorder), beside what
+common.estimate_memory and common.estimate_communication predict for the same job.
+
+What the fake world cannot do, the simulation routes around without changing the wrap: the
+device mesh is built outside the fake tensors (it reads its own ranks), DDP's parameter check runs
+on their shapes outside them too, DDP's reducer gets its all-reduced bucket back from a hook (the
+fake group's futures carry nothing), FSDP1 tells a freed flat parameter by its storage's size (fake
+storages have no address), and FSDP1's model arrives as fake CPU tensors rather than on the meta
+device (fake tensors cannot be swapped in for meta ones): FSDP1 then flattens and shards it as
+it would after materialising it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import runpy
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
+
+from common import comm_model, estimate_memory
+from common.activations import gpt_activations
+from common.cli import HelpFormatter
+from common.communication import CollectiveRecorder, Traffic, measured_step
+from common.distributed import DistContext, local_part, local_state_bytes
+from common.flags import int_in_range, non_negative_int, output_file, positive_int
+from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, gpt_config
+from common.outputs import write_text
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = {
+    "ddp": "ddp/train_transformer.py",
+    "fsdp1": "fsdp/train_transformer.py",
+    "fsdp2": "fsdp/train_transformer_fsdp2.py",
+    "hsdp": "fsdp/train_transformer_fsdp2.py",
+}
+SYNTHETIC_VOCAB = estimate_memory.SYNTHETIC_VOCAB  # the scripts' default data
+HSDP_SHARD_GROUP = 8  # one machine of 8 GPUs shards a copy, by default
+
+
+def warm_up_steps(strategy: str) -> int:
+    """Steps before the measured one: as many as the runs take (their third step is measured, after FSDP's
+    lazy initialisation), except for DDP, whose bucket rebuild after its first step reads an order that
+    the ranks agreed on, which fake tensors do not hold: DDP's measured step is its first."""
+    return 0 if strategy == "ddp" else measured_step(0) - 1
+
+
+# Far beyond any job this repository's scripts were run at; each rank is simulated alone, so only time grows.
+world_size_type = int_in_range(1, 2**20, name="world_size")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--world-size", type=world_size_type, required=True, help="ranks in the simulated job")
+    parser.add_argument("--strategy", choices=sorted(SCRIPTS), required=True, help="the script and its sharding")
+    parser.add_argument("--model", choices=sorted(GPT_PRESETS), default="tiny", help="size preset (default: tiny)")
+    parser.add_argument(
+        "--replicate-degree",
+        type=positive_int,
+        help="copies of the model (hsdp: default world size / gcd(world size, 8), one copy per 8 ranks; fsdp1: "
+        "hybrid_shard with this many copies; fsdp2: 1)",
+    )
+    parser.add_argument(
+        "--mixed-precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default: fp32)"
+    )
+    parser.add_argument("--rank", type=non_negative_int, default=0, help="the rank simulated (default: 0)")
+    parser.add_argument("--batch-size", type=positive_int, help="sequences per rank per step (default: the script's)")
+    parser.add_argument(
+        "--vocab-size", type=positive_int, default=SYNTHETIC_VOCAB, help="the data's vocabulary (default: %(default)s)"
+    )
+    parser.add_argument("--out", type=output_file, help="write the figures here as JSON")
+    args = parser.parse_args(argv)
+    if args.rank >= args.world_size:
+        parser.error(f"--rank {args.rank} is not a rank of a world of {args.world_size}")
+    if args.replicate_degree is None:
+        args.replicate_degree = (
+            args.world_size // math.gcd(args.world_size, HSDP_SHARD_GROUP) if args.strategy == "hsdp" else 1
+        )
+    elif args.strategy in ("ddp", "fsdp2") and args.replicate_degree != 1:
+        parser.error(f"--replicate-degree is for hsdp and fsdp1 (hybrid_shard), not {args.strategy}")
+    if args.world_size % args.replicate_degree:
+        parser.error(f"--replicate-degree {args.replicate_degree} does not divide --world-size {args.world_size}")
+    return args
+
+
+def script_argv(args: argparse.Namespace) -> list[str]:
+    """The flags that give the script the simulated job's model and sharding."""
+    argv = ["--device", "cpu", "--model", args.model, "--mixed-precision", args.mixed_precision]
+    if args.batch_size is not None:
+        argv += ["--batch-size", str(args.batch_size)]
+    if args.strategy == "hsdp" or (args.strategy == "fsdp1" and args.replicate_degree > 1):
+        argv += ["--replicate-degree", str(args.replicate_degree)]
+    if args.strategy == "fsdp1" and args.replicate_degree > 1:
+        argv += ["--sharding-strategy", "hybrid_shard"]
+    return argv
+
+
+def record_strategy(args: argparse.Namespace) -> str:
+    """The strategy as a run's final record names it (what the estimators take)."""
+    if args.strategy == "fsdp1":
+        return "fsdp1_hybrid_shard" if args.replicate_degree > 1 else "fsdp1_full_shard"
+    return {"ddp": "ddp", "fsdp2": "fsdp2", "hsdp": "fsdp2_hsdp"}[args.strategy]
+
+
+def shard_group(args: argparse.Namespace) -> int:
+    return 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """The torchrun variables the script's flag checks read, for the simulated rank."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def outside_fake(function: Callable) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return function(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` (or ``owner[name]``, a module's globals) set to ``value`` for the block."""
+    is_dict = isinstance(owner, dict)
+    before = owner[name] if is_dict else getattr(owner, name)
+    if is_dict:
+        owner[name] = value
+    else:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if is_dict:
+            owner[name] = before
+        else:
+            setattr(owner, name, before)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = (getattr(t, "_local_tensor", t) for t in (a, b))
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int, script_globals: dict) -> Iterator[DistContext]:
+    """Rank ``rank`` of a fake process group of ``world_size``, with what the wraps need to run on fake tensors."""
+    import torch.distributed.fsdp._flat_param as flat_param
+    import torch.nn.parallel.distributed as ddp_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    with contextlib.ExitStack() as stack:
+        # FSDP1's catch-all reshard, for a unit whose backward did not run (every unit's runs here), compares
+        # a flat parameter's address with its shard's; fake ones have none, and torch warns of each read.
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        stack.callback(dist.destroy_process_group)
+        if "init_device_mesh" in script_globals:
+            stack.enter_context(
+                patched(script_globals, "init_device_mesh", outside_fake(script_globals["init_device_mesh"]))
+            )
+        verify = ddp_module._verify_param_shape_across_processes
+        stack.enter_context(patched(ddp_module, "_verify_param_shape_across_processes", outside_fake(verify)))
+        stack.enter_context(patched(flat_param, "_data_ptr_allocated", lambda t: t.untyped_storage().size() > 0))
+        stack.enter_context(patched(flat_param, "_same_storage", _same_storage))
+        yield DistContext(rank, rank % 8, world_size, min(world_size, 8), torch.device("cpu"), "fake")
+
+
+def all_reduced_bucket(state, bucket):  # noqa: ANN001 - DDP refuses annotations it reads as text
+    """DDP's own all-reduce of a bucket (the default hook's mean), with a future the fake group cannot give."""
+    buffer = bucket.buffer()
+    dist.all_reduce(buffer)
+    buffer.div_(dist.get_world_size())
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
+class StepRecorder(CollectiveRecorder):
+    """The collectives of a step, and the peak of the bytes of every storage alive during it.
+
+    A storage counts from the first operator that shows it (or from the start, for the state held
+    then) until nothing refers to it any more, at its size then (FSDP1 frees a flat parameter by
+    shrinking its storage to nothing).
+    """
+
+    def __init__(self, held: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._storages: dict[int, StorageWeakRef] = {}
+        self._note(held)
+        self.peak = self.live_bytes()
+
+    def _note(self, values: Any) -> None:
+        for tensor in tree_leaves(values):
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+                storage = local_part(tensor).untyped_storage()
+                self._storages.setdefault(storage._cdata, StorageWeakRef(storage))
+
+    def live_bytes(self) -> int:
+        total = 0
+        for key, ref in list(self._storages.items()):
+            if ref.expired():
+                del self._storages[key]
+            else:
+                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
+
+    def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        if result is not NotImplemented:
+            self._note((args, kwargs, result))
+            self.peak = max(self.peak, self.live_bytes())
+        return result
+
+
+def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def training_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    ctx: DistContext,
+    batch: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """One optimizer step as the strategy's script takes it (one micro-step, a step that does not log)."""
+    inputs, targets = batch
+    optimizer.zero_grad(set_to_none=args.strategy != "ddp")  # DDP keeps its gradients as bucket views
+    autocast = args.strategy == "ddp" and args.mixed_precision != "fp32"
+    with torch.autocast("cpu", dtype=COMPUTE_DTYPES[args.mixed_precision], enabled=autocast):
+        logits = model(inputs)
+        summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        loss = summed * ctx.world_size / (targets.numel() * ctx.world_size)
+    loss.backward()
+    if args.strategy == "fsdp1":
+        model.clip_grad_norm_(1.0)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if hasattr(norm, "full_tensor"):
+            norm.full_tensor()
+    optimizer.step()
+
+
+def simulate(args: argparse.Namespace) -> dict[str, Any]:
+    """The figures of one rank: measured (its own state, peak and collectives) and the estimators'."""
+    script = runpy.run_path(str(REPO / SCRIPTS[args.strategy]))
+    wrap_model = script["wrap_model"]
+    with environment(
+        WORLD_SIZE=str(args.world_size), RANK=str(args.rank), LOCAL_WORLD_SIZE=str(args.world_size), MASTER_ADDR="fake"
+    ):
+        script_args = script["parse_args"](script_argv(args))
+    config = gpt_config(script_args, args.vocab_size)
+    with (
+        environment(RANK=str(args.rank)),
+        fake_world(args.world_size, args.rank, wrap_model.__globals__) as ctx,
+        FakeTensorMode(allow_non_fake_inputs=True),
+    ):
+        if args.strategy == "ddp":
+            model = GPT(config, seed=script_args.seed)
+        elif args.strategy == "fsdp1":
+            model = GPT(config, seed=None)
+        else:
+            with torch.device("meta"):
+                model = GPT(config, seed=None)
+        model = wrap_model(model, script_args, ctx)
+        if args.strategy == "ddp":
+            model.register_comm_hook(None, all_reduced_bucket)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=script_args.lr, weight_decay=script_args.weight_decay)
+        shape = (script_args.batch_size, script_args.block_size)
+        batch = (torch.randint(0, args.vocab_size, shape), torch.randint(0, args.vocab_size, shape))
+        for _ in range(warm_up_steps(args.strategy)):
+            training_step(model, optimizer, args, ctx, batch)
+        recorder = StepRecorder([*held_tensors(model, optimizer), *batch])
+        with recorder:
+            training_step(model, optimizer, args, ctx, batch)
+        state = local_state_bytes(model, optimizer)
+    collectives = [(c.kind, c.message_bytes, c.group_size) for c in recorder.collectives]
+    traffic = Traffic.of(collectives)
+    return {
+        "strategy": record_strategy(args),
+        "world_size": args.world_size,
+        "rank": args.rank,
+        "replicate_degree": args.replicate_degree,
+        "mixed_precision": args.mixed_precision,
+        "batch_size": script_args.batch_size,
+        "model_config": config.shape(),
+        "params_bytes": state["params"],
+        "grads_bytes": state["grads"],
+        "optimizer_bytes": state["optimizer"],
+        "peak_bytes": recorder.peak,
+        "sent_bytes_per_step": traffic.total_ring_bytes,
+        **traffic.as_record(),
+        "collectives": collectives,
+        "estimate": estimate(args, config, script_args.batch_size),
+    }
+
+
+def estimate(args: argparse.Namespace, config: Any, batch_size: int) -> dict[str, float]:
+    """What common.estimate_memory and common.estimate_communication (common.comm_model) say of the same job."""
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in GPT(config, seed=None).named_parameters()}
+    strategy, group = record_strategy(args), shard_group(args)
+    state = estimate_memory.between_steps(shapes.values(), group, estimate_memory.LAYOUTS[strategy])
+    kind = "ddp" if strategy == "ddp" else "hybrid_shard" if args.replicate_degree > 1 else "full_shard"
+    params = sum(math.prod(s) for s in shapes.values())
+    in_flight = estimate_memory.in_flight_bytes(kind, params, config.n_layer, args.mixed_precision)
+    forward = estimate_memory.forward_of(kind, args.mixed_precision)
+    activations = gpt_activations(config, batch_size, checkpointing=False, forward=forward).peak
+    traffic = comm_model.run_estimate(strategy, shapes, args.world_size, group, args.mixed_precision, loss_check=False)
+    return {
+        "params_bytes": state.params,
+        "grads_bytes": state.grads,
+        "optimizer_bytes": state.optimizer,
+        "peak_bytes": state.total + in_flight + activations,
+        "sent_bytes_per_step": traffic.total_ring_bytes,
+    }
+
+
+FIGURES = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes", "sent_bytes_per_step")
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [
+        f"rank {result['rank']} of {result['world_size']}, {result['strategy']}, replicate degree "
+        f"{result['replicate_degree']}, {result['mixed_precision']}, model {result['model_config']}",
+        "",
+        "| figure | simulated | estimated | estimated / simulated |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name in FIGURES:
+        measured, estimated = result[name], result["estimate"][name]
+        ratio = f"{estimated / measured:.4f}" if measured else "n/a"
+        lines.append(f"| {name} | {measured:,.0f} | {estimated:,.0f} | {ratio} |")
+    lines.append("\ncollectives of the step (kind, message bytes, group size):")
+    lines += [f"  {kind} {size:,} {group}" for kind, size, group in result["collectives"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = simulate(args)
+    print(report(result))
+    if args.out is not None:
+        write_text(args.out, json.dumps(result, indent=2) + "\n", overwrite=True)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
