@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import runpy
 import sys
@@ -27,13 +28,14 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.cli import HelpFormatter
 from common.comm_model import run_estimate
-from common.estimate_memory import LAYOUTS, between_steps
-from common.flags import output_dir, output_file, positive_int
+from common.estimate_memory import LAYOUTS, StateBytes, between_steps, in_flight_bytes
+from common.flags import existing_dir, output_dir, output_file, positive_int
 from common.models import GPT_PRESETS
 from common.outputs import (
     OutputExists,
@@ -41,10 +43,14 @@ from common.outputs import (
     check_output_folder,
     check_output_path,
     output_folder,
-    write_by_name,
 )
+from common.plot import FORMATS as FIGURE_FORMATS
+from common.plot import PlotError, pyplot, save_figure
 from common.processes import exit_code_of, output_of
 from common.run_dir import MODEL_FILE, check_run_folders, final_record, finished_run_in
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -156,34 +162,89 @@ def markdown_table(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], mic
     return "\n".join(lines)
 
 
-def bar_chart(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], path: Path, overwrite: bool) -> bool:
-    """Measured and estimated model state per rank as bars; False when matplotlib is not installed."""
-    try:
-        import matplotlib
+IN_FLIGHT_STRATEGY = {  # common.estimate_memory's name for how each script's strategy gathers during a step
+    "ddp": "ddp",
+    "fsdp1_no_shard": "ddp",
+    "fsdp1_full_shard": "full_shard",
+    "fsdp1_shard_grad_op": "shard_grad_op",
+    "fsdp1_hybrid_shard": "hybrid_shard",
+    "fsdp2": "full_shard",
+    "fsdp2_hsdp": "hybrid_shard",
+}
 
-        matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    labels = [f"{record['strategy']}\n{record['world_size']} ranks" for record, _ in runs]
-    measured = [sum(record["local_state_bytes"].values()) / MIB for record, _ in runs]
-    estimated = [
-        between_steps(shapes.values(), record["shard_group_size"], LAYOUTS[record["strategy"]]).total / MIB
-        for record, shapes in runs
-    ]
-    positions = range(len(runs))
-    figure, axes = plt.subplots(figsize=(max(6, 0.9 * len(runs)), 4))
-    axes.bar([x - 0.2 for x in positions], measured, width=0.4, label="measured")
-    axes.bar([x + 0.2 for x in positions], estimated, width=0.4, label="estimated")
-    axes.set_xticks(list(positions), labels, rotation=60, ha="right", fontsize=7)
-    axes.set_ylabel("model state per rank (MiB)")
-    axes.legend()
+
+def estimated_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> StateBytes:
+    return between_steps(shapes.values(), record["shard_group_size"], LAYOUTS[record["strategy"]])
+
+
+def estimated_peak_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> float:
+    """Model state at its peak in a step, as common.estimate_memory counts it: held between steps plus the
+    units gathered. Activations and the runtime's own memory are not in it, so it is a floor of the peak."""
+    params = sum(math.prod(shape) for shape in shapes.values())
+    layers = record.get("model_config", {}).get("n_layer", 1)
+    precision = "bf16" if record.get("mixed_precision") in ("bf16", "fp16") else "fp32"  # 2 bytes either way
+    strategy = IN_FLIGHT_STRATEGY[record["strategy"]]
+    return estimated_state(record, shapes).total + in_flight_bytes(strategy, params, layers, precision)
+
+
+def comparison_figure(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]]) -> Figure:
+    """Model state and peak memory per rank (measured solid, estimated dashed) and step time, by world size:
+    one line per strategy."""
+    plt = pyplot()
+    figure, (state_axes, peak_axes, time_axes) = plt.subplots(1, 3, figsize=(13, 4.2))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    strategies = list(dict.fromkeys(record["strategy"] for record, _ in runs))
+    for index, strategy in enumerate(strategies):
+        points = sorted(
+            ((r, shapes) for r, shapes in runs if r["strategy"] == strategy), key=lambda run: run[0]["world_size"]
+        )
+        sizes = [record["world_size"] for record, _ in points]
+        style = {"color": colours[index % len(colours)], "gid": strategy}
+        state = [sum(record["local_state_bytes"].values()) / MIB for record, _ in points]
+        state_axes.plot(sizes, state, "o-", label=strategy, **style)
+        state_axes.plot(
+            sizes, [estimated_state(*run).total / MIB for run in points], "x--", label="_estimated", **style
+        )
+        peak_axes.plot(
+            sizes, [record["peak_memory_bytes"] / MIB for record, _ in points], "o-", label=strategy, **style
+        )
+        peak_axes.plot(sizes, [estimated_peak_state(*run) / MIB for run in points], "x--", label="_estimated", **style)
+        timed = [(record["world_size"], record["step_ms"]) for record, _ in points if "step_ms" in record]
+        time_axes.plot([size for size, _ in timed], [ms for _, ms in timed], "o-", label=strategy, **style)
+    world_sizes = sorted({record["world_size"] for record, _ in runs})
+    titles = (
+        (state_axes, "model state per rank", "MiB (dashed: estimated)"),
+        (peak_axes, "peak memory per rank", "MiB (dashed: estimated state at its peak)"),
+        (time_axes, "step time", "ms per optimizer step"),
+    )
+    for axes, title, ylabel in titles:
+        axes.set_title(title, fontsize=10)
+        axes.set_xlabel("world size (ranks)")
+        axes.set_ylabel(ylabel, fontsize=8)
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(world_sizes, [str(size) for size in world_sizes])
+        axes.minorticks_off()
+        axes.grid(alpha=0.3)
+    peak_axes.set_yscale("log")  # on a CPU the measured peak is the whole process, far above the model's state
+    state_axes.legend(fontsize=7)
     figure.tight_layout()
-    try:
-        write_by_name(path, figure.savefig, overwrite)  # matplotlib picks the format from the name's suffix
-    finally:
-        plt.close(figure)
-    return True
+    return figure
+
+
+def draw_comparison(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], path: Path, overwrite: bool) -> None:
+    save_figure(comparison_figure(runs), path, overwrite)
+
+
+def saved_runs(out_dir: Path) -> list[tuple[dict, dict[str, tuple[int, ...]]]]:
+    """The finished runs of an earlier comparison in ``out_dir`` (its STRATEGY-WORLDSIZE folders), in the order
+    this command makes them: by world size, then strategy."""
+    order = {strategy.name: index for index, strategy in enumerate(STRATEGIES)}
+    runs = []
+    for run_dir in sorted(out_dir.iterdir()):
+        strategy, _, size = run_dir.name.rpartition("-")
+        if strategy in order and size.isdigit() and finished_run_in(run_dir) and (run_dir / MODEL_FILE).is_file():
+            runs.append((final_record(run_dir), parameter_shapes(run_dir)))
+    return sorted(runs, key=lambda run: (run[0]["world_size"], order[run[0]["strategy"]]))
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -225,12 +286,31 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         default=Path("runs/compare_strategies"),
         help="each run's folder goes in here, as STRATEGY-WORLDSIZE (default: %(default)s)",
     )
-    parser.add_argument("--png", type=output_file, help="also draw a bar chart here (needs matplotlib)")
+    parser.add_argument(
+        "--png",
+        type=output_file,
+        help="also draw model state and peak memory per rank (measured beside estimated) and step time by world "
+        "size, one line per strategy, in this file (.png, or .svg)",
+    )
+    parser.add_argument(
+        "--from-runs",
+        type=existing_dir,
+        metavar="OUT_DIR",
+        help="train nothing: table (and with --png draw) the finished runs an earlier comparison left in its "
+        "--out-dir, every one there, assuming one micro-step per optimizer step",
+    )
     add_overwrite_flag(parser)
     args = parser.parse_args(own)
-    check_out_dir(parser, args)
     if args.png is not None:
+        if args.png.suffix.lower() not in FIGURE_FORMATS:
+            parser.error(
+                f"--png {args.png}: the name must end in {' or '.join(FIGURE_FORMATS)}, which picks the format"
+            )
         check_output_path(parser, args.png, "--png", overwrite=args.overwrite)
+    if args.from_runs is not None:
+        check_saved_runs(parser, args.from_runs, passed_on)
+        return args, passed_on
+    check_out_dir(parser, args)
     scripts = sorted({strategy.script for strategy in STRATEGIES if strategy.name in args.strategies})
     check_script_flags(parser, scripts, script_flags(args, passed_on))
     return args, passed_on
@@ -280,6 +360,19 @@ def check_out_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     check_run_folders(parser, run_dirs, "--out-dir", args.out_dir, args.overwrite)
 
 
+def check_saved_runs(parser: argparse.ArgumentParser, out_dir: Path, passed_on: list[str]) -> None:
+    """--from-runs names a folder that holds a comparison's runs, and no flags for training scripts come with it."""
+    if passed_on:
+        parser.error("--from-runs trains nothing: the flags after -- would go to no script")
+    names = {f"{strategy.name}-" for strategy in STRATEGIES}
+    found = [d for d in out_dir.iterdir() if d.name.rstrip("0123456789") in names and finished_run_in(d)]
+    if not found:
+        parser.error(
+            f"--from-runs {out_dir} holds no finished run of a comparison (STRATEGY-WORLDSIZE folders with "
+            "metrics.jsonl): give the --out-dir of an earlier python -m common.compare_strategies"
+        )
+
+
 def micro_steps(flags: Sequence[str]) -> int:
     """--grad-accum-steps among the flags passed to the scripts (the last one wins, as in argparse)."""
     values = [flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == "--grad-accum-steps"]
@@ -289,14 +382,7 @@ def micro_steps(flags: Sequence[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     args, passed_on = parse_args(argv)
     common_flags = script_flags(args, passed_on)
-    runs = []
-    try:
-        for strategy, world_size, final_dir in planned_runs(args):
-            # Run in a folder of its own, which takes the run dir's name once the run has finished.
-            with output_folder(final_dir, args.overwrite, finished_run_in) as run_dir:
-                runs.append((launch(strategy, world_size, run_dir, common_flags), parameter_shapes(run_dir)))
-    except OutputExists as err:  # another comparison in the same --out-dir finished a run first
-        sys.exit(f"error: {err}")
+    runs = saved_runs(args.from_runs) if args.from_runs is not None else train_runs(args, common_flags)
     print()
     print(markdown_table(runs, micro_steps(common_flags)))
     print(
@@ -308,10 +394,27 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.png is not None:
         try:
-            drawn = bar_chart(runs, args.png, args.overwrite)
+            draw_comparison(runs, args.png, args.overwrite)
+        except PlotError as err:
+            sys.exit(f"no chart: {err}; the table above holds it all")
+        except OutputExists as err:
+            sys.exit(f"error: {err}")
         except OSError as err:
             sys.exit(f"error: could not write --png {args.png}: {err.strerror or err}; the table above holds it all")
-        print(f"chart: {args.png}" if drawn else "no chart: matplotlib is not installed")
+        print(f"chart: {args.png}")
+
+
+def train_runs(args: argparse.Namespace, common_flags: list[str]) -> list[tuple[dict, dict[str, tuple[int, ...]]]]:
+    """Each planned run, trained now: its final record and parameter shapes."""
+    runs = []
+    try:
+        for strategy, world_size, final_dir in planned_runs(args):
+            # Run in a folder of its own, which takes the run dir's name once the run has finished.
+            with output_folder(final_dir, args.overwrite, finished_run_in) as run_dir:
+                runs.append((launch(strategy, world_size, run_dir, common_flags), parameter_shapes(run_dir)))
+    except OutputExists as err:  # another comparison in the same --out-dir finished a run first
+        sys.exit(f"error: {err}")
+    return runs
 
 
 if __name__ == "__main__":

@@ -124,9 +124,11 @@ BASE: dict[str, tuple[list[str], dict[str, list[str]]]] = {
     "common.estimate_communication": (["--params", "7e9", "--world-size", "8"], {}),
     "common.estimate_memory": (["--params", "7e9", "--world-size", "8", "--gpu-memory", "80"], {}),
     "common.export_checkpoint": ([], {"checkpoint": ["{checkpoint}"], "output": ["{out}"]}),
+    "common.plot": (["--out", "{out}.png"], {"run_dirs": ["{finished_run}"]}),
     "common.preflight": (["--nproc", "2"], {"script": ["{script}"]}),
     "common.prepare_tokens": (["--output", "{out}"], {"sources": ["{text}"]}),
     "common.sample": (["--prompt", "3 14 15"], {"run_dir": ["{finished_run}"]}),
+    "common.simulate": (["--world-size", "8", "--strategy", "fsdp2"], {}),
 }
 
 

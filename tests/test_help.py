@@ -31,6 +31,8 @@ COMMANDS: dict[str, Callable[[list[str]], object]] = {
     "common.estimate_communication": estimate_communication.main,
     "common.estimate_memory": estimate_memory.main,
     "common.export_checkpoint": export_checkpoint.main,
+    "common.simulate": __import__("common.simulate", fromlist=["main"]).main,
+    "common.plot": __import__("common.plot", fromlist=["main"]).main,
 }
 
 

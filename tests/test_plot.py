@@ -1,0 +1,250 @@
+"""The pictures: ``common.plot`` and ``compare_strategies --png`` drawn with Agg from real short runs, checked
+through matplotlib's own objects (lines, labels, data points against the records); their refusals; and
+that neither training nor the library imports matplotlib.
+
+The runs are made once for the file, laid out as a comparison's --out-dir (STRATEGY-WORLDSIZE), so that
+common.plot and compare_strategies --from-runs draw the same runs: DDP at 1 rank (stopped at step 4 and
+resumed to step 8), DDP at 2 ranks and FSDP1 at 2 ranks (6 steps each).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common import compare_strategies, plot
+from common.compare_strategies import MIB, comparison_figure, saved_runs
+from common.run_dir import METRICS_FILE
+from tests.harness.runs import REPO, Run, clean_env, run_script
+
+TINY = [
+    *("--n-layer", "2", "--d-model", "32", "--n-head", "2", "--block-size", "16", "--global-batch-size", "8"),
+    *("--train-sequences", "64", "--heldout-sequences", "16", "--log-interval", "2", "--eval-interval", "3"),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """The comparison folder's runs by folder name; ``ddp-1`` was stopped at step 4 and resumed to step 8."""
+    out = tmp_path_factory.mktemp("comparison")
+    stopped = [*TINY, "--checkpoint-interval", "4", "--max-steps", "4"]
+    run_script("ddp/train_transformer.py", stopped, out / "ddp-1").check()
+    resumed = [*TINY, "--checkpoint-interval", "4", "--max-steps", "8", "--resume"]
+    made = {"ddp-1": run_script("ddp/train_transformer.py", resumed, out / "ddp-1").check()}
+    for name, script in [("ddp-2", "ddp/train_transformer.py"), ("fsdp1_full_shard-2", "fsdp/train_transformer.py")]:
+        made[name] = run_script(script, [*TINY, "--max-steps", "6"], out / name, nproc=2).check()
+    return made
+
+
+def figure_of(*run_dirs: Path) -> tuple[object, dict[str, object]]:
+    """The figure common.plot draws for ``run_dirs`` and its panels by title (time's own title kept apart)."""
+    figure = plot.draw_runs([plot.read_history(run_dir) for run_dir in run_dirs])
+    panels = {}
+    for axes in figure.axes:
+        title = axes.get_title()
+        panels[f"{title} ({axes.get_ylabel()})" if title == "throughput" else title] = axes
+    return figure, panels
+
+
+def lines(axes: object, gid: str) -> list:
+    return [line for line in axes.get_lines() if line.get_gid() == gid]
+
+
+def test_each_run_is_drawn_from_its_records_with_its_restart(runs: dict[str, Run]) -> None:
+    names = ["ddp-1", "ddp-2", "fsdp1_full_shard-2"]
+    figure, panels = figure_of(*(runs[name].run_dir for name in names))
+    assert sorted(panels) == sorted(
+        [
+            "loss by step",
+            "loss by training time",
+            "learning rate",
+            "gradient norm (before clipping)",
+            "throughput (tokens/s, all ranks)",
+        ]
+    )
+    labels = [line.get_label() for line in lines(panels["loss by step"], plot.TRAIN)]
+    assert labels == ["ddp-1: ddp, 1 rank", "ddp-2: ddp, 2 ranks", "fsdp1_full_shard-2: fsdp1_full_shard, 2 ranks"]
+    for field, title in [
+        ("loss", "loss by step"),
+        ("lr", "learning rate"),
+        ("grad_norm", "gradient norm (before clipping)"),
+    ]:
+        drawn = lines(panels[title], plot.TRAIN)
+        assert len(drawn) == len(names), title
+        for line, name in zip(drawn, names, strict=True):
+            train = runs[name].events("train")
+            assert list(line.get_xdata()) == [r["step"] for r in train], (title, name)
+            assert list(line.get_ydata()) == [r[field] for r in train], (title, name)
+    for line, name in zip(lines(panels["loss by step"], plot.EVAL), names, strict=True):
+        assert list(line.get_ydata()) == [r["loss"] for r in runs[name].events("eval")], name
+    (restart,) = lines(panels["loss by step"], plot.RESTART)
+    (resume,) = runs["ddp-1"].events("resume")
+    assert resume["step"] == 4 and list(restart.get_xdata()) == [4, 4]
+    assert "ddp-1" in restart.get_label()
+    assert len(lines(panels["learning rate"], plot.RESTART)) == 1  # on every panel the resumed run has
+    plot.pyplot().close(figure)
+
+
+def test_time_is_the_sum_of_each_interval_s_step_time(runs: dict[str, Run]) -> None:
+    """After the restart at step 4 the next interval counts from the last record, step 4, at its own rate."""
+    figure, panels = figure_of(runs["ddp-1"].run_dir)
+    (line,) = lines(panels["loss by training time"], plot.TRAIN)
+    train = runs["ddp-1"].events("train")
+    assert [r["step"] for r in train] == [2, 4, 6, 8]
+    by_hand = [sum(r["step_ms"] * 2 / 1000 for r in train[: i + 1]) for i in range(len(train))]
+    assert list(line.get_xdata()) == pytest.approx(by_hand)
+    (restart,) = lines(panels["loss by training time"], plot.RESTART)
+    assert restart.get_xdata()[0] == pytest.approx(by_hand[1])
+    plot.pyplot().close(figure)
+
+
+def test_a_run_still_going_is_drawn_up_to_its_torn_last_line(
+    runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = runs["ddp-2"].run_dir / METRICS_FILE
+    kept = [line for line in source.read_text().splitlines() if json.loads(line)["event"] != "final"][:3]
+    going = tmp_path / "going"
+    going.mkdir()
+    (going / METRICS_FILE).write_text("\n".join(kept) + '\n{"event": "train", "step": 6, "lo')
+    out = tmp_path / "going.png"
+    plot.main([str(going), "--out", str(out)])
+    said = capsys.readouterr()
+    assert "left out line(s) 4" in said.err and f"figure: {out}" in said.out
+    figure, panels = figure_of(going)
+    (line,) = lines(panels["loss by step"], plot.TRAIN)
+    whole = [json.loads(text) for text in kept]
+    assert list(line.get_xdata()) == [r["step"] for r in whole if r["event"] == "train"]
+    assert line.get_label() == "going: running, at step 4"
+    plot.pyplot().close(figure)
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_command_writes_png_and_svg_of_the_same_runs(runs: dict[str, Run], tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    run_dirs = [str(runs[name].run_dir) for name in ("ddp-1", "fsdp1_full_shard-2")]
+    plot.main([*run_dirs, "--out", str(tmp_path / "runs.png")])
+    plot.main([*run_dirs, "--out", str(tmp_path / "runs.svg")])
+    height, width, _ = imread(tmp_path / "runs.png").shape
+    assert width == 11 * plot.DPI and height > 3 * 3.2 * plot.DPI
+    svg = (tmp_path / "runs.svg").read_text()
+    assert svg.count("<svg") == 1 and "fsdp1_full_shard-2: fsdp1_full_shard, 2 ranks" in svg
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["runs.png", "runs.svg"]  # no temporary left
+
+
+def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[object, str]:
+    with pytest.raises(SystemExit) as stop:
+        plot.main(argv)
+    said = capsys.readouterr()
+    return stop.value.code, said.err or ""
+
+
+def test_bad_input_is_one_message(runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = str(runs["ddp-2"].run_dir)
+    comparison = runs["ddp-2"].run_dir.parent
+    code, err = refusal([str(tmp_path), "--out", str(tmp_path / "a.png")], capsys)
+    assert code == 2 and f"{tmp_path} holds no metrics.jsonl" in err and err.count("error:") == 1
+    code, err = refusal([str(comparison), "--out", str(tmp_path / "a.png")], capsys)
+    assert code == 2 and str(runs["ddp-1"].run_dir) in err, "the runs inside a comparison are named"
+    code, err = refusal([run, "--out", "/proc/a.png"], capsys)
+    assert code == 2 and "cannot create anything in /proc" in err and err.count("error:") == 1
+    code, err = refusal([run, "--out", str(tmp_path / "a.pdf")], capsys)
+    assert code == 2 and "must end in .png or .svg" in err
+
+    only_eval, only_train = tmp_path / "evaluated-only", tmp_path / "just-started"
+    records = [json.loads(line) for line in (runs["ddp-2"].run_dir / METRICS_FILE).read_text().splitlines()]
+    for folder, events in [(only_eval, {"eval", "final"}), (only_train, {"train"})]:
+        folder.mkdir()
+        kept = [json.dumps(r) for r in records if r["event"] in events]
+        (folder / METRICS_FILE).write_text("\n".join(kept) + "\n")
+    code, err = refusal([str(only_eval), str(only_train), "--out", str(tmp_path / "a.png")], capsys)
+    assert "no value in common" in str(code) and "evaluated-only: eval_loss" in str(code)
+    final_only = tmp_path / "final-only"
+    final_only.mkdir()
+    (final_only / METRICS_FILE).write_text(json.dumps(records[-1]) + "\n")
+    code, _ = refusal([str(final_only), "--out", str(tmp_path / "a.png")], capsys)
+    assert str(code).startswith("error: nothing to draw for final-only")
+    assert not list(tmp_path.glob("*.png")), "a refusal writes nothing"
+
+
+def test_compare_strategies_draws_a_saved_comparison_without_training(
+    runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    comparison = runs["ddp-1"].run_dir.parent
+    out = tmp_path / "memory.png"
+    compare_strategies.main(["--from-runs", str(comparison), "--png", str(out)])
+    assert f"chart: {out}" in capsys.readouterr().out and out.read_bytes().startswith(b"\x89PNG")
+    figure = comparison_figure(saved_runs(comparison))
+    state_axes, peak_axes, time_axes = figure.axes
+    by_strategy = {"ddp": [runs["ddp-1"], runs["ddp-2"]], "fsdp1_full_shard": [runs["fsdp1_full_shard-2"]]}
+    assert [line.get_label() for line in time_axes.get_lines()] == list(by_strategy)
+    for strategy, made in by_strategy.items():
+        finals = [run.final() for run in made]
+        measured, estimated = [line for line in state_axes.get_lines() if line.get_gid() == strategy]
+        assert list(measured.get_xdata()) == [final["world_size"] for final in finals]
+        held = [sum(final["local_state_bytes"].values()) / MIB for final in finals]
+        assert list(measured.get_ydata()) == held
+        assert list(estimated.get_ydata()) == pytest.approx(held, rel=0.01), "the estimate is exact for AdamW"
+        peak, peak_floor = [line for line in peak_axes.get_lines() if line.get_gid() == strategy]
+        assert list(peak.get_ydata()) == [final["peak_memory_bytes"] / MIB for final in finals]
+        assert all(low >= state for low, state in zip(peak_floor.get_ydata(), held, strict=True))
+        (timed,) = [line for line in time_axes.get_lines() if line.get_gid() == strategy]
+        assert list(timed.get_ydata()) == [final["step_ms"] for final in finals]
+    plot.pyplot().close(figure)
+
+
+def test_compare_strategies_from_runs_refuses_a_folder_of_no_comparison(
+    runs: dict[str, Run], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        compare_strategies.main(["--from-runs", str(runs["ddp-1"].run_dir), "--png", "/tmp/never-written.png"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "holds no finished run of a comparison" in err and err.count("error:") == 1
+
+
+# Run in a fresh interpreter: each training script's imports and definitions (not its main), then every
+# common/ module; it prints those after whose import matplotlib was loaded.
+IMPORT_EVERYTHING = """
+import json, runpy, sys
+from pathlib import Path
+loaded_by = []
+scripts = sorted([*Path("ddp").glob("*.py"), *Path("fsdp").glob("*.py")])
+for script in scripts:
+    runpy.run_path(str(script), run_name="imported")
+    if "matplotlib" in sys.modules and not loaded_by:
+        loaded_by.append(str(script))
+modules = sorted(Path("common").glob("*.py"))
+for module in modules:
+    __import__(f"common.{module.stem}")
+    if "matplotlib" in sys.modules and not loaded_by:
+        loaded_by.append(str(module))
+print(json.dumps({"scripts": len(scripts), "modules": len(modules), "matplotlib loaded by": loaded_by}))
+"""
+
+
+def test_neither_training_nor_any_module_imports_matplotlib() -> None:
+    """A fresh interpreter imports every training script and every common/ module: matplotlib stays out."""
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_EVERYTHING], cwd=REPO, env=clean_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["scripts"] == 5 and seen["modules"] > 40, seen
+    assert seen["matplotlib loaded by"] == [], "the first import that loads matplotlib"
+
+
+def test_the_estimated_peak_is_the_state_plus_what_a_step_gathers() -> None:
+    """compare_strategies' dashed peak line: between steps plus the in-flight units (no activations)."""
+    shapes = {"a": (8, 4), "b": (4,)}
+    record = {"strategy": "ddp", "shard_group_size": 1, "model_config": {"n_layer": 2}, "mixed_precision": "fp32"}
+    state = compare_strategies.estimated_state(record, shapes).total
+    assert compare_strategies.estimated_peak_state(record, shapes) == state  # fp32 DDP gathers nothing
+    sharded = {**record, "strategy": "fsdp2", "shard_group_size": 2, "mixed_precision": "bf16"}
+    gathered = 2 * (2 + 4) * 36 / 2  # 2 units x (bf16 copy + fp32 gradient) x a unit's 18 parameters
+    assert compare_strategies.estimated_peak_state(sharded, shapes) == pytest.approx(
+        compare_strategies.estimated_state(sharded, shapes).total + gathered
+    )
