@@ -61,6 +61,7 @@ VALID = {
     ("--checkpoint-interval", "0"): "0: a checkpoint only when the run is asked to stop",
     ("--grad-clip", "0"): "0 turns clipping off",
     ("--seed", "0"): "seeds start at 0",
+    ("--rank", "0"): "ranks start at 0 (common.simulate's rank)",
     ("--warmup-steps", "0"): "no warm-up: the schedule starts at the peak",
     ("--min-lr-ratio", "0"): "the cosine schedule ends at 0",
     ("--weight-decay", "0"): "no weight decay",
