@@ -1,0 +1,97 @@
+"""python -m common.simulate: one rank of an N-rank job on the fake process group holds and sends what a real rank does.
+
+At 2, 3 and 4 ranks a real gloo run of the tiny preset and the simulation of the same job agree on
+every byte of parameters, gradients and optimizer state (the run's busiest rank) and of each kind of
+collective in the measured step (rank 0's). At scale, the estimators agree with the simulation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import simulate
+from common.communication import Traffic
+from common.models import GPT, GPTConfig
+from tests.harness.cases import FSDP2_SCRIPT, cases
+from tests.harness.runs import run_script
+
+BATCH = ["--batch-size", "4"]
+# Three steps: the runs measure their third. It is the run's last, which logs, so it also checks the
+# loss on every rank (one int64 all-reduce) where the simulated step, one that does not log, does not.
+RUN_ARGS = ["--model", "tiny", "--max-steps", "3", "--eval-interval", "1000", "--heldout-sequences", "8", *BATCH]
+STATE = ("params", "grads", "optimizer")
+
+# (id, script, ranks, the script's flags, the simulation's flags)
+REAL_RUNS = [
+    ("ddp-2", "ddp/train_transformer.py", 2, [], ["--strategy", "ddp"]),
+    ("fsdp1-3", "fsdp/train_transformer.py", 3, [], ["--strategy", "fsdp1"]),
+    ("fsdp2-3", FSDP2_SCRIPT, 3, [], ["--strategy", "fsdp2"]),
+    ("hsdp-4", FSDP2_SCRIPT, 4, ["--replicate-degree", "2"], ["--strategy", "hsdp", "--replicate-degree", "2"]),
+]
+
+
+def simulated(world_size: int, flags: list[str], rank: int = 0) -> dict:
+    return simulate.simulate(
+        simulate.parse_args(["--world-size", str(world_size), "--rank", str(rank), *flags, *BATCH])
+    )
+
+
+@pytest.mark.parametrize(("case", "script", "nproc", "run_flags", "simulation_flags"), cases(REAL_RUNS))
+def test_simulation_holds_and_sends_what_a_real_run_does(
+    case: str, script: str, nproc: int, run_flags: list[str], simulation_flags: list[str], tmp_path: Path
+) -> None:
+    final = run_script(script, [*RUN_ARGS, *run_flags], tmp_path, nproc=nproc).check().final()
+    # The run records the largest of each figure over its ranks. FSDP2's rank 0 holds the most (torch.chunk
+    # gives the first ranks the larger pieces); FSDP1's ranks hold unequal parts of the flat parameters.
+    # (FSDP2's simulations at other ranks run one to a process: after rank 0's, one in the same process
+    # took rank 0's slices of the initial values.)
+    ranks = [simulated(nproc, simulation_flags, rank) for rank in range(nproc if "fsdp1" in case else 1)]
+    assert ranks[0]["model_config"] == final["model_config"]
+    busiest = {kind: max(rank[f"{kind}_bytes"] for rank in ranks) for kind in STATE}
+    assert busiest == final["local_state_bytes"]
+    loss_check = Traffic.of([("all_reduce", 8, nproc)])
+    sent = Traffic.of(ranks[0]["collectives"]) + loss_check
+    assert (sent.bytes, sent.counts) == (final["comm_bytes_per_step"], final["collectives_per_step"])
+    assert sent.ring_bytes == pytest.approx(final["comm_ring_bytes_per_step"], rel=1e-12)
+
+
+def bytes_in_whole_rows(config: GPTConfig, world_size: int) -> int:
+    """Bytes of a GPT's fp32 parameters when each is cut into pieces of ceil(rows / N) rows."""
+    with torch.device("meta"):
+        model = GPT(config, seed=None)
+    return sum(math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:]) * 4 for p in model.parameters())
+
+
+def test_fsdp2_at_a_thousand_ranks_holds_whole_rows_of_every_parameter(tmp_path: Path) -> None:
+    """The small preset (the gpt2 one takes 25 s: docs/memory.md): 128 rows at 1,024 ranks are a row each."""
+    out = tmp_path / "fsdp2.json"
+    simulate.main(["--world-size", "1024", "--strategy", "fsdp2", "--model", "small", *BATCH, "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["params_bytes"] == bytes_in_whole_rows(GPTConfig(**result["model_config"]), 1024)
+    for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "sent_bytes_per_step"):
+        assert result["estimate"][name] == pytest.approx(result[name], rel=0.01), name
+
+
+@pytest.mark.parametrize("world_size", [8, 64])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp1", "fsdp2", "hsdp"])
+def test_estimators_agree_with_the_simulation(strategy: str, world_size: int) -> None:
+    result = simulated(world_size, ["--strategy", strategy, "--model", "small"])
+    for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "sent_bytes_per_step"):
+        assert result["estimate"][name] == pytest.approx(result[name], rel=0.01), name
+
+
+def test_what_cannot_be_simulated_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, message in [
+        (["--world-size", "12", "--strategy", "hsdp", "--replicate-degree", "5"], "does not divide --world-size 12"),
+        (["--world-size", "8", "--strategy", "fsdp2", "--model", "huge"], "invalid choice: 'huge'"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            simulate.parse_args(argv)
+        assert exited.value.code == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and message in errors[0], errors
