@@ -51,6 +51,7 @@ HOSTILE = {
     flags.EXISTING_PATH: ["{missing}", "{below_file}", *ANY_PATH],
     flags.OUTPUT_FILE: ["{folder}", "{below_file}", *ANY_PATH],
     flags.OUTPUT_DIR: ["{file}", "{below_file}", *ANY_PATH],
+    flags.NAME_PATTERN: ["", " "],  # one that matches nothing is refused when the model exists
 }
 NOT_A_CHOICE = "no-such-choice"
 
