@@ -3,6 +3,7 @@
     python -m common.compare_strategies --model tiny --world-sizes 1 2 4
     python -m common.compare_strategies --model small --world-sizes 2 4 --steps 50 --png memory.png
     python -m common.compare_strategies --world-sizes 4 --strategies ddp fsdp2 -- --batch-size 8
+    python -m common.compare_strategies --from-runs runs/compare_strategies --png memory.svg
 
 Each configuration runs through torchrun for a few steps; its final metrics.jsonl record gives the
 per-rank bytes of parameters, gradients and optimizer state (the rank holding the most), the peak
@@ -10,6 +11,10 @@ memory, the throughput, and what one optimizer step's collectives moved, by kind
 figure, in parentheses, is what ``common.estimate_memory`` and ``common.estimate_communication``
 predict from the shapes in the run's model.pt. Hybrid modes need an
 even world size of at least 4 (2 replicas of at least 2 shards) and are skipped elsewhere.
+--png draws model state and peak memory per rank, measured (solid) beside estimated (dashed; the
+peak's estimate is the model state at its peak, without activations or the runtime's own memory),
+and step time, by world size, one line per strategy. --from-runs trains nothing: it reads the
+finished runs an earlier comparison left in its --out-dir, prints their table and draws them.
 Arguments after ``--`` go to every training script unchanged, after (so overriding) the ones this
 command passes: --device, --model, --max-steps, --log-interval, --eval-interval, and a smaller
 synthetic data set (--train-sequences 2000 --heldout-sequences 200).
@@ -162,6 +167,7 @@ def markdown_table(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], mic
     return "\n".join(lines)
 
 
+MARKERS = ("o", "s", "^", "v", "D", "P")
 IN_FLIGHT_STRATEGY = {  # common.estimate_memory's name for how each script's strategy gathers during a step
     "ddp": "ddp",
     "fsdp1_no_shard": "ddp",
@@ -199,18 +205,18 @@ def comparison_figure(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]]) 
             ((r, shapes) for r, shapes in runs if r["strategy"] == strategy), key=lambda run: run[0]["world_size"]
         )
         sizes = [record["world_size"] for record, _ in points]
+        # Strategies that hold the same bytes draw over each other: smaller markers on top keep each in sight.
         style = {"color": colours[index % len(colours)], "gid": strategy}
-        state = [sum(record["local_state_bytes"].values()) / MIB for record, _ in points]
-        state_axes.plot(sizes, state, "o-", label=strategy, **style)
-        state_axes.plot(
-            sizes, [estimated_state(*run).total / MIB for run in points], "x--", label="_estimated", **style
-        )
-        peak_axes.plot(
-            sizes, [record["peak_memory_bytes"] / MIB for record, _ in points], "o-", label=strategy, **style
-        )
-        peak_axes.plot(sizes, [estimated_peak_state(*run) / MIB for run in points], "x--", label="_estimated", **style)
+        measured = {**style, "marker": MARKERS[index % len(MARKERS)], "markersize": 9 - index % len(MARKERS)}
+        estimated = {**style, "marker": "x", "linestyle": "--", "linewidth": 0.8}
+        held = [sum(record["local_state_bytes"].values()) / MIB for record, _ in points]
+        state_axes.plot(sizes, held, label=strategy, **measured)
+        state_axes.plot(sizes, [estimated_state(*run).total / MIB for run in points], label="_estimated", **estimated)
+        peaks = [record["peak_memory_bytes"] / MIB for record, _ in points]
+        peak_axes.plot(sizes, peaks, label=strategy, **measured)
+        peak_axes.plot(sizes, [estimated_peak_state(*run) / MIB for run in points], label="_estimated", **estimated)
         timed = [(record["world_size"], record["step_ms"]) for record, _ in points if "step_ms" in record]
-        time_axes.plot([size for size, _ in timed], [ms for _, ms in timed], "o-", label=strategy, **style)
+        time_axes.plot([size for size, _ in timed], [ms for _, ms in timed], label=strategy, **measured)
     world_sizes = sorted({record["world_size"] for record, _ in runs})
     titles = (
         (state_axes, "model state per rank", "MiB (dashed: estimated)"),

@@ -39,7 +39,9 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 FORMATS = (".png", ".svg")
-DPI = 72  # the README's figures stay small files
+DPI = 72  # with FIGURE_WIDTH inches, 720 pixels wide: the docs' figures stay under 100 KB
+FIGURE_WIDTH = 10
+PANEL_HEIGHT = 2.9
 TRAIN, EVAL, RESTART = "train", "eval", "restart"  # each drawn line's gid: what it shows
 
 
@@ -192,7 +194,7 @@ def draw_runs(histories: Sequence[RunHistory], names: Sequence[str] | None = Non
     panels = panels_for(histories, names)
     plt = pyplot()
     rows = math.ceil(len(panels) / 2)
-    figure, grid = plt.subplots(rows, 2, figsize=(11, 3.2 * rows + 0.8), squeeze=False)
+    figure, grid = plt.subplots(rows, 2, figsize=(FIGURE_WIDTH, PANEL_HEIGHT * rows + 0.8), squeeze=False)
     axes_list = list(grid.flat)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for index, (history, name) in enumerate(zip(histories, names, strict=True)):
@@ -243,7 +245,8 @@ def draw_panel(axes: Axes, panel: Panel, history: RunHistory, label: str, colour
 def save_figure(figure: Figure, path: Path, overwrite: bool) -> None:
     """Write ``figure`` through common.outputs (whole or not at all); matplotlib picks the format by the suffix."""
     try:
-        write_by_name(path, functools.partial(figure.savefig, dpi=DPI), overwrite)
+        smaller = {"pil_kwargs": {"optimize": True}} if path.suffix.lower() == ".png" else {}
+        write_by_name(path, functools.partial(figure.savefig, dpi=DPI, **smaller), overwrite)
     finally:
         pyplot().close(figure)
 

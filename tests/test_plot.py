@@ -130,7 +130,7 @@ def test_the_command_writes_png_and_svg_of_the_same_runs(runs: dict[str, Run], t
     plot.main([*run_dirs, "--out", str(tmp_path / "runs.png")])
     plot.main([*run_dirs, "--out", str(tmp_path / "runs.svg")])
     height, width, _ = imread(tmp_path / "runs.png").shape
-    assert width == 11 * plot.DPI and height > 3 * 3.2 * plot.DPI
+    assert width == plot.FIGURE_WIDTH * plot.DPI and height > 3 * plot.PANEL_HEIGHT * plot.DPI  # 3 rows of panels
     svg = (tmp_path / "runs.svg").read_text()
     assert svg.count("<svg") == 1 and "fsdp1_full_shard-2: fsdp1_full_shard, 2 ranks" in svg
     assert sorted(path.name for path in tmp_path.iterdir()) == ["runs.png", "runs.svg"]  # no temporary left
@@ -198,12 +198,14 @@ def test_compare_strategies_draws_a_saved_comparison_without_training(
 
 
 def test_compare_strategies_from_runs_refuses_a_folder_of_no_comparison(
-    runs: dict[str, Run], capsys: pytest.CaptureFixture[str]
+    runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    out = tmp_path / "never-written.png"
     with pytest.raises(SystemExit) as stop:
-        compare_strategies.main(["--from-runs", str(runs["ddp-1"].run_dir), "--png", "/tmp/never-written.png"])
+        compare_strategies.main(["--from-runs", str(runs["ddp-1"].run_dir), "--png", str(out)])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "holds no finished run of a comparison" in err and err.count("error:") == 1
+    assert not out.exists()
 
 
 # Run in a fresh interpreter: each training script's imports and definitions (not its main), then every
