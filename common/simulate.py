@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
@@ -124,7 +125,9 @@ def record_strategy(args: argparse.Namespace) -> str:
     """The strategy as a run's final record names it (what the estimators take)."""
     if args.strategy == "fsdp1":
         return "fsdp1_hybrid_shard" if args.replicate_degree > 1 else "fsdp1_full_shard"
-    return {"ddp": "ddp", "fsdp2": "fsdp2", "hsdp": "fsdp2_hsdp"}[args.strategy]
+    if args.strategy == "hsdp" and args.replicate_degree > 1:
+        return "fsdp2_hsdp"
+    return args.strategy  # ddp, fsdp2, and hsdp of one replica (at 8 ranks or fewer by default): plain FSDP2
 
 
 def shard_group(args: argparse.Namespace) -> int:
@@ -184,6 +187,11 @@ def fake_world(world_size: int, rank: int, script_globals: dict) -> Iterator[Dis
     import torch.nn.parallel.distributed as ddp_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    # DTensor remembers the sharding of each operator's result, meshes included, and takes two meshes of
+    # one shape for the same mesh: a simulation of another rank would get the last one's mesh, and its
+    # rank's slices. Forgotten here, each simulation in a process is its own.
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ copy
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     with contextlib.ExitStack() as stack:
         # FSDP1's catch-all reshard, for a unit whose backward did not run (every unit's runs here), compares

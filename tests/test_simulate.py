@@ -48,8 +48,6 @@ def test_simulation_holds_and_sends_what_a_real_run_does(
     final = run_script(script, [*RUN_ARGS, *run_flags], tmp_path, nproc=nproc).check().final()
     # The run records the largest of each figure over its ranks. FSDP2's rank 0 holds the most (torch.chunk
     # gives the first ranks the larger pieces); FSDP1's ranks hold unequal parts of the flat parameters.
-    # (FSDP2's simulations at other ranks run one to a process: after rank 0's, one in the same process
-    # took rank 0's slices of the initial values.)
     ranks = [simulated(nproc, simulation_flags, rank) for rank in range(nproc if "fsdp1" in case else 1)]
     assert ranks[0]["model_config"] == final["model_config"]
     busiest = {kind: max(rank[f"{kind}_bytes"] for rank in ranks) for kind in STATE}
@@ -68,13 +66,24 @@ def bytes_in_whole_rows(config: GPTConfig, world_size: int) -> int:
 
 
 def test_fsdp2_at_a_thousand_ranks_holds_whole_rows_of_every_parameter(tmp_path: Path) -> None:
-    """The small preset (the gpt2 one takes 25 s: docs/memory.md): 128 rows at 1,024 ranks are a row each."""
+    """The tiny preset (gpt2 takes 25 s: docs/memory.md): its 64 and 256 rows at 1,024 ranks are a row each."""
     out = tmp_path / "fsdp2.json"
-    simulate.main(["--world-size", "1024", "--strategy", "fsdp2", "--model", "small", *BATCH, "--out", str(out)])
+    simulate.main(["--world-size", "1024", "--strategy", "fsdp2", *BATCH, "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["params_bytes"] == bytes_in_whole_rows(GPTConfig(**result["model_config"]), 1024)
     for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "sent_bytes_per_step"):
         assert result["estimate"][name] == pytest.approx(result[name], rel=0.01), name
+
+
+def test_each_simulation_in_a_process_is_its_own_rank() -> None:
+    """DTensor remembers shardings, meshes included: rank 2 after rank 0 once took rank 0's slices (and failed)."""
+    first, last = (simulated(3, ["--strategy", "fsdp2"], rank)["params_bytes"] for rank in (0, 2))
+    tiny = GPTConfig(simulate.SYNTHETIC_VOCAB, 64, 2, 4, 64)
+    with torch.device("meta"):
+        shapes = [p.shape for p in GPT(tiny, seed=None).parameters()]
+    # torch.chunk's pieces of n rows: ceil(n / 3) each, the last rank's what is left.
+    assert first == sum(4 * math.ceil(s[0] / 3) * math.prod(s[1:]) for s in shapes)
+    assert last == sum(4 * (s[0] - 2 * math.ceil(s[0] / 3)) * math.prod(s[1:]) for s in shapes)
 
 
 @pytest.mark.parametrize("world_size", [8, 64])
