@@ -18,6 +18,7 @@ from common.flags import (
     folder,
     int_in_range,
     learning_rate,
+    name_pattern,
     non_negative_float,
     non_negative_int,
     output_dir,
@@ -248,6 +249,17 @@ def add_transformer_flags(parser: Parser) -> None:
     )
     group.add_argument(
         "--eval-batch-size", type=positive_int, default=100, help="held-out sequences per rank per evaluation batch"
+    )
+    tuning = parser.add_argument_group("fine-tuning")
+    tuning.add_argument(
+        "--freeze",
+        type=name_pattern,
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="train without the parameters whose names match this glob (repeatable): they keep their starting "
+        "values (--init-from's) and get no gradient, no optimizer state and no all-reduce, e.g. --freeze 'tok_emb.*' "
+        "--freeze 'blocks.0.*'",
     )
 
 

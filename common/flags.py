@@ -29,6 +29,7 @@ EXISTING_DIR = "existing folder"
 EXISTING_PATH = "existing file or folder"  # a checkpoint: step-N.pt, or the folder of a sharded one
 OUTPUT_FILE = "output file"
 OUTPUT_DIR = "output folder"
+NAME_PATTERN = "name pattern"  # a glob over names, such as a parameter's
 
 T = TypeVar("T")
 
@@ -153,6 +154,14 @@ def timeout_seconds(text: str) -> float:
             "while rank 0 saves, so a shorter limit fails a healthy run"
         )
     return value
+
+
+@flag_kind(NAME_PATTERN)
+def name_pattern(text: str) -> str:
+    """A shell-style glob over names (``'blocks.0.*'``). Blank is refused: no name is blank."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a pattern such as 'blocks.0.*', got nothing")
+    return text
 
 
 def path_kind(kind: str) -> Callable[[Callable[[str], Path]], Callable[[str], Path]]:

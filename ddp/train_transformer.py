@@ -55,6 +55,7 @@ from common.distributed import (
     seed_everything,
 )
 from common.evaluation import evaluate_language_model
+from common.fine_tuning import freeze
 from common.flag_checks import check_checkpoint_flags, check_training_flags, check_transformer_flags
 from common.metrics import MetricsLog
 from common.models import (
@@ -141,6 +142,7 @@ def train(args, ctx: DistContext) -> None:
     config = gpt_config(args, data.vocab_size)
     model = GPT(config, seed=args.seed).to(ctx.device)  # YOUR MODEL
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    freeze(model, args.freeze)  # --freeze: before the wrap, which sees which parameters need gradients
     model = wrap_model(model, args, ctx)  # DISTRIBUTED
     # Weights stay fp32; autocast runs each matmul in low precision and keeps norms and softmax in fp32.
     compute_dtype = COMPUTE_DTYPES[args.mixed_precision]

@@ -66,6 +66,7 @@ from common.distributed import (
     seed_everything,
 )
 from common.evaluation import evaluate_language_model
+from common.fine_tuning import freeze
 from common.flag_checks import check_checkpoint_flags, check_fsdp1_flags, check_training_flags, check_transformer_flags
 from common.metrics import MetricsLog
 from common.models import (
@@ -204,6 +205,7 @@ def train(args, ctx: DistContext) -> None:
     with torch.device("meta"):
         model = GPT(config, seed=None)  # YOUR MODEL
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    freeze(model, args.freeze)  # --freeze: before the wrap, which sees which parameters need gradients
     model = wrap_model(model, args, ctx)  # DISTRIBUTED
     compute_dtype = COMPUTE_DTYPES[args.mixed_precision]  # FSDP's mixed precision casts (see wrap_model)
     # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.

@@ -63,6 +63,7 @@ from common.distributed import (
     wants_cuda,
 )
 from common.evaluation import evaluate_language_model
+from common.fine_tuning import freeze
 from common.flag_checks import check_checkpoint_flags, check_fsdp_flags, check_training_flags, check_transformer_flags
 from common.metrics import MetricsLog
 from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config, init_parameters
@@ -199,6 +200,7 @@ def train(args, ctx: DistContext) -> None:
     with torch.device("meta"):
         model = GPT(config, seed=None)  # YOUR MODEL
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    freeze(model, args.freeze)  # --freeze: before the wrap, which sees which parameters need gradients
     model = wrap_model(model, args, ctx)  # DISTRIBUTED
     # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
