@@ -127,7 +127,7 @@ def record_strategy(args: argparse.Namespace) -> str:
         return "fsdp1_hybrid_shard" if args.replicate_degree > 1 else "fsdp1_full_shard"
     if args.strategy == "hsdp" and args.replicate_degree > 1:
         return "fsdp2_hsdp"
-    return args.strategy  # ddp, fsdp2, and hsdp of one replica (at 8 ranks or fewer by default): plain FSDP2
+    return "ddp" if args.strategy == "ddp" else "fsdp2"  # HSDP of one replica (8 ranks or fewer by default) is FSDP2
 
 
 def shard_group(args: argparse.Namespace) -> int:
