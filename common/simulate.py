@@ -35,6 +35,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ from common.cli import HelpFormatter
 from common.communication import CollectiveRecorder, Traffic, measured_step
 from common.distributed import DistContext, local_part, local_state_bytes
 from common.flags import int_in_range, non_negative_int, output_file, positive_int
-from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, gpt_config
+from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config
 from common.outputs import write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +61,7 @@ SCRIPTS = {
     "fsdp2": "fsdp/train_transformer_fsdp2.py",
     "hsdp": "fsdp/train_transformer_fsdp2.py",
 }
+MIB = 2**20
 SYNTHETIC_VOCAB = estimate_memory.SYNTHETIC_VOCAB  # the scripts' default data
 HSDP_SHARD_GROUP = 8  # one machine of 8 GPUs shards a copy, by default
 
@@ -77,9 +79,23 @@ world_size_type = int_in_range(1, 2**20, name="world_size")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    parser.add_argument("--world-size", type=world_size_type, required=True, help="ranks in the simulated job")
-    parser.add_argument("--strategy", choices=sorted(SCRIPTS), required=True, help="the script and its sharding")
-    parser.add_argument("--model", choices=sorted(GPT_PRESETS), default="tiny", help="size preset (default: tiny)")
+    parser.add_argument(
+        "--world-size",
+        type=world_size_type,
+        nargs="+",
+        required=True,
+        help="ranks in the simulated job (several: a table)",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=sorted(SCRIPTS),
+        nargs="+",
+        required=True,
+        help="the script and its sharding (several: a table)",
+    )
+    parser.add_argument(
+        "--model", choices=sorted(GPT_PRESETS), nargs="+", default=["tiny"], help="size preset (default: tiny)"
+    )
     parser.add_argument(
         "--replicate-degree",
         type=positive_int,
@@ -94,19 +110,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--vocab-size", type=positive_int, default=SYNTHETIC_VOCAB, help="the data's vocabulary (default: %(default)s)"
     )
-    parser.add_argument("--out", type=output_file, help="write the figures here as JSON")
+    parser.add_argument("--out", type=output_file, help="write the figures here as JSON (several jobs: a list)")
     args = parser.parse_args(argv)
-    if args.rank >= args.world_size:
-        parser.error(f"--rank {args.rank} is not a rank of a world of {args.world_size}")
-    if args.replicate_degree is None:
-        args.replicate_degree = (
-            args.world_size // math.gcd(args.world_size, HSDP_SHARD_GROUP) if args.strategy == "hsdp" else 1
-        )
-    elif args.strategy in ("ddp", "fsdp2") and args.replicate_degree != 1:
-        parser.error(f"--replicate-degree is for hsdp and fsdp1 (hybrid_shard), not {args.strategy}")
-    if args.world_size % args.replicate_degree:
-        parser.error(f"--replicate-degree {args.replicate_degree} does not divide --world-size {args.world_size}")
+    try:
+        args.jobs = [job(args, n, s, m) for m in args.model for n in args.world_size for s in args.strategy]
+    except ValueError as err:
+        parser.error(str(err))
     return args
+
+
+def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) -> argparse.Namespace:
+    """One simulated job of the command line's lists; ValueError for one that cannot be simulated."""
+    if args.rank >= world_size:
+        raise ValueError(f"--rank {args.rank} is not a rank of a world of {world_size}")
+    replicate_degree = args.replicate_degree
+    if replicate_degree is None:
+        replicate_degree = world_size // math.gcd(world_size, HSDP_SHARD_GROUP) if strategy == "hsdp" else 1
+    elif strategy in ("ddp", "fsdp2") and replicate_degree != 1:
+        raise ValueError(f"--replicate-degree is for hsdp and fsdp1 (hybrid_shard), not {strategy}")
+    if world_size % replicate_degree:
+        raise ValueError(f"--replicate-degree {replicate_degree} does not divide --world-size {world_size}")
+    return argparse.Namespace(
+        world_size=world_size,
+        strategy=strategy,
+        model=model,
+        replicate_degree=replicate_degree,
+        mixed_precision=args.mixed_precision,
+        rank=args.rank,
+        batch_size=args.batch_size,
+        vocab_size=args.vocab_size,
+    )
 
 
 def script_argv(args: argparse.Namespace) -> list[str]:
@@ -157,24 +190,6 @@ def outside_fake(function: Callable) -> Callable:
     return call
 
 
-@contextlib.contextmanager
-def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """``owner.name`` (or ``owner[name]``, a module's globals) set to ``value`` for the block."""
-    is_dict = isinstance(owner, dict)
-    before = owner[name] if is_dict else getattr(owner, name)
-    if is_dict:
-        owner[name] = value
-    else:
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        if is_dict:
-            owner[name] = before
-        else:
-            setattr(owner, name, before)
-
-
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = (getattr(t, "_local_tensor", t) for t in (a, b))
     return a.untyped_storage()._cdata == b.untyped_storage()._cdata
@@ -201,12 +216,14 @@ def fake_world(world_size: int, rank: int, script_globals: dict) -> Iterator[Dis
         stack.callback(dist.destroy_process_group)
         if "init_device_mesh" in script_globals:
             stack.enter_context(
-                patched(script_globals, "init_device_mesh", outside_fake(script_globals["init_device_mesh"]))
+                mock.patch.dict(script_globals, init_device_mesh=outside_fake(script_globals["init_device_mesh"]))
             )
         verify = ddp_module._verify_param_shape_across_processes
-        stack.enter_context(patched(ddp_module, "_verify_param_shape_across_processes", outside_fake(verify)))
-        stack.enter_context(patched(flat_param, "_data_ptr_allocated", lambda t: t.untyped_storage().size() > 0))
-        stack.enter_context(patched(flat_param, "_same_storage", _same_storage))
+        stack.enter_context(mock.patch.object(ddp_module, "_verify_param_shape_across_processes", outside_fake(verify)))
+        stack.enter_context(
+            mock.patch.object(flat_param, "_data_ptr_allocated", lambda t: t.untyped_storage().size() > 0)
+        )
+        stack.enter_context(mock.patch.object(flat_param, "_same_storage", _same_storage))
         yield DistContext(rank, rank % 8, world_size, min(world_size, 8), torch.device("cpu"), "fake")
 
 
@@ -331,6 +348,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "replicate_degree": args.replicate_degree,
         "mixed_precision": args.mixed_precision,
         "batch_size": script_args.batch_size,
+        "model": args.model,
         "model_config": config.shape(),
         "params_bytes": state["params"],
         "grads_bytes": state["grads"],
@@ -384,12 +402,36 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def scale_table(results: list[dict[str, Any]]) -> str:
+    """Per-rank model state and bytes sent per step, one row per job, against 16P/N and the estimators."""
+    lines = [
+        "| model | ranks | strategy | ranks per copy | state per rank MiB | x 16P / ranks per copy "
+        "| estimated / simulated | sent per step MiB | estimated / simulated |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for result in results:
+        config = GPTConfig(**result["model_config"])
+        with torch.device("meta"):
+            params = sum(p.numel() for p in GPT(config, seed=None).parameters())
+        group = result["world_size"] // result["replicate_degree"] if result["strategy"] != "ddp" else 1
+        state = sum(result[f"{kind}_bytes"] for kind in ("params", "grads", "optimizer"))
+        estimated = sum(result["estimate"][f"{kind}_bytes"] for kind in ("params", "grads", "optimizer"))
+        sent, sent_estimated = result["sent_bytes_per_step"], result["estimate"]["sent_bytes_per_step"]
+        lines.append(
+            f"| {result['model']} | {result['world_size']:,} | {result['strategy']} | {group:,} | {state / MIB:,.2f} "
+            f"| {state / (16 * params / group):.3f} | {estimated / state:.4f} | {sent / MIB:,.1f} "
+            f"| {sent_estimated / sent:.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    result = simulate(args)
-    print(report(result))
+    results = [simulate(one) for one in args.jobs]
+    print(report(results[0]) if len(results) == 1 else scale_table(results))
     if args.out is not None:
-        write_text(args.out, json.dumps(result, indent=2) + "\n", overwrite=True)
+        written = results[0] if len(results) == 1 else results
+        write_text(args.out, json.dumps(written, indent=2) + "\n", overwrite=True)
         print(f"wrote {args.out}")
 
 

@@ -36,9 +36,8 @@ REAL_RUNS = [
 
 
 def simulated(world_size: int, flags: list[str], rank: int = 0) -> dict:
-    return simulate.simulate(
-        simulate.parse_args(["--world-size", str(world_size), "--rank", str(rank), *flags, *BATCH])
-    )
+    (job,) = simulate.parse_args(["--world-size", str(world_size), "--rank", str(rank), *flags, *BATCH]).jobs
+    return simulate.simulate(job)
 
 
 @pytest.mark.parametrize(("case", "script", "nproc", "run_flags", "simulation_flags"), cases(REAL_RUNS))
