@@ -1,18 +1,17 @@
 """One rank of an N-rank job, on one CPU: what it holds and sends, measured by running the scripts' own wrap.
 
     python -m common.simulate --world-size 1024 --strategy fsdp2 --model gpt2 --out fsdp2-1024.json
-    python -m common.simulate --world-size 64 --strategy hsdp --model medium --mixed-precision bf16
-    python -m common.simulate --world-size 256 --strategy fsdp1 --model gpt2 --rank 255
+    python -m common.simulate --model medium gpt2 --world-size 8 64 256 1024 --strategy ddp fsdp1 fsdp2 hsdp
 
-The transformer script of the strategy builds its model and wraps it with its own ``wrap_model``
-(the real DDP, FSDP1 or fully_shard: their buckets, flat parameters and padding), on torch's fake
-process group, whose collectives return at once, and with fake tensors, which have shapes and
-storage sizes but no memory. Then three training steps run as the script runs them (zero_grad,
-forward, loss, backward, clipping, AdamW); the third is measured, as the runs measure theirs (DDP
-rebuilds its buckets after its first step). Written, for the rank: the bytes of its parameters,
-gradients and optimizer state after the step, the peak of its live tensors' bytes during the step,
-and every collective of the step (common.communication's recorder), beside what
-common.estimate_memory and common.estimate_communication predict for the same job.
+The transformer script of the strategy wraps its model with its own ``wrap_model`` (the real DDP,
+FSDP1 or fully_shard: their buckets, flat parameters and padding) on torch's fake process group,
+whose collectives return at once, and fake tensors, which have shapes and sizes but no memory. The
+steps run as the script runs them (zero_grad, forward, loss, backward, clipping, AdamW), and one is
+measured as the runs measure theirs (see ``warm_up``). For the rank: its parameter, gradient and
+optimizer bytes after the step, the peak of its live tensors' bytes during it, and each collective
+(common.communication's recorder), beside what common.estimate_memory and
+common.estimate_communication predict for the same job. Several values of --world-size, --strategy
+or --model: one job each, and a table.
 
 What the fake world cannot do, the simulation routes around without changing the wrap: the
 device mesh is built outside the fake tensors (it reads its own ranks), DDP's parameter check runs
@@ -66,11 +65,25 @@ SYNTHETIC_VOCAB = estimate_memory.SYNTHETIC_VOCAB  # the scripts' default data
 HSDP_SHARD_GROUP = 8  # one machine of 8 GPUs shards a copy, by default
 
 
-def warm_up_steps(strategy: str) -> int:
-    """Steps before the measured one: as many as the runs take (their third step is measured, after FSDP's
-    lazy initialisation), except for DDP, whose bucket rebuild after its first step reads an order that
-    the ranks agreed on, which fake tensors do not hold: DDP's measured step is its first."""
-    return 0 if strategy == "ddp" else measured_step(0) - 1
+def warm_up(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    ctx: DistContext,
+    batch: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """The steps before the measured one: two, as the runs take (their third is measured, after FSDP's lazy
+    initialisation). DDP's bucket rebuild after its first synchronised step reads an order the ranks
+    agreed on, which fake tensors do not hold, so DDP's measured step is its first synchronised one, after
+    one under no_sync that gives AdamW its state; its gradients are then dropped, and come back during
+    the measured step as views of DDP's buckets (first seen when its backward fills them)."""
+    if args.strategy != "ddp":
+        for _ in range(measured_step(0) - 1):
+            training_step(model, optimizer, args, ctx, batch)
+        return
+    with model.no_sync():
+        training_step(model, optimizer, args, ctx, batch)
+    optimizer.zero_grad(set_to_none=True)
 
 
 # Far beyond any job this repository's scripts were run at; each rank is simulated alone, so only time grows.
@@ -161,10 +174,6 @@ def record_strategy(args: argparse.Namespace) -> str:
     if args.strategy == "hsdp" and args.replicate_degree > 1:
         return "fsdp2_hsdp"
     return "ddp" if args.strategy == "ddp" else "fsdp2"  # HSDP of one replica (8 ranks or fewer by default) is FSDP2
-
-
-def shard_group(args: argparse.Namespace) -> int:
-    return 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree
 
 
 @contextlib.contextmanager
@@ -333,8 +342,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=script_args.lr, weight_decay=script_args.weight_decay)
         shape = (script_args.batch_size, script_args.block_size)
         batch = (torch.randint(0, args.vocab_size, shape), torch.randint(0, args.vocab_size, shape))
-        for _ in range(warm_up_steps(args.strategy)):
-            training_step(model, optimizer, args, ctx, batch)
+        warm_up(model, optimizer, args, ctx, batch)
         recorder = StepRecorder([*held_tensors(model, optimizer), *batch])
         with recorder:
             training_step(model, optimizer, args, ctx, batch)
@@ -365,7 +373,8 @@ def estimate(args: argparse.Namespace, config: Any, batch_size: int) -> dict[str
     """What common.estimate_memory and common.estimate_communication (common.comm_model) say of the same job."""
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in GPT(config, seed=None).named_parameters()}
-    strategy, group = record_strategy(args), shard_group(args)
+    strategy = record_strategy(args)
+    group = 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree
     state = estimate_memory.between_steps(shapes.values(), group, estimate_memory.LAYOUTS[strategy])
     kind = "ddp" if strategy == "ddp" else "hybrid_shard" if args.replicate_degree > 1 else "full_shard"
     params = sum(math.prod(s) for s in shapes.values())
