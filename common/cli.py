@@ -261,6 +261,25 @@ def add_transformer_flags(parser: Parser) -> None:
         "values (--init-from's) and get no gradient, no optimizer state and no all-reduce, e.g. --freeze 'tok_emb.*' "
         "--freeze 'blocks.0.*'",
     )
+    tuning.add_argument(
+        "--lora-rank",
+        type=positive_int,
+        help="train LoRA adapters of this rank beside the linear layers --lora-targets names, and freeze every "
+        "other parameter; model.pt holds the adapters merged into the weights (default: no adapters)",
+    )
+    tuning.add_argument(
+        "--lora-alpha",
+        type=positive_float,
+        help="the adapters' update is scaled by alpha / rank (default: 2 x --lora-rank, a scale of 2)",
+    )
+    tuning.add_argument(
+        "--lora-targets",
+        type=name_pattern,
+        action="append",
+        metavar="PATTERN",
+        help="glob over module names: the linear layers that get adapters (repeatable; default: "
+        "'blocks.*.attn.*' and 'blocks.*.mlp.*', every linear layer of the Blocks)",
+    )
 
 
 def add_compute_flags(parser: Parser, *, precisions: list[str]) -> None:

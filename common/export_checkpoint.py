@@ -12,6 +12,9 @@ model. Nothing in the checkpoint runs as code: a sharded checkpoint whose
 metadata holds more than DCP's own records is refused unless
 --trust-checkpoint is given. An existing output file, a run's own model.pt
 among them, is replaced only with --overwrite.
+
+A run with LoRA adapters (--lora-rank) exports as its model.pt is written: the adapters merged into
+the weights they adapt; --adapters-only writes the adapters alone.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from common.checkpoint import TRAINER_FILE
 from common.cli import HelpFormatter, add_trust_flag
+from common.fine_tuning import is_adapter, merge_adapters
 from common.flags import existing_path, output_file
 from common.outputs import add_overwrite_flag, check_output_path, save_torch
 from common.processes import exit_code_of
@@ -37,15 +43,31 @@ from common.safe_loading import UntrustedCheckpoint, describe_failure, load_file
 MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
 
 
-def read_model_state(checkpoint: Path, trust: bool = False) -> dict[str, torch.Tensor]:
-    """The model's full state dict from a sharded or full checkpoint."""
+def read_model_state(checkpoint: Path, trust: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The model's full state dict from a sharded or full checkpoint, and the run's recorded flags (empty if none)."""
     if checkpoint.is_dir():
-        return read_sharded_model_state(checkpoint, trust)
+        trainer = load_file(checkpoint / TRAINER_FILE)
+        return read_sharded_model_state(checkpoint, trust), recorded_settings(trainer)
     saved = load_file(checkpoint)
     model = saved.get("model") if isinstance(saved, dict) else None
     if not isinstance(model, dict) or not all(isinstance(value, torch.Tensor) for value in model.values()):
         raise ValueError("it holds no model state dict (a training checkpoint has one under 'model')")
-    return model
+    return model, recorded_settings(saved.get("trainer"))
+
+
+def recorded_settings(trainer: Any) -> dict[str, Any]:
+    settings = trainer.get("settings") if isinstance(trainer, dict) else None
+    return settings if isinstance(settings, dict) else {}
+
+
+def plain_or_adapters(state: dict[str, torch.Tensor], settings: dict[str, Any], adapters_only: bool) -> dict:
+    """What to write: the plain model (LoRA adapters merged into their weights, as the run's model.pt), or
+    with --adapters-only the adapters alone, for a user who keeps the base weights elsewhere."""
+    if adapters_only:
+        if not any(is_adapter(name) for name in state):
+            raise ValueError("it holds no LoRA adapters (the run had no --lora-rank)")
+        return {name: value for name, value in state.items() if is_adapter(name)}
+    return merge_adapters(state, settings.get("--lora-rank"), settings.get("--lora-alpha"))
 
 
 def read_sharded_model_state(folder: Path, trust: bool) -> dict[str, torch.Tensor]:
@@ -70,6 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("checkpoint", type=existing_path, help="RUN_DIR/checkpoints/step-N (a folder) or step-N.pt")
     parser.add_argument("output", type=output_file, help="where to write the model's state dict")
+    parser.add_argument(
+        "--adapters-only",
+        action="store_true",
+        help="write only the LoRA adapters of a --lora-rank run (default: the plain model, adapters merged in)",
+    )
     add_trust_flag(parser)
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
@@ -117,7 +144,8 @@ def running_in(run_dir: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        state = read_model_state(args.checkpoint, trust=args.trust_checkpoint)
+        state, settings = read_model_state(args.checkpoint, trust=args.trust_checkpoint)
+        state = plain_or_adapters(state, settings, args.adapters_only)
     # DCP's CheckpointException is a BaseException, so it is named here.
     except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - any failure to read means one thing here
         cause = root_failure(err)

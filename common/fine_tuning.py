@@ -1,4 +1,5 @@
-"""Training part of a model: the parameters ``--freeze`` names keep the values they started with.
+"""Training part of a model: ``--freeze`` keeps the parameters it names as they started, and ``--lora-rank``
+trains low-rank adapters beside the linear layers instead of the layers themselves.
 
 A frozen parameter gets no gradient, so the optimizer keeps no state for it and, under DDP, no
 bucket holds it and nothing is all-reduced for it. Freezing happens before the wrap: DDP builds its
@@ -10,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fnmatch import fnmatchcase
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from common.distributed import FatalError, print0
+from common.models import init_parameters
 
 
 def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
@@ -37,3 +41,91 @@ def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
         total = sum(parameter.numel() for parameter in parameters.values())
         print0(f"frozen: {len(frozen)} of {len(parameters)} parameters, {elements:,} of {total:,} values")
     return frozen
+
+
+# --lora-targets when not given: every linear layer inside the Blocks (attention and MLP), not the head.
+DEFAULT_LORA_TARGETS = ("blocks.*.attn.*", "blocks.*.mlp.*")
+ADAPTER_SUFFIXES = (".adapter.a", ".adapter.b")
+
+
+class LowRankUpdate(nn.Module):
+    """The trainable half of a LoRA layer: ``x -> scale * (x A^T) B^T``, A (rank x in), B (out x rank).
+
+    A module of its own, so that FSDP1 can make it a unit of its own: a unit that mixes frozen and
+    trainable parameters keeps a gradient for every value in it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, scale: float, device: torch.device) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(rank, in_features, device=device))
+        self.b = nn.Parameter(torch.empty(out_features, rank, device=device))
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.a), self.b) * self.scale
+
+
+class LoRALinear(nn.Linear):
+    """A linear layer plus a low-rank update: ``x W^T + b + scale * (x A^T) B^T`` (LoRA, Hu et al. 2021).
+
+    It keeps the layer's own ``weight`` and ``bias`` under their names, so a state dict of the plain
+    model still fits it; the update is ``adapter``. B starts at zero, so the model computes exactly
+    what it did before the adapters were added.
+    """
+
+    def __init__(self, base: nn.Linear, rank: int, scale: float) -> None:
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        self.weight, self.bias = base.weight, base.bias  # the same tensors, not copies
+        self.adapter = LowRankUpdate(base.in_features, base.out_features, rank, scale, base.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.adapter(x)
+
+
+def add_adapters(model: nn.Module, rank: int | None, alpha: float | None, targets: Sequence[str], seed: int) -> None:
+    """--lora-rank: a LoRALinear in place of each linear layer whose name matches ``targets``, and every
+    other parameter frozen. ``alpha / rank`` scales the update. On the meta device the adapters stay
+    without values, for the sharded initialisation to set; elsewhere they get their initial values here."""
+    if rank is None:
+        return
+    chosen = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    chosen = [(name, module) for name, module in chosen if any(fnmatchcase(name, t) for t in targets)]
+    if not chosen:
+        raise FatalError(f"--lora-targets {' '.join(targets)} matches no linear layer of the model")
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    scale = adapter_scale(rank, alpha)
+    for name, linear in chosen:
+        parent_name, _, child = name.rpartition(".")
+        adapted = LoRALinear(linear, rank, scale)
+        setattr(model.get_submodule(parent_name), child, adapted)
+        if adapted.weight.device.type != "meta":
+            init_parameters(adapted.adapter, seed, prefix=f"{name}.adapter")
+    adapters = sum(p.numel() for m in model.modules() if isinstance(m, LowRankUpdate) for p in m.parameters())
+    print0(f"LoRA: rank {rank}, scale {scale:g}, on {len(chosen)} linear layers: {adapters:,} values to train")
+
+
+def adapter_scale(rank: int, alpha: float | None) -> float:
+    """What scales an adapter's update: --lora-alpha / --lora-rank, with alpha 2 x rank when not given."""
+    return (alpha if alpha is not None else 2.0 * rank) / rank
+
+
+def merge_adapters(state: dict[str, torch.Tensor], rank: int | None, alpha: float | None) -> dict[str, torch.Tensor]:
+    """A plain model's state dict from one with adapters: each ``W + scale * B A`` under W's name, the
+    adapters dropped. What model.pt holds, so that it loads into the model without adapters."""
+    if rank is None:
+        return state
+    scale = adapter_scale(rank, alpha)
+    merged = {name: value for name, value in state.items() if not name.endswith(ADAPTER_SUFFIXES)}
+    for name in state:
+        if name.endswith(".adapter.a"):
+            layer = name.removesuffix(".adapter.a")
+            update = state[f"{layer}.adapter.b"].float() @ state[name].float()
+            merged[f"{layer}.weight"] = (state[f"{layer}.weight"].float() + scale * update).to(
+                state[f"{layer}.weight"].dtype
+            )
+    return merged
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith(ADAPTER_SUFFIXES)

@@ -15,6 +15,7 @@ import sys
 
 from common.cli import Parser
 from common.distributed import wants_cuda
+from common.fine_tuning import DEFAULT_LORA_TARGETS
 from common.input_checks import check_model_size, check_synthetic_size, check_text_file, check_token_file
 from common.models import GPT_PRESETS
 from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step, checkpoint_to_resume
@@ -93,6 +94,10 @@ def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
     if args.text_file is None and args.token_file is None:
         check_synthetic_size(parser, args)
     check_model_size(parser, args)
+    if args.lora_rank is None and (args.lora_alpha is not None or args.lora_targets):
+        parser.error("--lora-alpha and --lora-targets shape the adapters that --lora-rank adds: give --lora-rank too")
+    if args.lora_targets is None:
+        args.lora_targets = list(DEFAULT_LORA_TARGETS)
 
 
 def check_fsdp_flags(parser: Parser, args: argparse.Namespace) -> None:
@@ -109,6 +114,14 @@ def check_fsdp1_flags(parser: Parser, args: argparse.Namespace) -> None:
     if args.sharding_strategy != "hybrid_shard" and args.replicate_degree is not None:
         parser.error("--replicate-degree only applies to --sharding-strategy hybrid_shard")
     check_fsdp_flags(parser, args)
+    if args.lora_rank is not None and (env_world_size() == 1 or args.sharding_strategy == "no_shard"):
+        # torch 2.14.1: unsharded (one process, or no_shard), an FSDP1 unit with nothing to train keeps its
+        # parameters as plain tensors after a step, and the state dict of model.pt and checkpoints misses them.
+        parser.error(
+            "--lora-rank under FSDP1 needs 2 or more processes and a strategy that shards: unsharded, FSDP1 "
+            "leaves the frozen units' weights out of model.pt and the checkpoints. In one process use "
+            "ddp/train_transformer.py or fsdp/train_transformer_fsdp2.py"
+        )
     if args.sharding_strategy == "hybrid_shard" and args.replicate_degree is None:
         # One replica per machine: sharding stays on the fast links inside a node
         # and only the gradient all-reduce crosses the network.

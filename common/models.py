@@ -174,13 +174,16 @@ def initial_value(owner: nn.Module, name: str, shape: torch.Size, seed: int) -> 
     on what was made before. That is what lets a sharded model initialise each shard where it
     lives and still start from exactly the weights one process would build.
     """
-    if name.endswith("bias"):
+    if name.endswith("bias") or name.endswith(".adapter.b"):  # a LoRA adapter starts as no change at all
         return torch.zeros(shape)
     if isinstance(owner, nn.LayerNorm):
         return torch.ones(shape)
     # One 32-bit number from both: the CPU generator keeps only the low 32 bits of its seed.
     generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-    return torch.empty(shape).normal_(mean=0.0, std=0.02, generator=generator)
+    # An adapter's down-projection, (rank, in): of unit variance per output, so that its up-projection
+    # learns at a rate that does not depend on the width.
+    std = shape[-1] ** -0.5 if name.endswith(".adapter.a") else 0.02
+    return torch.empty(shape).normal_(mean=0.0, std=std, generator=generator)
 
 
 @torch.no_grad()

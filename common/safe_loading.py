@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from common.compat import quiet_internal_warnings
 from common.distributed import DistContext, FatalError, broadcast_object, print0
+from common.fine_tuning import is_adapter
 
 
 def load_file(path: Path) -> Any:
@@ -46,8 +47,10 @@ def start_from_weights(model: torch.nn.Module, path: Path, ctx: DistContext) -> 
     most one whole tensor. Keys or shapes that differ stop every rank with one message (exit 2).
     """
     # This rank's part of each tensor, under the names a plain model has; size() is the whole tensor's.
+    # LoRA adapters are not in the weights a user starts from: they start as no change (B = 0).
     with quiet_internal_warnings():  # FSDP1's sharded state dict still goes through ShardedTensor
-        expected = {name: tuple(tensor.size()) for name, tensor in get_model_state_dict(model).items()}
+        whole = {name: tuple(tensor.size()) for name, tensor in get_model_state_dict(model).items()}
+    expected = {name: shape for name, shape in whole.items() if not is_adapter(name)}
     state: dict[str, torch.Tensor] = {}
     problem = None
     if ctx.is_main:
@@ -61,7 +64,8 @@ def start_from_weights(model: torch.nn.Module, path: Path, ctx: DistContext) -> 
     if problem is not None:
         raise FatalError(f"--init-from {path} {problem}")
     with quiet_internal_warnings():
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=len(expected) == len(whole))
+        set_model_state_dict(model, state, options=options)
     print0(f"weights from {path} ({len(expected)} tensors); a new run: step 0, a fresh optimizer")
 
 

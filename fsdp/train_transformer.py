@@ -66,7 +66,7 @@ from common.distributed import (
     seed_everything,
 )
 from common.evaluation import evaluate_language_model
-from common.fine_tuning import freeze
+from common.fine_tuning import LowRankUpdate, add_adapters, freeze, merge_adapters
 from common.flag_checks import check_checkpoint_flags, check_fsdp1_flags, check_training_flags, check_transformer_flags
 from common.metrics import MetricsLog
 from common.models import (
@@ -138,7 +138,9 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
         # it would mean gathering it again at once. (FSDP2 does the same below its root.)
         if module is layers[-1] and args.sharding_strategy in KEEP_GATHERED:
             return {"sharding_strategy": KEEP_GATHERED[args.sharding_strategy]}
-        return module in layers
+        # --lora-rank: each adapter a unit of its own, apart from the frozen weights it adapts. A unit is one
+        # flat parameter, and FSDP1 keeps a gradient for all of it as soon as any part of it trains.
+        return module in layers or isinstance(module, LowRankUpdate)
 
     if args.compile:
         compile_layers(layers)
@@ -205,6 +207,7 @@ def train(args, ctx: DistContext) -> None:
     with torch.device("meta"):
         model = GPT(config, seed=None)  # YOUR MODEL
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_targets, args.seed)  # --lora-rank
     freeze(model, args.freeze)  # --freeze: before the wrap, which sees which parameters need gradients
     model = wrap_model(model, args, ctx)  # DISTRIBUTED
     compute_dtype = COMPUTE_DTYPES[args.mixed_precision]  # FSDP's mixed precision casts (see wrap_model)
@@ -325,6 +328,7 @@ def train(args, ctx: DistContext) -> None:
     # DISTRIBUTED: the whole model under its own parameter names (no wrapper's prefix), as CPU tensors,
     # for rank 0 to save; the other ranks only learn whether that worked.
     state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
+    state = merge_adapters(state, args.lora_rank, args.lora_alpha)  # a model.pt of the plain model
     save_model_file(state, args.run_dir / MODEL_FILE, ctx)
     finish_run(
         log,

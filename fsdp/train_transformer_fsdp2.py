@@ -63,7 +63,7 @@ from common.distributed import (
     wants_cuda,
 )
 from common.evaluation import evaluate_language_model
-from common.fine_tuning import freeze
+from common.fine_tuning import add_adapters, freeze, merge_adapters
 from common.flag_checks import check_checkpoint_flags, check_fsdp_flags, check_training_flags, check_transformer_flags
 from common.metrics import MetricsLog
 from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config, init_parameters
@@ -200,6 +200,7 @@ def train(args, ctx: DistContext) -> None:
     with torch.device("meta"):
         model = GPT(config, seed=None)  # YOUR MODEL
     print0(f"model: {count_parameters(model):,} parameters, {args.n_layer} blocks of width {args.d_model}")
+    add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_targets, args.seed)  # --lora-rank
     freeze(model, args.freeze)  # --freeze: before the wrap, which sees which parameters need gradients
     model = wrap_model(model, args, ctx)  # DISTRIBUTED
     # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
@@ -320,6 +321,7 @@ def train(args, ctx: DistContext) -> None:
     # DISTRIBUTED: the whole model under its own parameter names (no wrapper's prefix), as CPU tensors,
     # for rank 0 to save; the other ranks only learn whether that worked.
     state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
+    state = merge_adapters(state, args.lora_rank, args.lora_alpha)  # a model.pt of the plain model
     save_model_file(state, args.run_dir / MODEL_FILE, ctx)
     finish_run(
         log,

@@ -64,6 +64,8 @@ CASES = [
         "full",
     ),
     ("fsdp2-transformer", FSDP2, TRANSFORMER_ARGS, 20, 40, "sharded"),
+    # LoRA adapters beside a frozen base: the exported checkpoint holds them merged, as model.pt does.
+    ("fsdp2-transformer-lora", FSDP2, [*TRANSFORMER_ARGS, "--lora-rank", "4"], 20, 40, "sharded"),
 ]
 # The floor pass (the oldest supported torch) runs one case per strategy family.
 FLOOR_CASES = {"ddp-mnist", "fsdp1-transformer-full", "fsdp2-transformer"}
