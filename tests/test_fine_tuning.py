@@ -117,18 +117,21 @@ def test_a_lora_runs_model_pt_scores_what_the_run_scored(weights: Path, tmp_path
     assert plain.check().final()["eval_loss"] == pytest.approx(lora.final()["eval_loss"], rel=MERGED_LOSS)
 
 
-def test_fsdp1_refuses_lora_where_it_would_not_shard(
+def test_fsdp1_refuses_fine_tuning_where_it_would_not_shard(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """Unsharded (one process, or no_shard), FSDP1 keeps a unit with nothing to train as plain tensors after a step,
-    and model.pt lost the frozen weights: an AssertionError from torch's state-dict hook after the whole run."""
+    """Unsharded (one process, or no_shard), FSDP1 keeps a unit with nothing to train (and nothing trainable below
+    it) as plain tensors after a step, and the run's end failed in torch's state-dict hook: the frozen embeddings'
+    unit under --freeze, or under LoRA the first Block's own unit."""
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     parse_args = runpy.run_path(str(REPO / "fsdp/train_transformer.py"))["parse_args"]
-    for world_size, strategy in [("1", "full_shard"), ("2", "no_shard")]:
+    cases = [("1", "full_shard", ["--lora-rank", "4"]), ("2", "no_shard", ["--lora-rank", "4"])]
+    cases += [("1", "full_shard", ["--freeze", "tok_emb.*", "--freeze", "pos_emb.*", "--freeze", "ln_f.*"])]
+    for world_size, strategy, fine_tuning in cases:
         launch = {"WORLD_SIZE": world_size, "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
         for name, value in launch.items():  # what torchrun sets; nothing connects while flags are parsed
             monkeypatch.setenv(name, value)
         with pytest.raises(SystemExit) as exit_info:
-            parse_args(["--run-dir", str(tmp_path / "run"), "--lora-rank", "4", "--sharding-strategy", strategy])
+            parse_args(["--run-dir", str(tmp_path / "run"), *fine_tuning, "--sharding-strategy", strategy])
         assert exit_info.value.code == 2
-        assert "--lora-rank under FSDP1 needs 2 or more processes" in capsys.readouterr().err
+        assert "--freeze and --lora-rank under FSDP1 need 2 or more processes" in capsys.readouterr().err
