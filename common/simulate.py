@@ -176,21 +176,6 @@ def record_strategy(args: argparse.Namespace) -> str:
     return "ddp" if args.strategy == "ddp" else "fsdp2"  # HSDP of one replica (8 ranks or fewer by default) is FSDP2
 
 
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    """The torchrun variables the script's flag checks read, for the simulated rank."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def outside_fake(function: Callable) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
         with unset_fake_temporarily():
@@ -319,13 +304,18 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     """The figures of one rank: measured (its own state, peak and collectives) and the estimators'."""
     script = runpy.run_path(str(REPO / SCRIPTS[args.strategy]))
     wrap_model = script["wrap_model"]
-    with environment(
-        WORLD_SIZE=str(args.world_size), RANK=str(args.rank), LOCAL_WORLD_SIZE=str(args.world_size), MASTER_ADDR="fake"
+    # The torchrun variables the script's flag checks read, for the simulated rank.
+    with mock.patch.dict(
+        os.environ,
+        WORLD_SIZE=str(args.world_size),
+        RANK=str(args.rank),
+        LOCAL_WORLD_SIZE=str(args.world_size),
+        MASTER_ADDR="fake",
     ):
         script_args = script["parse_args"](script_argv(args))
     config = gpt_config(script_args, args.vocab_size)
     with (
-        environment(RANK=str(args.rank)),
+        mock.patch.dict(os.environ, RANK=str(args.rank)),  # the wrap prints on rank 0 only (print0)
         fake_world(args.world_size, args.rank, wrap_model.__globals__) as ctx,
         FakeTensorMode(allow_non_fake_inputs=True),
     ):
@@ -394,6 +384,10 @@ def estimate(args: argparse.Namespace, config: Any, batch_size: int) -> dict[str
 FIGURES = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes", "sent_bytes_per_step")
 
 
+def ratio(estimated: float, simulated: float) -> str:
+    return f"{estimated / simulated:.4f}" if simulated else "n/a"  # a world of one sends nothing
+
+
 def report(result: dict[str, Any]) -> str:
     lines = [
         f"rank {result['rank']} of {result['world_size']}, {result['strategy']}, replicate degree "
@@ -402,10 +396,8 @@ def report(result: dict[str, Any]) -> str:
         "| figure | simulated | estimated | estimated / simulated |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for name in FIGURES:
-        measured, estimated = result[name], result["estimate"][name]
-        ratio = f"{estimated / measured:.4f}" if measured else "n/a"
-        lines.append(f"| {name} | {measured:,.0f} | {estimated:,.0f} | {ratio} |")
+    for name, simulated, estimated in ((name, result[name], result["estimate"][name]) for name in FIGURES):
+        lines.append(f"| {name} | {simulated:,.0f} | {estimated:,.0f} | {ratio(estimated, simulated)} |")
     lines.append("\ncollectives of the step (kind, message bytes, group size):")
     lines += [f"  {kind} {size:,} {group}" for kind, size, group in result["collectives"]]
     return "\n".join(lines)
@@ -429,7 +421,7 @@ def scale_table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {result['model']} | {result['world_size']:,} | {result['strategy']} | {group:,} | {state / MIB:,.2f} "
             f"| {state / (16 * params / group):.3f} | {estimated / state:.4f} | {sent / MIB:,.1f} "
-            f"| {sent_estimated / sent:.4f} |"
+            f"| {ratio(sent_estimated, sent)} |"
         )
     return "\n".join(lines)
 
