@@ -48,6 +48,7 @@ from common.distributed import (
     print0,
     shard_group_size,
 )
+from common.fine_tuning import adapter_identity
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
 from common.run_dir import CHECKPOINTS, checkpoint_step, checkpoint_to_resume, complete_checkpoints
 from common.safe_loading import (
@@ -127,7 +128,7 @@ class Checkpointer:
         self.model = model
         self.optimizer = optimizer
         self.extra = extra
-        self.identity = identity
+        self.identity = {**identity, "lora": adapter_identity(model)}  # None without adapters, as before them
         self.settings = settings
         self.global_batch_size = global_batch_size
         self.sharded = sharded

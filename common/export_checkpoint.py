@@ -145,13 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         state, settings = read_model_state(args.checkpoint, trust=args.trust_checkpoint)
-        state = plain_or_adapters(state, settings, args.adapters_only)
     # DCP's CheckpointException is a BaseException, so it is named here.
     except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - any failure to read means one thing here
         cause = root_failure(err)
         if isinstance(cause, UntrustedCheckpoint):
             return fail(cause.refusal(args.checkpoint))
         return fail(f"cannot read {args.checkpoint}: {describe_failure(err)}")
+    try:
+        state = plain_or_adapters(state, settings, args.adapters_only)
+    except ValueError as err:
+        return fail(f"{args.checkpoint}: {err}")
     try:
         save_torch(state, args.output, args.overwrite)
     except OSError as err:

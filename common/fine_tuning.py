@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -59,7 +60,7 @@ class LowRankUpdate(nn.Module):
         super().__init__()
         self.a = nn.Parameter(torch.empty(rank, in_features, device=device))
         self.b = nn.Parameter(torch.empty(out_features, rank, device=device))
-        self.scale = scale
+        self.rank, self.scale = rank, scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.linear(x, self.a), self.b) * self.scale
@@ -129,3 +130,12 @@ def merge_adapters(state: dict[str, torch.Tensor], rank: int | None, alpha: floa
 
 def is_adapter(name: str) -> bool:
     return name.endswith(ADAPTER_SUFFIXES)
+
+
+def adapter_identity(model: nn.Module) -> dict[str, Any] | None:
+    """What a checkpoint records of the model's LoRA adapters (None without): a resume with other adapters
+    is refused with that said, not with a state dict's missing keys."""
+    adapters = [module for module in model.modules() if isinstance(module, LowRankUpdate)]
+    if not adapters:
+        return None
+    return {"rank": adapters[0].rank, "scale": adapters[0].scale, "layers": len(adapters)}

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from common import export_checkpoint
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
+from tests.harness.model_files import assert_same_parameters
 from tests.harness.runs import REPO, run_script
 
 SMALL = ["--block-size", "32", "--train-sequences", "320", "--heldout-sequences", "40"]
@@ -135,3 +137,21 @@ def test_fsdp1_refuses_fine_tuning_where_it_would_not_shard(
             parse_args(["--run-dir", str(tmp_path / "run"), *fine_tuning, "--sharding-strategy", strategy])
         assert exit_info.value.code == 2
         assert "--freeze and --lora-rank under FSDP1 need 2 or more processes" in capsys.readouterr().err
+
+
+def test_a_lora_checkpoint_resumes_only_with_its_adapters_and_exports_them_alone(tmp_path: Path) -> None:
+    """Resumed without --lora-rank, a LoRA checkpoint ended in a state dict's traceback ("Unexpected key(s)")."""
+    flags = [*SMALL, "--lora-rank", "4", "--checkpoint-interval", "2"]
+    run_script("ddp/train_transformer.py", [*flags, "--max-steps", "2"], tmp_path).check()
+    checkpoint = tmp_path / "checkpoints" / "step-2.pt"
+    plain = run_script("ddp/train_transformer.py", [*SMALL, "--resume", "--max-steps", "4"], tmp_path)
+    assert plain.returncode == 2, plain.describe()
+    assert plain.output.count("lora is {'rank': 4, 'scale': 2.0, 'layers': 8} there, None here") == 1, plain.describe()
+    assert "Traceback" not in plain.output and checkpoint.exists(), plain.describe()
+    adapters = tmp_path / "adapters.pt"
+    assert export_checkpoint.main([str(checkpoint), str(adapters), "--adapters-only"]) == 0
+    exported = torch.load(adapters, weights_only=True)
+    assert len(exported) == 16 and all(name.endswith((".adapter.a", ".adapter.b")) for name in exported)
+    merged = tmp_path / "merged.pt"
+    assert export_checkpoint.main([str(checkpoint), str(merged)]) == 0
+    assert_same_parameters(merged, tmp_path / "model.pt")  # as the run's own model.pt: adapters merged in
