@@ -88,7 +88,7 @@ def test_each_simulation_in_a_process_is_its_own_rank() -> None:
 @pytest.mark.parametrize("world_size", [8, 64])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp1", "fsdp2", "hsdp"])
 def test_estimators_agree_with_the_simulation(strategy: str, world_size: int) -> None:
-    result = simulated(world_size, ["--strategy", strategy, "--model", "small"])
+    result = simulated(world_size, ["--strategy", strategy])
     for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "sent_bytes_per_step"):
         assert result["estimate"][name] == pytest.approx(result[name], rel=0.01), name
 
