@@ -33,8 +33,10 @@ def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
                 f"--freeze {pattern!r} matches no parameter of the model; its parameters are named like {examples}"
             )
     frozen = [name for name in parameters if any(fnmatchcase(name, pattern) for pattern in patterns)]
-    if frozen and len(frozen) == len(parameters):
-        raise FatalError("--freeze matches every parameter of the model: nothing would be trained")
+    if frozen and all(name in frozen or not parameters[name].requires_grad for name in parameters):
+        raise FatalError(
+            "--freeze matches every parameter left to train (with --lora-rank, every adapter): nothing would be trained"
+        )
     for name in frozen:
         parameters[name].requires_grad_(False)
     if frozen:

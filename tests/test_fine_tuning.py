@@ -75,11 +75,16 @@ def test_frozen_parameters_end_as_they_started_and_only_the_rest_is_trained_stor
         assert sent["reduce_scatter"] < 1.05 * trainable_bytes, final
 
 
-def test_a_pattern_that_matches_no_parameter_is_refused_with_one_message(weights: Path, tmp_path: Path) -> None:
+def test_a_pattern_that_matches_no_parameter_or_leaves_none_to_train_is_refused_with_one_message(weights: Path, tmp_path: Path) -> None:
     run = run_script("ddp/train_transformer.py", [*SMALL, "--freeze", "block.0.*", "--max-steps", "3"], tmp_path, 2)
     assert run.returncode == 2, run.describe()
     assert run.output.count("--freeze 'block.0.*' matches no parameter of the model") == 1, run.describe()
     assert not (tmp_path / "model.pt").exists() and not (tmp_path / "checkpoints").exists(), run.describe()
+    # With --lora-rank the base is frozen already: freezing every adapter too would leave nothing to train.
+    frozen_all = [*SMALL, "--lora-rank", "4", "--freeze", "*.adapter.*", "--max-steps", "3"]
+    run = run_script("ddp/train_transformer.py", frozen_all, tmp_path / "adapters", 2)
+    assert run.returncode == 2, run.describe()
+    assert run.output.count("nothing would be trained") == 1, run.describe()
 
 
 @pytest.mark.parametrize(
