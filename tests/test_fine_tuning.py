@@ -75,7 +75,9 @@ def test_frozen_parameters_end_as_they_started_and_only_the_rest_is_trained_stor
         assert sent["reduce_scatter"] < 1.05 * trainable_bytes, final
 
 
-def test_a_pattern_that_matches_no_parameter_or_leaves_none_to_train_is_refused_with_one_message(weights: Path, tmp_path: Path) -> None:
+def test_a_pattern_that_matches_no_parameter_or_leaves_none_to_train_is_refused_with_one_message(
+    weights: Path, tmp_path: Path
+) -> None:
     run = run_script("ddp/train_transformer.py", [*SMALL, "--freeze", "block.0.*", "--max-steps", "3"], tmp_path, 2)
     assert run.returncode == 2, run.describe()
     assert run.output.count("--freeze 'block.0.*' matches no parameter of the model") == 1, run.describe()
