@@ -319,6 +319,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         fake_world(args.world_size, args.rank, wrap_model.__globals__) as ctx,
         FakeTensorMode(allow_non_fake_inputs=True),
     ):
+        # Built as each script builds it, but FSDP1's on fake CPU tensors (see the module's docstring).
         if args.strategy == "ddp":
             model = GPT(config, seed=script_args.seed)
         elif args.strategy == "fsdp1":
