@@ -42,7 +42,7 @@ FORMATS = (".png", ".svg")
 DPI = 72  # with FIGURE_WIDTH inches, 720 pixels wide: the docs' figures stay under 100 KB
 FIGURE_WIDTH = 10
 PANEL_HEIGHT = 2.9
-TRAIN, EVAL, RESTART = "train", "eval", "restart"  # each drawn line's gid: what it shows
+TRAIN, EVAL, RESTART, IDEAL = "train", "eval", "restart", "ideal"  # each drawn line's gid: what it shows
 
 
 class PlotError(ValueError):
@@ -242,6 +242,48 @@ def draw_panel(axes: Axes, panel: Panel, history: RunHistory, label: str, colour
             line.set_label(f"{label} restarted at step {restart['step']}")
 
 
+STATE_KINDS = ("params_bytes", "grads_bytes", "optimizer_bytes")
+MIB = 2**20
+
+
+def draw_scale(results: Sequence[dict[str, Any]]) -> Figure:
+    """common.simulate's jobs: per-rank model state by world size on log axes, one line per model and strategy,
+    and per model a dotted line falling as 1/N from the state one rank would hold alone (16 bytes a parameter)."""
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(FIGURE_WIDTH, 4.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for result in results:
+        state = sum(result[kind] for kind in STATE_KINDS) / MIB
+        lines.setdefault((result["model"], result["strategy"]), []).append((result["world_size"], state))
+    for index, ((model, strategy), points) in enumerate(sorted(lines.items())):
+        sizes, states = zip(*sorted(points), strict=True)
+        axes.plot(sizes, states, "o-", color=colours[index % len(colours)], label=f"{model} {strategy}", gid=TRAIN)
+    for model in sorted({result["model"] for result in results}):
+        sizes = sorted({result["world_size"] for result in results if result["model"] == model})
+        alone = 16 * parameter_count(next(r for r in results if r["model"] == model)["model_config"]) / MIB
+        axes.plot(sizes, [alone / n for n in sizes], ":", color="grey", label=f"{model} 16P/N", gid=IDEAL)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("ranks")
+    axes.set_ylabel("model state per rank (MiB)")
+    axes.set_title("one rank of each job, simulated (common.simulate)", fontsize=10)
+    axes.grid(alpha=0.3, which="both")
+    axes.legend(fontsize=8, ncol=2, frameon=False)
+    figure.tight_layout()
+    return figure
+
+
+def parameter_count(model_config: dict[str, Any]) -> int:
+    """Parameters of the GPT of a record's model_config, built on the meta device: no memory."""
+    import torch
+
+    from common.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(GPTConfig(**model_config), seed=None).parameters())
+
+
 def save_figure(figure: Figure, path: Path, overwrite: bool) -> None:
     """Write ``figure`` through common.outputs (whole or not at all); matplotlib picks the format by the suffix."""
     try:
@@ -259,13 +301,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=output_file, required=True, help="the figure to write: FILE.png or FILE.svg")
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    if args.out.suffix.lower() not in FORMATS:
-        parser.error(f"--out {args.out}: the name must end in {' or '.join(FORMATS)}, which picks the format")
     for run_dir in args.run_dirs:
         check_run_dir(parser, run_dir)
     inputs = [run_dir / METRICS_FILE for run_dir in args.run_dirs]
-    check_output_path(parser, args.out, "--out", inputs=inputs, overwrite=args.overwrite)
+    check_figure_path(parser, args.out, "--out", args.overwrite, inputs)
     return args
+
+
+def check_figure_path(
+    parser: argparse.ArgumentParser, path: Path, flag: str, overwrite: bool, inputs: Sequence[Path] = ()
+) -> None:
+    """A figure's output, refused before any work: a name whose suffix is not a format drawn here, or a path
+    common.outputs refuses."""
+    if path.suffix.lower() not in FORMATS:
+        parser.error(f"{flag} {path}: the name must end in {' or '.join(FORMATS)}, which picks the format")
+    check_output_path(parser, path, flag, inputs=inputs, overwrite=overwrite)
 
 
 def check_run_dir(parser: argparse.ArgumentParser, run_dir: Path) -> None:

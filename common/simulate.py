@@ -9,17 +9,15 @@ whose collectives return at once, and fake tensors, which have shapes and sizes 
 steps run as the script runs them (zero_grad, forward, loss, backward, clipping, AdamW), and one is
 measured as the runs measure theirs (see ``warm_up``). For the rank: its parameter, gradient and
 optimizer bytes after the step, the peak of its live tensors' bytes during it, and each collective
-(common.communication's recorder), beside what common.estimate_memory and
-common.estimate_communication predict for the same job. Several values of --world-size, --strategy
-or --model: one job each, and a table.
+(common.communication's recorder), beside what common.estimate_memory and common.estimate_communication
+predict for the same job. Several values of --world-size, --strategy or --model: one job each, a table
+(and with --png, state per rank by world size, drawn).
 
-What the fake world cannot do, the simulation routes around without changing the wrap: the
-device mesh is built outside the fake tensors (it reads its own ranks), DDP's parameter check runs
-on their shapes outside them too, DDP's reducer gets its all-reduced bucket back from a hook (the
-fake group's futures carry nothing), FSDP1 tells a freed flat parameter by its storage's size (fake
-storages have no address), and FSDP1's model arrives as fake CPU tensors rather than on the meta
-device (fake tensors cannot be swapped in for meta ones): FSDP1 then flattens and shards it as
-it would after materialising it.
+What the fake world cannot do, the simulation routes around without changing the wrap: the device mesh
+is built outside the fake tensors (it reads its own ranks), so is DDP's parameter check, on their shapes;
+DDP's reducer gets its all-reduced bucket back from a hook (the fake group's futures carry nothing); FSDP1
+tells a freed flat parameter by its storage's size (fake storages have no address), and its model comes
+as fake CPU tensors, not meta ones (which fake tensors cannot replace), flattened and sharded as usual.
 """
 
 from __future__ import annotations
@@ -51,7 +49,8 @@ from common.communication import CollectiveRecorder, Traffic, measured_step
 from common.distributed import DistContext, local_part, local_state_bytes
 from common.flags import int_in_range, non_negative_int, output_file, positive_int
 from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config
-from common.outputs import write_text
+from common.outputs import add_overwrite_flag, check_output_path, write_text
+from common.plot import check_figure_path, draw_scale, save_figure
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {
@@ -124,7 +123,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--vocab-size", type=positive_int, default=SYNTHETIC_VOCAB, help="the data's vocabulary (default: %(default)s)"
     )
     parser.add_argument("--out", type=output_file, help="write the figures here as JSON (several jobs: a list)")
+    parser.add_argument("--png", type=output_file, help="draw state per rank by world size here (.png or .svg)")
+    add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    if args.out is not None:
+        check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
+    if args.png is not None:
+        check_figure_path(parser, args.png, "--png", args.overwrite)
     try:
         args.jobs = [job(args, n, s, m) for m in args.model for n in args.world_size for s in args.strategy]
     except ValueError as err:
@@ -433,8 +438,11 @@ def main(argv: list[str] | None = None) -> None:
     print(report(results[0]) if len(results) == 1 else scale_table(results))
     if args.out is not None:
         written = results[0] if len(results) == 1 else results
-        write_text(args.out, json.dumps(written, indent=2) + "\n", overwrite=True)
+        write_text(args.out, json.dumps(written, indent=2) + "\n", overwrite=args.overwrite)
         print(f"wrote {args.out}")
+    if args.png is not None:
+        save_figure(draw_scale(results), args.png, args.overwrite)
+        print(f"drew {args.png}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from common import compare_strategies, plot
+from common import compare_strategies, plot, simulate
 from common.compare_strategies import MIB, comparison_figure, saved_runs
 from common.run_dir import METRICS_FILE
 from tests.harness.runs import REPO, Run, clean_env, run_script
@@ -250,3 +250,38 @@ def test_the_estimated_peak_is_the_state_plus_what_a_step_gathers() -> None:
     assert compare_strategies.estimated_peak_state(sharded, shapes) == pytest.approx(
         compare_strategies.estimated_state(sharded, shapes).total + gathered
     )
+
+
+def test_simulate_draws_state_per_rank_by_world_size_beside_the_1_over_n_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """common.simulate --png: one line per model and strategy through the simulated jobs' state per rank, and the
+    16P/N line of what one rank would hold alone, divided; an existing --out or --png is kept without --overwrite."""
+    out, png = tmp_path / "jobs.json", tmp_path / "scale.png"
+    flags = ["--model", "tiny", "--world-size", "2", "8", "--strategy", "ddp", "fsdp2", "--out", str(out)]
+    simulate.main([*flags, "--png", str(png)])
+    results = json.loads(out.read_text())
+    figure = plot.draw_scale(results)
+    (axes,) = figure.axes
+    lines = {line.get_label(): line for line in axes.get_lines()}
+    assert sorted(lines) == ["tiny 16P/N", "tiny ddp", "tiny fsdp2"]
+    for strategy in ("ddp", "fsdp2"):
+        jobs = sorted((r["world_size"], r) for r in results if r["strategy"] == strategy)
+        states = [sum(r[f"{kind}_bytes"] for kind in ("params", "grads", "optimizer")) / MIB for _, r in jobs]
+        assert list(lines[f"tiny {strategy}"].get_xdata()) == [2, 8]
+        assert list(lines[f"tiny {strategy}"].get_ydata()) == pytest.approx(states, rel=1e-12)
+    alone = 16 * plot.parameter_count(results[0]["model_config"]) / MIB
+    assert list(lines["tiny 16P/N"].get_ydata()) == pytest.approx([alone / 2, alone / 8], rel=1e-12)
+    assert axes.get_xscale() == "log" and axes.get_yscale() == "log"
+    assert png.read_bytes().startswith(b"\x89PNG")
+    before = png.read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        simulate.main([*flags[:-2], "--png", str(png)])
+    assert exit_info.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert png.read_bytes() == before
+    written = out.read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        simulate.main(flags)
+    assert exit_info.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert out.read_text() == written
