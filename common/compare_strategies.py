@@ -50,7 +50,7 @@ from common.outputs import (
     output_folder,
 )
 from common.plot import FORMATS as FIGURE_FORMATS
-from common.plot import PlotError, pyplot, save_figure
+from common.plot import PlotError, pyplot, save_figure_or_exit
 from common.processes import exit_code_of, output_of
 from common.run_dir import MODEL_FILE, check_run_folders, final_record, finished_run_in
 
@@ -237,10 +237,6 @@ def comparison_figure(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]]) 
     return figure
 
 
-def draw_comparison(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], path: Path, overwrite: bool) -> None:
-    save_figure(comparison_figure(runs), path, overwrite)
-
-
 def saved_runs(out_dir: Path) -> list[tuple[dict, dict[str, tuple[int, ...]]]]:
     """The finished runs of an earlier comparison in ``out_dir`` (its STRATEGY-WORLDSIZE folders), in the order
     this command makes them: by world size, then strategy."""
@@ -400,13 +396,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.png is not None:
         try:
-            draw_comparison(runs, args.png, args.overwrite)
+            figure = comparison_figure(runs)
         except PlotError as err:
             sys.exit(f"no chart: {err}; the table above holds it all")
-        except OutputExists as err:
-            sys.exit(f"error: {err}")
-        except OSError as err:
-            sys.exit(f"error: could not write --png {args.png}: {err.strerror or err}; the table above holds it all")
+        save_figure_or_exit(figure, args.png, args.overwrite, "--png", "; the table above holds it all")
         print(f"chart: {args.png}")
 
 

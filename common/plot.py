@@ -337,6 +337,17 @@ def report_torn_lines(history: RunHistory) -> None:
         )
 
 
+def save_figure_or_exit(figure: Figure, path: Path, overwrite: bool, flag: str, kept_anyway: str = "") -> None:
+    """``save_figure``, or one line and exit 1 where the file cannot be written (``kept_anyway``: what the
+    command has already given the user, said after the reason)."""
+    try:
+        save_figure(figure, path, overwrite)
+    except OutputExists as err:
+        sys.exit(f"error: {err}")
+    except OSError as err:
+        sys.exit(f"error: could not write {flag} {path}: {err.strerror or err}{kept_anyway}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
@@ -344,13 +355,9 @@ def main(argv: list[str] | None = None) -> None:
         for history in histories:
             report_torn_lines(history)
         figure = draw_runs(histories)
-        save_figure(figure, args.out, args.overwrite)
     except PlotError as err:
         sys.exit(f"error: {err}")
-    except OutputExists as err:
-        sys.exit(f"error: {err}")
-    except OSError as err:
-        sys.exit(f"error: could not write --out {args.out}: {err.strerror or err}")
+    save_figure_or_exit(figure, args.out, args.overwrite, "--out")
     print(f"figure: {args.out}")
 
 

@@ -50,7 +50,7 @@ from common.distributed import DistContext, local_part, local_state_bytes
 from common.flags import int_in_range, non_negative_int, output_file, positive_int
 from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config
 from common.outputs import add_overwrite_flag, check_output_path, write_text
-from common.plot import check_figure_path, draw_scale, save_figure
+from common.plot import check_figure_path, draw_scale, save_figure_or_exit
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
         write_text(args.out, json.dumps(written, indent=2) + "\n", overwrite=args.overwrite)
         print(f"wrote {args.out}")
     if args.png is not None:
-        save_figure(draw_scale(results), args.png, args.overwrite)
+        save_figure_or_exit(draw_scale(results), args.png, args.overwrite, "--png", "; the table above holds it all")
         print(f"drew {args.png}")
 
 

@@ -29,6 +29,14 @@ FREEZE_FLAGS = [flag for pattern in FROZEN for flag in ("--freeze", pattern)]
 MERGED_LOSS = 1e-6
 
 
+# Each strategy at a world size of its own: FSDP2's uneven shards at 3.
+STRATEGIES = [
+    ("ddp/train_transformer.py", 2),
+    ("fsdp/train_transformer.py", 2),
+    pytest.param(FSDP2_SCRIPT, 3, marks=NEEDS_FSDP2_ON_CPU),
+]
+
+
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A few steps of DDP in one process: the weights a user fine-tunes."""
@@ -41,14 +49,7 @@ def frozen(name: str) -> bool:
     return any(fnmatchcase(name, pattern) for pattern in FROZEN)
 
 
-@pytest.mark.parametrize(
-    ("script", "nproc"),
-    [
-        ("ddp/train_transformer.py", 2),
-        ("fsdp/train_transformer.py", 2),
-        pytest.param(FSDP2_SCRIPT, 3, marks=NEEDS_FSDP2_ON_CPU),
-    ],
-)
+@pytest.mark.parametrize(("script", "nproc"), STRATEGIES)
 def test_frozen_parameters_end_as_they_started_and_only_the_rest_is_trained_stored_and_sent(
     script: str, nproc: int, weights: Path, tmp_path: Path
 ) -> None:
@@ -89,14 +90,7 @@ def test_a_pattern_that_matches_no_parameter_or_leaves_none_to_train_is_refused_
     assert run.output.count("nothing would be trained") == 1, run.describe()
 
 
-@pytest.mark.parametrize(
-    ("script", "nproc"),
-    [
-        ("ddp/train_transformer.py", 2),
-        ("fsdp/train_transformer.py", 2),
-        pytest.param(FSDP2_SCRIPT, 3, marks=NEEDS_FSDP2_ON_CPU),
-    ],
-)
+@pytest.mark.parametrize(("script", "nproc"), STRATEGIES)
 def test_every_lora_adapter_trains_from_the_first_step_and_model_pt_is_the_plain_model(
     script: str, nproc: int, weights: Path, tmp_path: Path
 ) -> None:
