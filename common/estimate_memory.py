@@ -52,12 +52,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-import torch
-
 from common.activations import gpt_activations, mnist_activations
 from common.cli import HelpFormatter
 from common.flags import float_in_range, int_in_range, positive_float, positive_int
-from common.models import GPT, GPT_PRESETS, GPTConfig, MnistNet, count_parameters
+from common.models import GPT_PRESETS, GPTConfig, MnistNet, count_parameters, gpt_parameter_count
 from common.shard_sizes import COMPUTE_BYTES, largest_shard_numel
 
 FP32 = 4
@@ -332,8 +330,7 @@ def measure_model(args: argparse.Namespace) -> MeasuredModel:
             f"MNIST net, {args.batch_size} images per rank", params, 1, dict.fromkeys(STRATEGIES, peak)
         )
     config = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
-    with torch.device("meta"):  # only the shapes: nothing allocated, nothing initialised
-        params = count_parameters(GPT(config, seed=None))
+    params = gpt_parameter_count(config)
     by_forward = {
         forward: gpt_activations(
             config, args.batch_size, checkpointing=args.activation_checkpointing, forward=forward

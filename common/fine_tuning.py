@@ -119,7 +119,7 @@ def merge_adapters(state: dict[str, torch.Tensor], rank: int | None, alpha: floa
     if rank is None:
         return state
     scale = adapter_scale(rank, alpha)
-    merged = {name: value for name, value in state.items() if not name.endswith(ADAPTER_SUFFIXES)}
+    merged = {name: value for name, value in state.items() if not is_adapter(name)}
     for name in state:
         if name.endswith(".adapter.a"):
             layer = name.removesuffix(".adapter.a")

@@ -161,6 +161,12 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def gpt_parameter_count(config: GPTConfig) -> int:
+    """Parameters of a GPT of ``config``, counted from its shapes on the meta device: nothing allocated."""
+    with torch.device("meta"):
+        return count_parameters(GPT(config, seed=None))
+
+
 # What wrappers insert into parameter names; a parameter's initial value depends on its plain name.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from common.cli import HelpFormatter
 from common.flags import existing_dir, output_file
+from common.models import GPTConfig, gpt_parameter_count
 from common.outputs import OutputExists, add_overwrite_flag, check_output_path, write_by_name
 from common.processes import exit_code_of
 from common.run_dir import METRICS_FILE
@@ -275,13 +276,8 @@ def draw_scale(results: Sequence[dict[str, Any]]) -> Figure:
 
 
 def parameter_count(model_config: dict[str, Any]) -> int:
-    """Parameters of the GPT of a record's model_config, built on the meta device: no memory."""
-    import torch
-
-    from common.models import GPT, GPTConfig
-
-    with torch.device("meta"):
-        return sum(p.numel() for p in GPT(GPTConfig(**model_config), seed=None).parameters())
+    """Parameters of the GPT of a record's model_config (a run's final record or a simulated job's)."""
+    return gpt_parameter_count(GPTConfig(**model_config))
 
 
 def save_figure(figure: Figure, path: Path, overwrite: bool) -> None:

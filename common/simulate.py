@@ -48,7 +48,7 @@ from common.cli import HelpFormatter
 from common.communication import CollectiveRecorder, Traffic, measured_step
 from common.distributed import DistContext, local_part, local_state_bytes
 from common.flags import int_in_range, non_negative_int, output_file, positive_int
-from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config
+from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config, gpt_parameter_count
 from common.outputs import add_overwrite_flag, check_output_path, write_text
 from common.plot import check_figure_path, draw_scale, save_figure_or_exit
 
@@ -418,8 +418,7 @@ def scale_table(results: list[dict[str, Any]]) -> str:
     ]
     for result in results:
         config = GPTConfig(**result["model_config"])
-        with torch.device("meta"):
-            params = sum(p.numel() for p in GPT(config, seed=None).parameters())
+        params = gpt_parameter_count(config)
         group = result["world_size"] // result["replicate_degree"] if result["strategy"] != "ddp" else 1
         state = sum(result[f"{kind}_bytes"] for kind in ("params", "grads", "optimizer"))
         estimated = sum(result["estimate"][f"{kind}_bytes"] for kind in ("params", "grads", "optimizer"))
