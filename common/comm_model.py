@@ -30,10 +30,11 @@ multiple of the group.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from common.communication import Traffic
+from common.fine_tuning import is_adapter
 from common.shard_sizes import COMPUTE_BYTES, largest_shard_numel
 
 FP32 = 4
@@ -72,12 +73,18 @@ def ddp_step(
 
 @dataclass(frozen=True)
 class Unit:
-    """One FSDP unit: the elements one all-gather of it assembles (padding included)."""
+    """One FSDP unit: the elements one all-gather of it assembles (padding included), and those one
+    reduce-scatter of its gradient carries: None for all of them, 0 for a unit with nothing to train."""
 
     name: str
     elements: int
     reshard_after_forward: bool = True
     regathers: bool = True  # under no_sync: freed after each micro-step's backward, gathered again
+    reduced_elements: int | None = None
+
+    @property
+    def reduced(self) -> int:
+        return self.elements if self.reduced_elements is None else self.reduced_elements
 
 
 @dataclass(frozen=True)
@@ -141,26 +148,101 @@ def fsdp_collectives(
                 collectives.append(("all_gather", gather_bytes * unit.elements, shard_group))
             if unit.reshard_after_forward:
                 collectives.append(("all_gather", gather_bytes * unit.elements, shard_group))
-            if reduces:
-                collectives.append(("reduce_scatter", REDUCE_BYTES * unit.elements, shard_group))
+            if reduces and unit.reduced:
+                collectives.append(("reduce_scatter", REDUCE_BYTES * unit.reduced, shard_group))
                 if replicas > 1:
-                    collectives.append(("all_reduce", REDUCE_BYTES * unit.elements // shard_group, replicas))
+                    collectives.append(("all_reduce", REDUCE_BYTES * unit.reduced // shard_group, replicas))
     return collectives
 
 
-def fsdp1_flat_elements(tensor_elements: Sequence[int], shard_group: int, compute_bytes: int) -> int:
-    """The elements of one FSDP1 unit's flat parameter, as its all-gather and reduce-scatter carry them.
-
-    With use_orig_params, FSDP1 starts every parameter at a 16-byte boundary of the compute dtype,
-    then pads the whole to a multiple of the group, so every rank's shard is the same size.
-    """
+def fsdp1_starts(tensor_elements: Sequence[int], compute_bytes: int) -> list[int]:
+    """Where each parameter starts in its FSDP1 unit's flat parameter: with use_orig_params, FSDP1 starts
+    every parameter at a 16-byte boundary of the compute dtype."""
     align = FSDP1_ALIGNMENT_BYTES // compute_bytes
-    total = 0
-    for index, numel in enumerate(tensor_elements):
-        if index:
-            total = math.ceil(total / align) * align
-        total += numel
+    starts, total = [], 0
+    for numel in tensor_elements:
+        start = math.ceil(total / align) * align
+        starts.append(start)
+        total = start + numel
+    return starts
+
+
+def fsdp1_flat_elements(tensor_elements: Sequence[int], shard_group: int, compute_bytes: int) -> int:
+    """The elements of one FSDP1 unit's flat parameter, as its all-gather and reduce-scatter carry them:
+    the parameters where ``fsdp1_starts`` puts them, the whole padded to a multiple of the group, so every
+    rank's shard is the same size."""
+    if not tensor_elements:
+        return 0
+    total = fsdp1_starts(tensor_elements, compute_bytes)[-1] + tensor_elements[-1]
     return math.ceil(total / shard_group) * shard_group
+
+
+def fsdp1_rank_shares(
+    tensors: Sequence[tuple[int, bool]], shard_group: int, compute_bytes: int
+) -> list[tuple[int, int, int]]:
+    """What each rank holds of one FSDP1 unit, whose parameters are ``(elements, trains)``: its elements,
+    its trainable elements, and the trainable tensors with a part in its shard.
+
+    FSDP1 cuts the flat parameter into equal pieces wherever the parameters start, so a parameter may
+    fall into two ranks' pieces and one rank may hold more of the unit's trainable values than another.
+    With use_orig_params a rank keeps gradients (and AdamW keeps state) for the trainable parts of its
+    piece only: what the runs' local_state_bytes count.
+    """
+    numels = [numel for numel, _ in tensors]
+    starts = fsdp1_starts(numels, compute_bytes)
+    piece = fsdp1_flat_elements(numels, shard_group, compute_bytes) // shard_group
+    shares = []
+    for rank in range(shard_group):
+        low, high = rank * piece, (rank + 1) * piece
+        held = [max(0, min(start + numel, high) - max(start, low)) for start, numel in zip(starts, numels, strict=True)]
+        trained = [part for part, (_, trains) in zip(held, tensors, strict=True) if trains]
+        shares.append((sum(held), sum(trained), sum(1 for part in trained if part)))
+    return shares
+
+
+def dim0_rank_shares(tensors: Sequence[tuple[Sequence[int], bool]], shard_group: int) -> list[tuple[int, int, int]]:
+    """``fsdp1_rank_shares`` for FSDP2, which cuts every parameter along dim 0 as torch.chunk does: pieces of
+    ceil(rows / group) rows, the last ranks' smaller or empty. Every rank holds a (DTensor) gradient and AdamW
+    state for every trainable parameter, if only an empty piece and its step count."""
+    shares = []
+    for rank in range(shard_group):
+        held, trained = 0, 0
+        for shape, trains in tensors:
+            rows, row = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+            chunk = math.ceil(rows / shard_group)
+            part = max(0, min(rows, (rank + 1) * chunk) - rank * chunk) * row
+            held += part
+            trained += part if trains else 0
+        shares.append((held, trained, sum(1 for _, trains in tensors if trains)))
+    return shares
+
+
+def rank_shares(
+    shapes: Mapping[str, Sequence[int]],
+    shard_group: int,
+    layout: str,
+    trainable: Collection[str] | None = None,
+    precision: str = "fp32",
+) -> list[tuple[int, int, int]]:
+    """Per rank of a shard group, summed over the model: elements held, trainable elements held, and
+    trainable tensors with a part held (each one AdamW step count), for the scripts' GPT with ``layout``
+    ("replicated", "flat" for FSDP1, "dim0" for FSDP2; see common.estimate_memory.LAYOUTS)."""
+    trains = set(shapes) if trainable is None else set(trainable)
+    if layout == "replicated" or shard_group == 1:
+        tensors = [(math.prod(shape), name in trains) for name, shape in shapes.items()]
+        return [(sum(n for n, _ in tensors), sum(n for n, t in tensors if t), sum(t for _, t in tensors))]
+    if layout == "dim0":
+        return dim0_rank_shares([(shape, name in trains) for name, shape in shapes.items()], shard_group)
+    if layout != "flat":
+        raise ValueError(f"unknown layout {layout!r}; expected replicated, flat or dim0")
+    compute = COMPUTE_BYTES.get(precision, 2)
+    totals = [[0, 0, 0] for _ in range(shard_group)]
+    for names in fsdp_unit_names(shapes, adapters_apart=True).values():
+        unit = [(math.prod(shapes[name]), name in trains) for name in names]
+        for total, share in zip(totals, fsdp1_rank_shares(unit, shard_group, compute), strict=True):
+            for kind, value in enumerate(share):
+                total[kind] += value
+    return [(held, trained, tensors) for held, trained, tensors in totals]
 
 
 def fsdp2_padded_elements(shapes: Sequence[Sequence[int]], shard_group: int) -> int:
@@ -168,32 +250,52 @@ def fsdp2_padded_elements(shapes: Sequence[Sequence[int]], shard_group: int) -> 
     return shard_group * largest_shard_numel(shapes, shard_group, "dim0")
 
 
-def fsdp_units(shapes: Mapping[str, Sequence[int]], prefixes: Sequence[str] | None = None) -> dict[str, list]:
+def fsdp_units(
+    shapes: Mapping[str, Sequence[int]], prefixes: Sequence[str] | None = None, *, adapters_apart: bool = False
+) -> dict[str, list]:
     """Parameter shapes per FSDP unit: one unit per name prefix, the rest in the root unit.
 
     ``shapes`` maps state-dict names (model.pt's) to shapes, in the model's order. The default
     prefixes are the GPT's Blocks (``blocks.0.``, ...), as the transformer scripts wrap them.
     """
+    names = fsdp_unit_names(shapes, prefixes, adapters_apart=adapters_apart)
+    return {unit: [tuple(shapes[name]) for name in members] for unit, members in names.items()}
+
+
+def fsdp_unit_names(
+    shapes: Mapping[str, Sequence[int]], prefixes: Sequence[str] | None = None, *, adapters_apart: bool = False
+) -> dict[str, list[str]]:
+    """``fsdp_units`` by parameter name. ``adapters_apart``: each LoRA adapter a unit of its own inside its
+    Block's, as the FSDP1 script wraps them (a parameter belongs to the longest prefix it starts with)."""
     if prefixes is None:
         prefixes = sorted({".".join(n.split(".")[:2]) + "." for n in shapes if n.startswith("blocks.")})
-    units: dict[str, list] = {"root": []}
-    for name, shape in shapes.items():
-        owner = next((p.rstrip(".") for p in prefixes if name.startswith(p)), "root")
-        units.setdefault(owner, []).append(tuple(shape))
+    if adapters_apart:
+        prefixes = [*prefixes, *sorted({n.rsplit(".", 1)[0] + "." for n in shapes if is_adapter(n)})]
+    units: dict[str, list[str]] = {"root": []}
+    for name in shapes:
+        owner = max((p for p in prefixes if name.startswith(p)), key=len, default="root.")
+        units.setdefault(owner.rstrip("."), []).append(name)
     return units
 
 
 def script_scalars(strategy: str, tensors: int, world_size: int, shard_group: int, loss_check: bool) -> Traffic:
     """The small all-reduces a training script adds to a step: the ranks' agreement that the loss is
     finite (one int64, when the step checks it), and the gradient norm's partial sums: FSDP1 adds one
-    fp32 across its shards, FSDP2's DTensor one fp32 per parameter tensor; DDP and no_shard hold
-    whole gradients and add nothing."""
+    fp32 across its shards, FSDP2's DTensor one fp32 per parameter tensor with a gradient; DDP and
+    no_shard hold whole gradients and add nothing."""
+    return Traffic.of(scalar_collectives(strategy, tensors, world_size, shard_group, loss_check))
+
+
+def scalar_collectives(
+    strategy: str, tensors: int, world_size: int, shard_group: int, loss_check: bool
+) -> list[tuple[str, int, int]]:
+    """``script_scalars`` one by one."""
     collectives = [("all_reduce", 8, world_size)] if loss_check else []
     if strategy in ("fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp1_hybrid_shard"):
         collectives.append(("all_reduce", FP32, shard_group))
     elif strategy in ("fsdp2", "fsdp2_hsdp"):
         collectives.append(("all_reduce", FP32 * tensors, shard_group))
-    return Traffic.of(collectives)
+    return collectives
 
 
 # How each script's "strategy" (the final record's field) uses FSDP today. FSDP1 never frees the root
@@ -235,38 +337,87 @@ def run_estimate(
     behaviour: FsdpBehaviour | None = None,
     unit_prefixes: Sequence[str] | None = None,
     loss_check: bool = True,
+    trainable: Collection[str] | None = None,
 ) -> Traffic:
     """The formula for one of this repository's runs: its final record's strategy and sizes, and the
     shapes of its model.pt, plus the script's own small all-reduces (``script_scalars``).
 
     ``behaviour`` defaults to what the script does today (``current_behaviour``); ``unit_prefixes``
-    to the GPT's Blocks (the MNIST script wraps only ``fc1.``).
+    to the GPT's Blocks (the MNIST script wraps only ``fc1.``). ``trainable``: the names that train
+    (--freeze, --lora-rank; None: all of them). A frozen parameter is all-gathered as before, but DDP
+    buckets, and FSDP reduce-scatters, only the trainable ones: FSDP2 per parameter, FSDP1 per unit
+    (its flat gradient covers the whole unit as soon as one of its parameters trains). FSDP1 makes each
+    LoRA adapter a unit of its own. Frozen units are gathered for backward as before, even where no
+    gradient passes through them (the first Blocks, with the embeddings frozen too): both FSDPs prefetch
+    the next unit of backward whether it needs it or not (measured at 2 ranks, torch 2.14).
     """
-    scalars = script_scalars(strategy, len(shapes), world_size, shard_group, loss_check)
+    return Traffic.of(
+        run_collectives(
+            strategy,
+            shapes,
+            world_size,
+            shard_group,
+            precision,
+            micro_steps,
+            behaviour=behaviour,
+            unit_prefixes=unit_prefixes,
+            loss_check=loss_check,
+            trainable=trainable,
+        )
+    )
+
+
+def run_collectives(
+    strategy: str,
+    shapes: Mapping[str, Sequence[int]],
+    world_size: int,
+    shard_group: int,
+    precision: str = "fp32",
+    micro_steps: int = 1,
+    *,
+    behaviour: FsdpBehaviour | None = None,
+    unit_prefixes: Sequence[str] | None = None,
+    loss_check: bool = True,
+    trainable: Collection[str] | None = None,
+) -> list[tuple[str, int, int]]:
+    """``run_estimate``'s collectives one by one: ``(kind, message bytes, group size)``."""
+    trains = set(shapes) if trainable is None else set(trainable)
+    tensors = sum(name in trains for name in shapes)
+    scalars = scalar_collectives(strategy, tensors, world_size, shard_group, loss_check)
     if strategy == "ddp":
-        return ddp_step([math.prod(s) for s in shapes.values()], world_size, micro_steps) + scalars
-    units = fsdp_units(shapes, unit_prefixes)
+        buckets = ddp_bucket_sizes([FP32 * math.prod(s) for name, s in shapes.items() if name in trains])
+        return [("all_reduce", size, world_size) for size in buckets] + scalars
+    names = fsdp_unit_names(shapes, unit_prefixes, adapters_apart=strategy.startswith("fsdp1"))
     # On one rank there is nothing to shard: FSDP1 falls back to NO_SHARD, FSDP2 sends nothing.
     if strategy == "fsdp1_no_shard" or (strategy.startswith("fsdp1") and world_size == 1):
         # Every unit's flat gradient all-reduced, once per step (no_sync).
-        reduced = [("all_reduce", FP32 * sum(math.prod(s) for s in unit), world_size) for unit in units.values()]
-        return Traffic.of(reduced) + scalars
+        reduced = [
+            ("all_reduce", FP32 * sum(math.prod(shapes[name]) for name in unit), world_size)
+            for unit in names.values()
+            if trains.intersection(unit)
+        ]
+        return reduced + scalars
     if world_size == 1:
         return scalars
     behaviour = behaviour or current_behaviour(strategy, precision=precision, transformer=unit_prefixes is None)
     compute = COMPUTE_BYTES.get(precision, 2)  # fp16 gathers 2 bytes, as bf16 does
-    last_block = list(units)[-1]
+    last_block = [name for name in names if not name.endswith(".adapter")][-1]
     sized = []
-    for name, unit_shapes in units.items():
+    for name, unit in names.items():
+        unit_shapes = [shapes[member] for member in unit]
         if strategy.startswith("fsdp1"):
             elements = fsdp1_flat_elements([math.prod(s) for s in unit_shapes], shard_group, compute)
+            reduced_elements = elements if trains.intersection(unit) else 0
         else:
             elements = fsdp2_padded_elements(unit_shapes, shard_group)
+            trained = [shapes[member] for member in unit if member in trains]
+            reduced_elements = fsdp2_padded_elements(trained, shard_group)
         reshards = {"root": behaviour.root_reshards, last_block: behaviour.last_block_reshards}.get(
             name, behaviour.blocks_reshard
         )
-        sized.append(Unit(name, elements, reshards, regathers=name != last_block or behaviour.last_block_regathers))
-    traffic = fsdp_step(
+        regathers = name != last_block or behaviour.last_block_regathers
+        sized.append(Unit(name, elements, reshards, regathers, reduced_elements))
+    collectives = fsdp_collectives(
         sized,
         shard_group,
         world_size // shard_group,
@@ -275,7 +426,7 @@ def run_estimate(
         behaviour.regather_each_micro_step,
         behaviour.sync_every_micro_step,
     )
-    return traffic + scalars
+    return collectives + scalars
 
 
 def model_collectives(

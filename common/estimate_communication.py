@@ -2,8 +2,12 @@
 
     python -m common.estimate_communication --params 1e9 7e9 70e9 --world-size 8 --precision bf16
     python -m common.estimate_communication --params 7e9 --world-size 16 --shard-group-size 8 --grad-accum-steps 4
+    python -m common.estimate_communication --model small --world-size 2 --lora-rank 4
 
-The formulas, and how FSDP pads its messages: common/comm_model.py.
+The formulas, and how FSDP pads its messages: common/comm_model.py. With --params the model is that many
+parameters in --layers equal units; with --model it is the scripts' GPT, its Blocks the units, and each row is
+what that script's run records (``local_state_bytes``, ``comm_bytes_per_step``), --freeze and --lora-rank
+included.
 """
 
 from __future__ import annotations
@@ -12,10 +16,23 @@ import argparse
 
 from common.cli import HelpFormatter
 from common.comm_measured import CommCheck
-from common.comm_model import model_collectives, step_seconds
+from common.comm_model import model_collectives, run_collectives, step_seconds
 from common.communication import Traffic
-from common.estimate_memory import GIB, add_job_flags, between_steps, count_label, resolve_shard_group_size
-from common.flags import existing_file, int_in_range, positive_float
+from common.estimate_memory import (
+    GIB,
+    GPT_SHAPE_FLAGS,
+    LAYOUTS,
+    MIB,
+    SYNTHETIC_VOCAB,
+    StateBytes,
+    add_job_flags,
+    between_steps,
+    count_label,
+    resolve_shard_group_size,
+)
+from common.fine_tuning import ParameterShapes, add_estimator_flags, estimator_shapes, fine_tuned_shapes
+from common.flags import existing_file, int_in_range, positive_float, positive_int
+from common.models import GPT_PRESETS, GPTConfig
 
 STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
 
@@ -44,7 +61,7 @@ def estimate_table(args: argparse.Namespace, check: CommCheck | None = None) -> 
             sent = [traffic.bytes.get(kind, 0) / GIB for kind in ("all_gather", "reduce_scatter", "all_reduce")]
             one_machine = step_seconds(strategy, traffic, fast, slow, spans_machines=False)
             across = step_seconds(strategy, traffic, fast, slow, spans_machines=machines > 1)
-            measured = f" {_measured_cell(check.step_seconds(collectives))} |" if check else ""
+            measured = f" {_precise_seconds(check.step_seconds(collectives))} |" if check else ""
             lines.append(
                 f"| {count_label(params)} | {strategy} | {group} | {held / GIB:.1f} | "
                 + " | ".join(f"{s:.1f}" for s in sent)
@@ -54,7 +71,58 @@ def estimate_table(args: argparse.Namespace, check: CommCheck | None = None) -> 
     return "\n".join(lines)
 
 
-def _measured_cell(value: float | None) -> str:
+# With --model: each script's run, by the "strategy" its final record names, and the textbook row it is.
+RUN_STRATEGIES = {
+    "ddp": "ddp",
+    "fsdp1_full_shard": "full_shard",
+    "fsdp1_shard_grad_op": "shard_grad_op",
+    "fsdp1_hybrid_shard": "hybrid_shard",
+    "fsdp2": "full_shard",
+}
+
+
+def model_estimates(args: argparse.Namespace) -> dict[str, tuple[int, StateBytes, list[tuple[str, int, int]]]]:
+    """With --model, by run strategy: ranks per copy, what a rank holds between steps, and one step's
+    collectives, as that script's run with the same flags records them."""
+    model: ParameterShapes = args.shapes
+    estimates = {}
+    for strategy, textbook in RUN_STRATEGIES.items():
+        group = {"ddp": 1, "hybrid_shard": args.shard_group_size}.get(textbook, args.world_size)
+        held = between_steps(model.shapes, group, LAYOUTS[strategy], model.trainable, args.precision)
+        collectives = run_collectives(
+            strategy, model.shapes, args.world_size, group, args.precision, args.micro_steps, trainable=model.trainable
+        )
+        estimates[strategy] = (group, held, collectives)
+    return estimates
+
+
+def model_table(args: argparse.Namespace, check: CommCheck | None = None) -> str:
+    """``estimate_table`` for the scripts' GPT, one row per script's strategy, in MiB: the runs' own figures."""
+    machines = args.world_size // args.shard_group_size
+    lines = [
+        "| strategy | ranks per copy | params MiB | grads MiB | optimizer MiB | all-gather MiB | reduce-scatter MiB "
+        f"| all-reduce MiB | sent per link MiB | one machine, {args.fast_gbps:g} GB/s | {machines} machine(s), "
+        f"{args.slow_gbps:g} GB/s between |" + (f" measured: {check.label()} |" if check else ""),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if check else ""),
+    ]
+    fast, slow = args.fast_gbps * 1e9, args.slow_gbps * 1e9
+    for strategy, (group, held, collectives) in model_estimates(args).items():
+        traffic = Traffic.of(collectives)
+        textbook = RUN_STRATEGIES[strategy]
+        sent = [traffic.bytes.get(kind, 0) for kind in ("all_gather", "reduce_scatter", "all_reduce")]
+        one_machine = step_seconds(textbook, traffic, fast, slow, spans_machines=False)
+        across = step_seconds(textbook, traffic, fast, slow, spans_machines=machines > 1)
+        measured = f" {_precise_seconds(check.step_seconds(collectives))} |" if check else ""
+        lines.append(
+            f"| {strategy} | {group} | "
+            + " | ".join(f"{value / MIB:.2f}" for value in [*held.as_dict().values(), *sent])
+            + f" | {traffic.total_ring_bytes / MIB:.2f} | {_precise_seconds(one_machine)} "
+            + f"| {_precise_seconds(across)} |{measured}"
+        )
+    return "\n".join(lines)
+
+
+def _precise_seconds(value: float | None) -> str:
     """Three significant digits: a small model's step on a CPU check takes milliseconds."""
     if value is None:
         return "n/a (a kind it did not measure)"
@@ -71,9 +139,44 @@ micro_step_count = int_in_range(1, 1024, name="micro_step_count")
 MAX_UNIT_STEPS = 100_000
 
 
+def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("the scripts' GPT (instead of --params)")
+    group.add_argument(
+        "--model",
+        choices=list(GPT_PRESETS),
+        help="a GPT preset of the transformer scripts: its parameters replace --params, its Blocks --layers",
+    )
+    for flag in GPT_SHAPE_FLAGS:
+        default = f"{SYNTHETIC_VOCAB}, the scripts' synthetic data" if flag == "vocab_size" else "the preset's"
+        group.add_argument(
+            f"--{flag.replace('_', '-')}",
+            type=positive_int,
+            help=f"the scripts' flag of that name (default: {default})",
+        )
+
+
+def gpt_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConfig | None:
+    """Exactly one of --params and --model; with --model, its GPT: the preset and the flags that override it,
+    its Blocks the FSDP units (``args.layers``)."""
+    if (args.params is None) == (args.model is None):
+        parser.error("give --params (a model of that size) or --model (the scripts' GPT), one of them")
+    if args.model is None:
+        if any(getattr(args, flag) is not None for flag in GPT_SHAPE_FLAGS):
+            parser.error("--n-layer, --n-head, --d-model, --block-size and --vocab-size shape --model's GPT")
+        return None
+    shape = {flag: getattr(args, flag) or GPT_PRESETS[args.model].get(flag) for flag in GPT_SHAPE_FLAGS}
+    shape["vocab_size"] = shape["vocab_size"] or SYNTHETIC_VOCAB
+    if shape["d_model"] % shape["n_head"]:
+        parser.error(f"--d-model {shape['d_model']} must be divisible by --n-head {shape['n_head']}")
+    args.layers = shape["n_layer"]
+    return GPTConfig(**shape)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    add_job_flags(parser)
+    add_job_flags(parser, params_required=False)
+    add_gpt_flags(parser)
+    add_estimator_flags(parser)
     parser.add_argument(
         "--grad-accum-steps", dest="micro_steps", type=micro_step_count, default=1, help="K micro-steps per step"
     )
@@ -90,13 +193,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="GB/s of a slow link (default: %(default)s, 100 Gbit/s Ethernet)",
     )
     parser.add_argument(
-        "--tokens-per-gpu", type=positive_float, default=16384, help="tokens per GPU per step, for the compute column"
+        "--tokens-per-gpu",
+        type=positive_float,
+        default=16384,
+        help="tokens per GPU per step, for the compute column (with --params)",
     )
     parser.add_argument(
         "--tflops",
         type=positive_float,
         default=400.0,
-        help="achieved TFLOP/s per GPU, for the compute column (default: "
+        help="achieved TFLOP/s per GPU, for the compute column with --params (default: "
         "%(default)s, about 40%% of an H100's dense bf16 peak)",
     )
     parser.add_argument(
@@ -107,10 +213,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "bandwidths it measured",
     )
     args = parser.parse_args(argv)
+    config = gpt_of(parser, args)
     if args.layers * args.micro_steps > MAX_UNIT_STEPS:
+        units = "--layers" if config is None else "--n-layer"
         parser.error(
-            f"--layers {args.layers} x --grad-accum-steps {args.micro_steps} is more than {MAX_UNIT_STEPS:,} "
-            "units' collectives to list; fewer --layers give the same bytes in larger messages"
+            f"{units} {args.layers} x --grad-accum-steps {args.micro_steps} is more than {MAX_UNIT_STEPS:,} "
+            f"units' collectives to list; fewer {units} give the same bytes in larger messages"
+        )
+    args.shapes = estimator_shapes(parser, args, config)
+    if config is not None:
+        args.shapes = args.shapes or fine_tuned_shapes(config)
+        args.description = (
+            f"GPT {args.model} ({config.n_layer} Blocks of width {config.d_model}, vocabulary {config.vocab_size}, "
+            f"{config.block_size} tokens of context): {args.shapes.numel:,} parameters, "
+            f"{args.shapes.trainable_numel:,} of them trained"
         )
     resolve_shard_group_size(parser, args)
     try:
@@ -140,18 +256,32 @@ def measured_note(check: CommCheck, world_size: int, machines: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.shapes is not None:
+        print(args.description)
     print(
         f"{args.world_size} GPUs, machines of {args.shard_group_size}, {args.precision} gathers, fp32 gradient "
         f"reduction, {args.layers} FSDP units, {args.micro_steps} micro-step(s) per step\n"
     )
-    print(estimate_table(args, args.check))
+    if args.shapes is None:
+        print(estimate_table(args, args.check))
+        print(
+            "\nheld: model state per rank between steps (common.estimate_memory). all-gather, reduce-scatter, "
+            "all-reduce: message bytes per optimizer step."
+        )
+    else:
+        print(model_table(args, args.check))
+        print(
+            "\nEach row is what that script's run records at its end: params, grads, optimizer: local_state_bytes "
+            "of the rank that holds the most;\nall-gather, reduce-scatter, all-reduce: comm_bytes_per_step, the "
+            "message bytes of one optimizer step (the script's scalar all-reduces included)."
+        )
     print(
-        "\nheld: model state per rank between steps (common.estimate_memory). all-gather, reduce-scatter, all-reduce: "
-        "message bytes per optimizer step.\nsent per link: what a ring algorithm sends from each rank. The times "
-        "divide it by the bandwidth of the slowest link each collective crosses,\nas if nothing overlapped it (DDP "
-        "and FSDP both hide much of it behind compute; rough: real collectives reach 70-90% of a link's peak).\n"
-        f"compute: 6 x parameters x {args.tokens_per_gpu:g} tokens per GPU at {args.tflops:g} TFLOP/s."
+        "sent per link: what a ring algorithm sends from each rank. The times divide it by the bandwidth of the "
+        "slowest link each collective crosses,\nas if nothing overlapped it (DDP and FSDP both hide much of it "
+        "behind compute; rough: real collectives reach 70-90% of a link's peak)."
     )
+    if args.shapes is None:
+        print(f"compute: 6 x parameters x {args.tokens_per_gpu:g} tokens per GPU at {args.tflops:g} TFLOP/s.")
     if args.check:
         print(measured_note(args.check, args.world_size, args.world_size // args.shard_group_size))
 

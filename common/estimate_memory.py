@@ -49,11 +49,13 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from common.activations import gpt_activations, mnist_activations
 from common.cli import HelpFormatter
+from common.comm_model import rank_shares
+from common.fine_tuning import add_estimator_flags, estimator_shapes
 from common.flags import float_in_range, int_in_range, positive_float, positive_int
 from common.models import GPT_PRESETS, GPTConfig, MnistNet, count_parameters, gpt_parameter_count
 from common.shard_sizes import COMPUTE_BYTES, largest_shard_numel
@@ -101,8 +103,24 @@ class StateBytes:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
 
 
-def between_steps(shapes: Iterable[Sequence[int]], shard_group: int, layout: str) -> StateBytes:
-    """AdamW model state a rank holds between two steps: fp32 weights, grads and moments of its shard."""
+def between_steps(
+    shapes: Iterable[Sequence[int]] | Mapping[str, Sequence[int]],
+    shard_group: int,
+    layout: str,
+    trainable: Collection[str] | None = None,
+    precision: str = "fp32",
+) -> StateBytes:
+    """AdamW model state a rank holds between two steps: fp32 weights of its shard, gradients and moments of
+    what trains in it. Shapes by name count each rank's shard as the scripts cut the GPT (FSDP1's units and
+    padding, LoRA adapters: ``comm_model.rank_shares``), ``trainable`` the names that train (None: all); a
+    list of shapes, all training, counts FSDP1's units as one flat tensor."""
+    if isinstance(shapes, Mapping):
+        shares = rank_shares(shapes, shard_group, layout, trainable, precision)
+        return StateBytes(
+            params=FP32 * max(held for held, _, _ in shares),
+            grads=FP32 * max(trained for _, trained, _ in shares),
+            optimizer=max(ADAM_MOMENTS * FP32 * trained + ADAM_STEP_BYTES * tensors for _, trained, tensors in shares),
+        )
     shapes = list(shapes)
     numel = largest_shard_numel(shapes, shard_group, layout)
     return StateBytes(
@@ -264,10 +282,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_job_flags(parser, params_required=False)
     parser.add_argument("--gpu-memory", type=positive_float, required=True, help="memory of one GPU in GiB, e.g. 80")
     add_model_flags(parser)
+    add_estimator_flags(parser)
     args = parser.parse_args(argv)
     if (args.params is None) == (args.model is None):
         parser.error("give --params (the model state alone) or --model (with its activations), one of them")
     check_model_flags(parser, args)
+    gpt = args.model not in (None, MNIST)
+    config = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model) if gpt else None
+    args.fine_tuning = estimator_shapes(parser, args, config)
     resolve_shard_group_size(parser, args)
     return args
 
@@ -359,6 +381,12 @@ def main(argv: list[str] | None = None) -> None:
     if measured is not None:
         estimates = [replace(e, activations=measured.activations[e.strategy]) for e in estimates]
         print(measured.description)
+    tuned = args.fine_tuning
+    if tuned is not None:  # --freeze, --lora-rank: each rank's share of the shapes, as the runs hold it
+        for index, e in enumerate(estimates):
+            layout = "replicated" if e.shard_group == 1 else "flat"
+            held = between_steps(tuned.shapes, e.shard_group, layout, tuned.trainable, args.precision)
+            estimates[index] = replace(e, state=held)
     print(
         f"{args.world_size} GPUs of {args.gpu_memory:g} GiB, AdamW, {args.precision} compute, "
         f"{layers} FSDP units, hybrid groups of {args.shard_group_size}\n"
@@ -369,6 +397,15 @@ def main(argv: list[str] | None = None) -> None:
         "local_state_bytes count them."
         "\nin flight: units gathered and gradients not yet reduce-scattered during a step (rough)."
     )
+    if tuned is not None:
+        print(
+            f"\nfine-tuning: {tuned.trainable_numel:,} of {tuned.numel:,} values train. Per rank between steps, "
+            "MiB, as the runs' final records count them (local_state_bytes):"
+        )
+        rows = {"ddp": ("replicated", 1), "fsdp1": ("flat", args.world_size), "fsdp2": ("dim0", args.world_size)}
+        for strategy, (layout, group) in rows.items():
+            held = between_steps(tuned.shapes, group, layout, tuned.trainable, args.precision).as_dict()
+            print(f"  {strategy:<6}", ", ".join(f"{kind} {value / MIB:.2f}" for kind, value in held.items()))
     if measured is None:
         print("Activations are NOT included (they need --model): they must fit in what is left.")
         return

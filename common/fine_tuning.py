@@ -8,7 +8,12 @@ buckets, and FSDP its units, from the parameters that need gradients when it is 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -17,7 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.distributed import FatalError, print0
-from common.models import init_parameters
+from common.flags import name_pattern, positive_int
+from common.models import GPT, GPTConfig, init_parameters
 
 
 def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
@@ -141,3 +147,88 @@ def adapter_identity(model: nn.Module) -> dict[str, Any] | None:
     if not adapters:
         return None
     return {"rank": adapters[0].rank, "scale": adapters[0].scale, "layers": len(adapters)}
+
+
+@dataclass(frozen=True)
+class ParameterShapes:
+    """A model's parameters as the estimators need them: every shape by name, in the model's order (its
+    forward order, for the GPT), and the names that train."""
+
+    shapes: dict[str, tuple[int, ...]]
+    trainable: frozenset[str]
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes.values())
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(math.prod(shape) for name, shape in self.shapes.items() if name in self.trainable)
+
+
+def fine_tuned_shapes(
+    config: GPTConfig,
+    freeze_patterns: Sequence[str] = (),
+    lora_rank: int | None = None,
+    lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
+) -> ParameterShapes:
+    """The GPT's parameters after --lora-rank and --freeze, as the scripts apply them (the same calls, on a
+    model on the meta device: nothing allocated). Raises FatalError as the scripts refuse a pattern."""
+    with torch.device("meta"):
+        model = GPT(config, seed=None)
+    # add_adapters and freeze report to a run's log; an estimator says what it wants in its own words.
+    with contextlib.redirect_stdout(io.StringIO()):
+        add_adapters(model, lora_rank, None, lora_targets, seed=0)
+        freeze(model, freeze_patterns)
+    named = list(model.named_parameters())
+    return ParameterShapes(
+        {name: tuple(p.shape) for name, p in named}, frozenset(name for name, p in named if p.requires_grad)
+    )
+
+
+def add_estimator_flags(parser: argparse.ArgumentParser) -> None:
+    """--freeze, --lora-rank and --lora-targets for common.estimate_memory and common.estimate_communication,
+    as the training scripts take them (--lora-alpha changes no byte, so the estimators do without it)."""
+    group = parser.add_argument_group("fine-tuning: train part of a GPT (needs --model with a GPT preset)")
+    group.add_argument(
+        "--freeze",
+        type=name_pattern,
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="the scripts' --freeze: parameters whose names match this glob (repeatable) keep no gradient and no "
+        "optimizer state, and send no gradient",
+    )
+    group.add_argument(
+        "--lora-rank", type=positive_int, help="the scripts' --lora-rank: adapters of this rank, the base frozen"
+    )
+    group.add_argument(
+        "--lora-targets",
+        type=name_pattern,
+        action="append",
+        metavar="PATTERN",
+        help="the scripts' --lora-targets: glob over the linear layers that get adapters (repeatable; default: "
+        f"{' and '.join(repr(target) for target in DEFAULT_LORA_TARGETS)})",
+    )
+
+
+def estimator_shapes(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, config: GPTConfig | None
+) -> ParameterShapes | None:
+    """What ``add_estimator_flags`` asked for, on the GPT of ``config`` (None: the estimate is of no GPT), or
+    None without those flags. Refused with one message each: the flags without a GPT, --lora-targets without
+    --lora-rank, and whatever the scripts refuse of the patterns (one that matches nothing, or leaves nothing
+    to train)."""
+    if not args.freeze and args.lora_rank is None and args.lora_targets is None:
+        return None
+    if config is None:
+        parser.error(
+            "--freeze, --lora-rank and --lora-targets name the parameters of a GPT: give --model with a GPT preset, "
+            "not --params or the MNIST net"
+        )
+    if args.lora_rank is None and args.lora_targets is not None:
+        parser.error("--lora-targets chooses the layers that --lora-rank adapts: give --lora-rank too")
+    try:
+        return fine_tuned_shapes(config, args.freeze, args.lora_rank, args.lora_targets or DEFAULT_LORA_TARGETS)
+    except FatalError as err:
+        parser.error(str(err))

@@ -2,19 +2,22 @@
 
 A frozen parameter must end the run exactly as it started (its --init-from value), every other one
 must train, and what a rank holds and sends must scale with what trains: DDP all-reduces no bucket
-of frozen gradients, and no rank keeps gradients or optimizer state for them.
+of frozen gradients, and no rank keeps gradients or optimizer state for them. common.estimate_memory
+and common.estimate_communication, told the same flags, must say what those runs recorded.
 """
 
 from __future__ import annotations
 
 import runpy
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
 import torch
 
-from common import export_checkpoint
+from common import estimate_communication, estimate_memory, export_checkpoint
+from common.communication import Traffic
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.model_files import assert_same_parameters
@@ -49,6 +52,22 @@ def frozen(name: str) -> bool:
     return any(fnmatchcase(name, pattern) for pattern in FROZEN)
 
 
+def assert_the_estimators_say_what_the_run_recorded(final: dict, fine_tuning: list[str]) -> None:
+    """Told the run's model, world size and fine-tuning flags, common.estimate_memory and
+    common.estimate_communication give its final record exactly: the bytes of parameters, gradients and
+    optimizer state of the rank that holds the most, and one step's collectives, bytes and count by kind."""
+    model = ["--model", "tiny", "--world-size", str(final["world_size"]), *fine_tuning]
+    model += [f"--{name.replace('_', '-')}={value}" for name, value in final["model_config"].items()]
+    strategy, group = final["strategy"], final["shard_group_size"]
+    tuned = estimate_memory.parse_args([*model, "--gpu-memory", "80"]).fine_tuning
+    held = estimate_memory.between_steps(tuned.shapes, group, estimate_memory.LAYOUTS[strategy], tuned.trainable)
+    assert held.as_dict() == final["local_state_bytes"], (held, final)
+    estimated = estimate_communication.model_estimates(estimate_communication.parse_args(model))[strategy]
+    assert (estimated[0], estimated[1]) == (group, held), (estimated, final)
+    sent = Traffic.of(estimated[2])
+    assert (sent.bytes, sent.counts) == (final["comm_bytes_per_step"], final["collectives_per_step"]), (sent, final)
+
+
 @pytest.mark.parametrize(("script", "nproc"), STRATEGIES)
 def test_frozen_parameters_end_as_they_started_and_only_the_rest_is_trained_stored_and_sent(
     script: str, nproc: int, weights: Path, tmp_path: Path
@@ -74,6 +93,7 @@ def test_frozen_parameters_end_as_they_started_and_only_the_rest_is_trained_stor
         assert trainable_bytes <= sent["all_reduce"] < trainable_bytes + 64, final
     else:
         assert sent["reduce_scatter"] < 1.05 * trainable_bytes, final
+    assert_the_estimators_say_what_the_run_recorded(final, FREEZE_FLAGS)
 
 
 def test_a_pattern_that_matches_no_parameter_or_leaves_none_to_train_is_refused_with_one_message(
@@ -95,10 +115,11 @@ def test_every_lora_adapter_trains_from_the_first_step_and_model_pt_is_the_plain
     script: str, nproc: int, weights: Path, tmp_path: Path
 ) -> None:
     """Adapters that silently got no gradient under FSDP in 31 of 32 layers (meta-pytorch/torchforge#592) would
-    leave their B at zero, where it starts; here every adapter's B has moved after one step."""
+    leave their B at zero, where it starts; here every adapter's B has moved after one step. Three steps, for the
+    third's measured collectives (common.communication), which the estimators must predict."""
     full = [] if script.startswith("ddp") else ["--checkpoint-format", "full"]
-    flags = [*SMALL, "--init-from", str(weights), "--lora-rank", "4", "--max-steps", "1", "--checkpoint-interval", "1"]
-    run = run_script(script, [*flags, *full], tmp_path, nproc).check()
+    flags = [*SMALL, "--init-from", str(weights), "--lora-rank", "4", "--max-steps", "3", "--checkpoint-interval", "1"]
+    run = run_script(script, [*flags, *full, "--keep-checkpoints", "3"], tmp_path, nproc).check()
     start = torch.load(weights, weights_only=True)
     after_one_step = torch.load(tmp_path / "checkpoints" / "step-1.pt", weights_only=True)["model"]
     b_halves = {name: value for name, value in after_one_step.items() if name.endswith(".adapter.b")}
@@ -110,6 +131,7 @@ def test_every_lora_adapter_trains_from_the_first_step_and_model_pt_is_the_plain
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # strict: no adapter left over
     changed = [name for name in start if not torch.equal(model.state_dict()[name], start[name])]
     assert sorted(changed) == sorted(linears), run.describe()  # each adapter merged into the weight it adapts
+    assert_the_estimators_say_what_the_run_recorded(run.final(), ["--lora-rank", "4"])
 
 
 def test_a_lora_runs_model_pt_scores_what_the_run_scored(weights: Path, tmp_path: Path) -> None:
@@ -156,3 +178,32 @@ def test_a_lora_checkpoint_resumes_only_with_its_adapters_and_exports_them_alone
     merged = tmp_path / "merged.pt"
     assert export_checkpoint.main([str(checkpoint), str(merged)]) == 0
     assert_same_parameters(merged, tmp_path / "model.pt")  # as the run's own model.pt: adapters merged in
+
+
+ESTIMATORS = [
+    (estimate_memory.main, ["--world-size", "2", "--gpu-memory", "80"]),
+    (estimate_communication.main, ["--world-size", "2"]),
+]
+
+
+@pytest.mark.parametrize(("main", "job"), ESTIMATORS, ids=["estimate_memory", "estimate_communication"])
+def test_the_estimators_refuse_fine_tuning_flags_they_cannot_apply_with_one_message(
+    main: Callable[[list[str]], None], job: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    no_gpt = "--freeze, --lora-rank and --lora-targets name the parameters of a GPT"
+    refused = [
+        (["--params", "1e6", "--freeze", "blocks.0.*"], no_gpt),
+        (["--params", "1e6", "--lora-rank", "4"], no_gpt),
+        (["--model", "tiny", "--lora-targets", "blocks.*.mlp.*"], "give --lora-rank too"),
+        (["--model", "tiny", "--freeze", "block.0.*"], "--freeze 'block.0.*' matches no parameter of the model"),
+        (["--model", "tiny", "--lora-rank", "4", "--freeze", "*.adapter.*"], "nothing would be trained"),
+        (["--model", "tiny", "--lora-rank", "4", "--lora-targets", "head.*"], "matches no linear layer"),
+    ]
+    if main is estimate_memory.main:  # the only one of the two that takes the MNIST net
+        refused.append((["--model", "mnist", "--freeze", "fc1.*"], no_gpt))
+    for flags, said in refused:
+        with pytest.raises(SystemExit) as exited:
+            main([*job, *flags])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("error:") == 1 and said in err, (flags, err)
+        assert "Traceback" not in err, err
