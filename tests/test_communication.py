@@ -22,10 +22,7 @@ from common.comm_model import (
     current_behaviour,
     ddp_bucket_sizes,
     ddp_step,
-    fsdp1_flat_elements,
-    fsdp2_padded_elements,
     fsdp_step,
-    fsdp_units,
     run_estimate,
 )
 from common.communication import CollectiveRecorder, StepObserver, measured_step, ring_link_bytes
@@ -34,6 +31,7 @@ from common.compat import COMPILED_UNDER_DISPATCH_MODE, all_gather_single, reduc
 from common.distributed import DistContext, teardown_distributed
 from common.estimate_communication import main
 from common.models import GPT, GPTConfig, MnistNet
+from common.shard_sizes import fsdp1_flat_elements, fsdp2_padded_elements, fsdp_units
 
 TINY = GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64)
 MIB = 2**20
