@@ -39,14 +39,19 @@ parameters; CUDA's dropout keeps a 1-byte mask where the CPU's keeps an fp32 one
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from common.distributed import local_part
 from common.models import GPT, GPTConfig, MnistNet, checkpoint_activations
 
 # How a script applies --mixed-precision bf16: DDP's autocast, or FSDP's parameters gathered in bf16.
@@ -73,10 +78,13 @@ class ActivationBytes:
 
     kept: int  # from the end of forward into backward
     recomputed: int = 0  # activation checkpointing: one Block rebuilt during its backward
+    backward: int = 0  # the most the backward holds at once above ``kept`` and ``weight_copies`` (0: not measured)
+    weight_copies: int = 0  # autocast's bf16 copies of the weights, which forward saves for backward: model state
 
     @property
     def peak(self) -> int:
-        return self.kept + self.recomputed
+        """The most activations alive at once, in backward (``recomputed`` is within ``backward``)."""
+        return self.kept + self.backward
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -103,9 +111,15 @@ class SavedBytes:
         self.sizes: dict[int, int] = {}
         # Holding every saved tensor keeps its storage alive, so no later tensor can reuse its key.
         self.held: list[torch.Tensor] = []
+        self.parameter_copies: list[torch.Tensor] = []  # views of weights, and autocast's bf16 casts of them
+        self.copy_sizes: dict[int, int] = {}  # the casts' own storages (a view has its weight's)
 
     def add(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not is_parameter_copy(tensor, self.parameter_keys):
+        if is_parameter_copy(tensor, self.parameter_keys):
+            self.parameter_copies.append(tensor)
+            if storage_key(tensor) not in self.parameter_keys:
+                self.copy_sizes[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        else:
             self.held.append(tensor)
             self.sizes[storage_key(tensor)] = tensor.untyped_storage().nbytes()
         return tensor
@@ -127,15 +141,28 @@ def forward_context(forward: str) -> torch.autocast | nullcontext:
 
 
 def gpt_activations(
-    config: GPTConfig, batch_size: int, *, checkpointing: bool, forward: str, fake: bool = True
+    config: GPTConfig,
+    batch_size: int,
+    *,
+    checkpointing: bool,
+    forward: str,
+    fake: bool = True,
+    unit_gradients: bool = False,
+    prepare: Callable[[GPT], None] | None = None,
 ) -> ActivationBytes:
-    """A training forward of the GPT and the transformer scripts' loss, as in their training loop.
+    """A training forward and backward of the GPT with the transformer scripts' loss, as in their training loop.
 
-    ``fake`` False runs it on real tensors, as a check of the fake forward (seconds, not milliseconds).
+    ``unit_gradients``: count each parameter's gradient until its Block's backward ends, as FSDP holds it
+    unsharded until then (the root's, outside the Blocks, until the backward ends); without it, not at
+    all, as under DDP, whose gradients are model state (its buckets). ``prepare`` changes the model before
+    its forward, as fine-tuning does (``common.fine_tuning.fine_tune``). ``fake`` False runs on real
+    tensors, as a check of the fake run (seconds, not milliseconds).
     """
     with FakeTensorMode() if fake else nullcontext():
         with parameter_dtype(forward):
             model = GPT(config, seed=None).train()
+            if prepare is not None:
+                prepare(model)
         if checkpointing:
             checkpoint_activations(model, model.blocks)
         tokens = torch.randint(config.vocab_size, (batch_size, config.block_size))
@@ -143,10 +170,96 @@ def gpt_activations(
         counter = SavedBytes(model.parameters())
         with counter.counting(), forward_context(forward):
             logits = model(tokens)
-            F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
             counter.add(logits)  # the training loop holds it through backward
         recomputed = block_activations(model, batch_size, forward) if checkpointing else 0
-    return ActivationBytes(kept=counter.total, recomputed=recomputed)
+        units = [list(block.parameters()) for block in model.blocks] if unit_gradients else None
+        backward = backward_bytes(model, loss, counter, units)
+    copies = sum(counter.copy_sizes.values())
+    return ActivationBytes(kept=counter.total, recomputed=recomputed, backward=backward, weight_copies=copies)
+
+
+class LiveStorages:
+    """The storages seen so far that something still refers to: each from when it is first seen until it is
+    freed, at its size then (FSDP1 frees a flat parameter by shrinking its storage to nothing)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, StorageWeakRef] = {}
+        self.uncounted: set[int] = set()  # storage keys seen but not counted
+
+    def see(self, tensors: Iterable[Any]) -> None:
+        """Note the storages of the tensors among ``tensors`` (DTensors by their local shard; none of meta ones)."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+                storage = local_part(tensor).untyped_storage()
+                self._refs.setdefault(storage._cdata, StorageWeakRef(storage))
+
+    def nbytes(self) -> int:
+        total = 0
+        for key, ref in list(self._refs.items()):
+            if ref.expired():
+                del self._refs[key]
+            elif key not in self.uncounted:
+                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
+
+
+class BackwardBytes(TorchDispatchMode):
+    """The most bytes alive at once while it is active: each storage from the start (what forward kept) or
+    from the first operator that shows it, until nothing refers to it.
+
+    Never counted: model state (``state``: the parameters and their casts) and what ``stop_counting`` names
+    (gradients once the rank holds them no longer, or holds them as model state).
+    """
+
+    def __init__(self, kept: Iterable[torch.Tensor], state: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.state = list(state)  # held, so that no other storage takes one of their keys
+        self.live = LiveStorages()
+        self.live.uncounted.update(storage_key(t) for t in self.state)
+        self.live.see(kept)
+        self.start = self.peak = self.live.nbytes()
+
+    def stop_counting(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self.state.append(tensor)
+            self.live.uncounted.add(storage_key(tensor))
+
+    def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and storage_key(args[0]) in self.live.uncounted:
+            self.stop_counting([result])  # a weight cast again, as autocast does in a checkpoint's recomputation
+        self.live.see(tree_leaves((args, kwargs, result)))
+        self.peak = max(self.peak, self.live.nbytes())
+        return result
+
+
+def backward_bytes(
+    model: torch.nn.Module, loss: torch.Tensor, counter: SavedBytes, units: list[list[torch.Tensor]] | None
+) -> int:
+    """How far above what forward kept (``counter``: activations and weight copies) the backward of ``loss``
+    rises: activations' gradients, a checkpointed Block rebuilt, and parameters' gradients until their unit
+    in ``units`` is done (never, without units; the parameters in no unit, until the end)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    measure = BackwardBytes([*counter.held, *counter.parameter_copies], model.parameters())
+    # From here on the graph alone keeps what forward saved, and frees it as backward goes.
+    counter.held, counter.parameter_copies = [], []
+    unit_of = {id(p): unit for unit in units or [] for p in unit if p.requires_grad}
+
+    def gradient_ready(parameter: torch.Tensor) -> None:
+        if units is None:
+            measure.stop_counting([parameter.grad])
+            return
+        unit = unit_of.get(id(parameter))
+        if unit is not None and all(p.grad is not None for p in unit if p.requires_grad):
+            measure.stop_counting(p.grad for p in unit if p.requires_grad)
+
+    hooks = [p.register_post_accumulate_grad_hook(gradient_ready) for p in parameters]
+    with measure:
+        loss.backward()
+    for hook in hooks:
+        hook.remove()
+    return measure.peak - measure.start
 
 
 def block_activations(model: GPT, batch_size: int, forward: str) -> int:
@@ -163,7 +276,7 @@ def block_activations(model: GPT, batch_size: int, forward: str) -> int:
 
 
 def mnist_activations(batch_size: int, *, fake: bool = True) -> ActivationBytes:
-    """A training forward of the MNIST net (its dropout masks included) and the MNIST scripts' loss."""
+    """A training forward and backward of the MNIST net (its dropout masks included) and the MNIST scripts' loss."""
     with FakeTensorMode() if fake else nullcontext():
         model = MnistNet().train()
         images = torch.empty(batch_size, *MNIST_IMAGE)
@@ -171,9 +284,10 @@ def mnist_activations(batch_size: int, *, fake: bool = True) -> ActivationBytes:
         counter = SavedBytes(model.parameters())
         with counter.counting():
             logits = model(images)
-            F.cross_entropy(logits, labels)
+            loss = F.cross_entropy(logits, labels)
             counter.add(logits)
-    return ActivationBytes(kept=counter.total)
+        backward = backward_bytes(model, loss, counter, units=None)
+    return ActivationBytes(kept=counter.total, backward=backward)
 
 
 @contextmanager

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import math
 import os
 import runpy
 import sys
@@ -39,8 +38,9 @@ import torch
 
 from common.cli import HelpFormatter
 from common.comm_model import run_estimate
-from common.estimate_memory import LAYOUTS, StateBytes, between_steps, in_flight_bytes
+from common.estimate_memory import LAYOUTS, Estimate, StateBytes, between_steps
 from common.flags import existing_dir, output_dir, output_file, positive_int
+from common.in_flight import gathered_units, in_flight_bytes
 from common.models import GPT_PRESETS
 from common.outputs import (
     OutputExists,
@@ -184,13 +184,17 @@ def estimated_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> StateB
 
 
 def estimated_peak_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> float:
-    """Model state at its peak in a step, as common.estimate_memory counts it: held between steps plus the
-    units gathered. Activations and the runtime's own memory are not in it, so it is a floor of the peak."""
-    params = sum(math.prod(shape) for shape in shapes.values())
-    layers = record.get("model_config", {}).get("n_layer", 1)
+    """Model state at its peak in a step, as common.estimate_memory counts it without a model's activations:
+    held during the step plus the units gathered, and one unit's gradients. Activations and the runtime's
+    own memory are not in it, so it is a floor of the peak."""
     precision = "bf16" if record.get("mixed_precision") in ("bf16", "fp16") else "fp32"  # 2 bytes either way
     strategy = IN_FLIGHT_STRATEGY[record["strategy"]]
-    return estimated_state(record, shapes).total + in_flight_bytes(strategy, params, layers, precision)
+    group = record["shard_group_size"]
+    layout = LAYOUTS[record["strategy"]]
+    units = gathered_units(shapes, "flat" if layout == "replicated" else layout, group, precision)
+    in_flight = in_flight_bytes(strategy, units, precision, gradients=True)
+    state = estimated_state(record, shapes)
+    return Estimate(0, strategy, group, state, in_flight).peak
 
 
 def comparison_figure(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]]) -> Figure:

@@ -16,29 +16,27 @@ The optimizer is AdamW, as in every transformer script here. Per parameter, in b
 
 bf16 mixed precision changes none of these: the scripts keep fp32 master weights, reduce gradients
 in fp32 (``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``) and keep Adam's moments in fp32;
-only the copies gathered for computing are bf16. Those gathered copies are the second term:
+only the copies gathered for computing are bf16. Those are the second term, "in flight" (common.in_flight):
+during backward, where a step peaks, FSDP holds c x (root unit + 2 Blocks) gathered (c x P under
+shard_grad_op), c = 2 bytes for bf16 and 4 for fp32, padding included; DDP nothing, but under bf16
+autocast the bf16 copies of the weights forward saved. The FSDP scripts hold no sharded gradients
+during a step (zero_grad sets them to None); DDP's are its buckets (gradient_as_bucket_view), kept.
 
-    in flight during a step (c = 2 bytes for bf16 compute, 4 for fp32)
-        DDP                    0: with gradient_as_bucket_view=True, as the scripts use it, gradients are
-                               views into the all-reduce buckets (without it the buckets add 4P);
-                               with bf16 autocast, 2P of cached bf16 weight copies
-        full_shard, hybrid     2 units x (c + 4) x P / layers: the unit computing and the one prefetched,
-                               each with its weights and its unsharded gradient before reduce-scatter
-        shard_grad_op          c x P (every unit stays gathered from forward to backward)
-                               + 1 unit x 4 x P / layers of unsharded gradient
+Activations, with --model: what a training step of that model holds beyond its weights, measured by
+common.activations (one fake forward and backward on the CPU, with the scripts' dtype and checkpointing;
+DDP rows under autocast, FSDP rows with bf16 parameters) at --batch-size and --block-size: what forward
+keeps for backward, and the most the backward adds at once (activations' gradients, logits' included;
+under checkpointing, one Block rebuilt; under FSDP, a unit's unsharded gradients until its
+reduce-scatter). The peak per rank is then
 
-Activations, with --model: the bytes a training forward of that model keeps for backward, measured
-by common.activations (one fake forward on the CPU, with the scripts' dtype and checkpointing; DDP
-rows under autocast, FSDP rows with bf16 parameters) at --batch-size and --block-size, plus under
-activation checkpointing one Block recomputed in backward. The peak per rank is then
+    model state held during the step + in flight + activations
 
-    model state between steps + in flight + activations
-
-and it leaves out what lives only inside one operation or one backward step (the logits' gradient,
-above all at a large vocabulary), the caching allocator's rounding and fragmentation, cuBLAS
-workspaces, NCCL's buffers, the CUDA context, and AdamW's temporaries in its step (after the
-activations are freed). With --params alone there is no model to measure: the table then says what
-is left of the GPU for activations.
+Without --model there is nothing to measure: FSDP's in flight then adds one unit's fp32 gradients
+(P / layers each, no root), and the table says what is left of the GPU for activations. Not counted
+anywhere: the caching allocator's rounding and fragmentation, cuBLAS workspaces, NCCL's buffers, the
+CUDA context, and AdamW's temporaries in its step (after the activations are freed).
+common.simulate measures one rank of a job of any size (fake process group, fake tensors); this
+estimate is within 0.1% of it for DDP, FSDP1, FSDP2 and HSDP at 8 to 1,024 ranks.
 
 The paper's ZeRO-2 (4P + 12P/N in fp32 terms) keeps whole parameters between steps; PyTorch's
 SHARD_GRAD_OP does not, so its between-steps figure equals full_shard's and its cost shows up in
@@ -48,22 +46,22 @@ flight.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from common.activations import gpt_activations, mnist_activations
+from common.activations import ActivationBytes, gpt_activations, mnist_activations
 from common.cli import HelpFormatter
-from common.comm_model import rank_shares
-from common.fine_tuning import add_estimator_flags, estimator_shapes
+from common.fine_tuning import DEFAULT_LORA_TARGETS, add_estimator_flags, estimator_shapes, fine_tune
 from common.flags import float_in_range, int_in_range, positive_float, positive_int
-from common.models import GPT_PRESETS, GPTConfig, MnistNet, count_parameters, gpt_parameter_count
-from common.shard_sizes import COMPUTE_BYTES, largest_shard_numel
+from common.in_flight import GatheredUnits, gathered_units, in_flight_bytes
+from common.models import GPT_PRESETS, GPTConfig, MnistNet, count_parameters, gpt_parameter_shapes
+from common.shard_sizes import COMPUTE_BYTES, largest_shard_numel, rank_shares
 
 FP32 = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, both fp32
 ADAM_STEP_BYTES = 4  # one float32 scalar per parameter tensor
-PREFETCHED_UNITS = 2  # the unit computing and the next one, gathered ahead of time
 GIB = 2**30
 MIB = 2**20
 MNIST = "mnist"
@@ -112,7 +110,7 @@ def between_steps(
 ) -> StateBytes:
     """AdamW model state a rank holds between two steps: fp32 weights of its shard, gradients and moments of
     what trains in it. Shapes by name count each rank's shard as the scripts cut the GPT (FSDP1's units and
-    padding, LoRA adapters: ``comm_model.rank_shares``), ``trainable`` the names that train (None: all); a
+    padding, LoRA adapters: ``shard_sizes.rank_shares``), ``trainable`` the names that train (None: all); a
     list of shapes, all training, counts FSDP1's units as one flat tensor."""
     if isinstance(shapes, Mapping):
         shares = rank_shares(shapes, shard_group, layout, trainable, precision)
@@ -130,19 +128,6 @@ def between_steps(
     )
 
 
-def in_flight_bytes(strategy: str, params: float, layers: int, precision: str) -> float:
-    """Rough extra bytes gathered during a step, on top of ``between_steps`` (see the module docstring)."""
-    compute = COMPUTE_BYTES[precision]
-    unit = params / layers
-    if strategy == "ddp":
-        return compute * params if precision == "bf16" else 0.0
-    if strategy in ("full_shard", "hybrid_shard"):
-        return PREFETCHED_UNITS * (compute + FP32) * unit
-    if strategy == "shard_grad_op":
-        return compute * params + FP32 * unit
-    raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-
-
 @dataclass(frozen=True)
 class Estimate:
     params: float
@@ -153,13 +138,21 @@ class Estimate:
     activations: float | None = None  # None: no model to measure them on
 
     @property
+    def held_in_step(self) -> int:
+        """Model state during a step: the FSDP scripts' zero_grad sets the sharded gradients to None; DDP's
+        gradients are its buckets, kept."""
+        return self.state.total if self.strategy == "ddp" else self.state.params + self.state.optimizer
+
+    @property
     def peak(self) -> float:
-        """The model state at its peak: between steps plus in flight."""
-        return self.state.total + self.in_flight
+        """The model state at its peak: between steps, or held in a step plus in flight."""
+        return max(self.state.total, self.held_in_step + self.in_flight)
 
     @property
     def peak_per_rank(self) -> float | None:
-        return None if self.activations is None else self.peak + self.activations
+        if self.activations is None:
+            return None
+        return max(self.state.total, self.held_in_step + self.in_flight + self.activations)
 
 
 def shard_group_for(strategy: str, world_size: int, hybrid_group: int) -> int:
@@ -167,15 +160,38 @@ def shard_group_for(strategy: str, world_size: int, hybrid_group: int) -> int:
 
 
 def estimate_all(params: float, world_size: int, hybrid_group: int, layers: int, precision: str) -> list[Estimate]:
-    """One estimate per strategy for a model of ``params`` parameters, counted as one flat tensor."""
+    """One estimate per strategy for a model of ``params`` parameters, counted as one flat tensor in ``layers``
+    equal units, with no root."""
     count = round(params)
+    units = GatheredUnits(root=0, block=count / layers, blocks=layers)
     estimates = []
     for strategy in STRATEGIES:
         group = shard_group_for(strategy, world_size, hybrid_group)
         layout = "replicated" if group == 1 else "flat"
         state = between_steps([(count,)], group, layout)
-        estimates.append(Estimate(count, strategy, group, state, in_flight_bytes(strategy, count, layers, precision)))
+        in_flight = in_flight_bytes(strategy, units, precision, gradients=True)
+        estimates.append(Estimate(count, strategy, group, state, in_flight))
     return estimates
+
+
+def estimate_model(
+    shapes: Mapping[str, Sequence[int]],
+    strategy: str,
+    shard_group: int,
+    precision: str,
+    activations: ActivationBytes,
+    layout: str = "flat",
+    trainable: Collection[str] | None = None,
+) -> Estimate:
+    """The estimate for a GPT of these parameter shapes, its units gathered as ``layout`` pads them (FSDP1's
+    "flat" or FSDP2's "dim0"), with its measured activations: DDP's (``unit_gradients`` False) or FSDP's.
+    ``trainable``: the names that train (None: all), as --freeze and --lora-rank leave them."""
+    layout = "replicated" if shard_group == 1 else layout
+    state = between_steps(shapes, shard_group, layout, trainable, precision)
+    units = gathered_units(shapes, layout if layout != "replicated" else "flat", shard_group, precision)
+    in_flight = in_flight_bytes(strategy, units, precision, weight_copies=activations.weight_copies)
+    params = sum(math.prod(shape) for shape in shapes.values())
+    return Estimate(params, strategy, shard_group, state, in_flight, activations.peak)
 
 
 def count_label(params: float) -> str:
@@ -193,7 +209,7 @@ def estimate_table(estimates: Sequence[Estimate], gpu_bytes: float) -> str:
     """
     lines = [
         "| parameters | strategy | ranks per copy | params GiB | grads GiB | optimizer GiB | between steps GiB "
-        "| in flight GiB (rough) | peak model state GiB | activations GiB | peak per rank GiB | left GiB | fits |",
+        "| in flight GiB | peak model state GiB | activations GiB | peak per rank GiB | left GiB | fits |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for e in estimates:
@@ -328,12 +344,11 @@ def resolve_shard_group_size(parser: argparse.ArgumentParser, args: argparse.Nam
 
 @dataclass(frozen=True)
 class MeasuredModel:
-    """A model of the scripts: its size, its FSDP units, and its activations under each strategy."""
+    """A model of the scripts, described, and each strategy's estimate with its measured activations."""
 
     description: str
-    params: int
     layers: int
-    activations: dict[str, int]  # by strategy: DDP computes bf16 under autocast, FSDP with bf16 parameters
+    estimates: list[Estimate]
 
 
 def forward_of(strategy: str, precision: str) -> str:
@@ -344,49 +359,55 @@ def forward_of(strategy: str, precision: str) -> str:
 
 
 def measure_model(args: argparse.Namespace) -> MeasuredModel:
-    """Count the model's parameters and measure its activations at the job's micro-batch."""
+    """Measure the model's activations at the job's micro-batch, and estimate each strategy with them."""
     if args.model == MNIST:
         params = count_parameters(MnistNet())
         peak = mnist_activations(args.batch_size).peak
-        return MeasuredModel(
-            f"MNIST net, {args.batch_size} images per rank", params, 1, dict.fromkeys(STRATEGIES, peak)
-        )
+        estimates = estimate_all(params, args.world_size, args.shard_group_size, 1, args.precision)
+        description = f"MNIST net, {args.batch_size} images per rank"
+        return MeasuredModel(description, 1, [replace(e, activations=peak) for e in estimates])
     config = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
-    params = gpt_parameter_count(config)
-    by_forward = {
-        forward: gpt_activations(
-            config, args.batch_size, checkpointing=args.activation_checkpointing, forward=forward
-        ).peak
-        for forward in {forward_of(strategy, args.precision) for strategy in STRATEGIES}
-    }
+    tuned, prepare = args.fine_tuning, None
+    shapes, trainable = (tuned.shapes, tuned.trainable) if tuned else (gpt_parameter_shapes(config), None)
+    if tuned is not None:
+        targets = args.lora_targets or DEFAULT_LORA_TARGETS
+        prepare = functools.partial(
+            fine_tune, freeze_patterns=args.freeze, lora_rank=args.lora_rank, lora_targets=targets
+        )
+    estimates = []
+    for strategy in STRATEGIES:
+        activations = gpt_activations(
+            config,
+            args.batch_size,
+            checkpointing=args.activation_checkpointing,
+            forward=forward_of(strategy, args.precision),
+            unit_gradients=strategy != "ddp",
+            prepare=prepare,
+        )
+        group = shard_group_for(strategy, args.world_size, args.shard_group_size)
+        estimates.append(estimate_model(shapes, strategy, group, args.precision, activations, trainable=trainable))
     description = (
         f"GPT {args.model} ({args.n_layer} Blocks of width {args.d_model}, vocabulary {args.vocab_size}), "
         f"{args.batch_size} sequences of {args.block_size} tokens per rank"
         + (", activation checkpointing" if args.activation_checkpointing else "")
     )
-    activations = {strategy: by_forward[forward_of(strategy, args.precision)] for strategy in STRATEGIES}
-    return MeasuredModel(description, params, args.n_layer, activations)
+    return MeasuredModel(description, args.n_layer, estimates)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     measured = measure_model(args) if args.model is not None else None
     layers = measured.layers if measured is not None else args.layers
-    sizes = [measured.params] if measured is not None else args.params
-    estimates = [
-        estimate
-        for params in sizes
-        for estimate in estimate_all(params, args.world_size, args.shard_group_size, layers, args.precision)
-    ]
-    if measured is not None:
-        estimates = [replace(e, activations=measured.activations[e.strategy]) for e in estimates]
+    if measured is None:
+        estimates = [
+            estimate
+            for params in args.params
+            for estimate in estimate_all(params, args.world_size, args.shard_group_size, layers, args.precision)
+        ]
+    else:
+        estimates = measured.estimates
         print(measured.description)
     tuned = args.fine_tuning
-    if tuned is not None:  # --freeze, --lora-rank: each rank's share of the shapes, as the runs hold it
-        for index, e in enumerate(estimates):
-            layout = "replicated" if e.shard_group == 1 else "flat"
-            held = between_steps(tuned.shapes, e.shard_group, layout, tuned.trainable, args.precision)
-            estimates[index] = replace(e, state=held)
     print(
         f"{args.world_size} GPUs of {args.gpu_memory:g} GiB, AdamW, {args.precision} compute, "
         f"{layers} FSDP units, hybrid groups of {args.shard_group_size}\n"
@@ -395,7 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "\nbetween steps: fp32 weights, gradients and Adam moments of the rank's shard, as the runs' "
         "local_state_bytes count them."
-        "\nin flight: units gathered and gradients not yet reduce-scattered during a step (rough)."
+        "\nin flight: what is gathered during backward, where a step peaks: FSDP's root unit and two Blocks, "
+        "DDP's bf16 weight copies under autocast" + ("." if measured else "; FSDP's adds one unit's gradients (rough).")
     )
     if tuned is not None:
         print(
@@ -409,12 +431,12 @@ def main(argv: list[str] | None = None) -> None:
     if measured is None:
         print("Activations are NOT included (they need --model): they must fit in what is left.")
         return
-    per_strategy = ", ".join(f"{s} {measured.activations[s] / MIB:,.1f} MiB" for s in STRATEGIES)
-    recomputed = ", and one Block recomputed in its backward" if args.activation_checkpointing else ""
+    per_strategy = ", ".join(f"{e.strategy} {e.activations / MIB:,.1f} MiB" for e in measured.estimates)
+    recomputed = ", one Block recomputed" if args.activation_checkpointing else ""
     print(
-        f"activations: what one forward keeps for backward{recomputed}, measured: {per_strategy}."
-        "\npeak per rank: between steps + in flight + activations. Not in it: temporaries inside backward "
-        "(the logits' gradient), the allocator's fragmentation, cuBLAS workspaces, NCCL buffers."
+        f"activations: what forward keeps for backward and the most backward adds to it (gradients{recomputed}), "
+        f"measured: {per_strategy}.\npeak per rank: state held during the step (FSDP: no sharded gradients) + "
+        "in flight + activations. Not in it: the allocator's fragmentation, cuBLAS workspaces, NCCL buffers."
     )
 
 

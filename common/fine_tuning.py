@@ -176,14 +176,24 @@ def fine_tuned_shapes(
     model on the meta device: nothing allocated). Raises FatalError as the scripts refuse a pattern."""
     with torch.device("meta"):
         model = GPT(config, seed=None)
-    # add_adapters and freeze report to a run's log; an estimator says what it wants in its own words.
-    with contextlib.redirect_stdout(io.StringIO()):
-        add_adapters(model, lora_rank, None, lora_targets, seed=0)
-        freeze(model, freeze_patterns)
+    fine_tune(model, freeze_patterns, lora_rank, lora_targets)
     named = list(model.named_parameters())
     return ParameterShapes(
         {name: tuple(p.shape) for name, p in named}, frozenset(name for name, p in named if p.requires_grad)
     )
+
+
+def fine_tune(
+    model: nn.Module,
+    freeze_patterns: Sequence[str] = (),
+    lora_rank: int | None = None,
+    lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
+) -> None:
+    """--lora-rank, then --freeze, as the scripts call them, without their log lines: an estimator says what
+    it wants in its own words."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        add_adapters(model, lora_rank, None, lora_targets, seed=0)
+        freeze(model, freeze_patterns)
 
 
 def add_estimator_flags(parser: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -163,8 +164,13 @@ def count_parameters(model: nn.Module) -> int:
 
 def gpt_parameter_count(config: GPTConfig) -> int:
     """Parameters of a GPT of ``config``, counted from its shapes on the meta device: nothing allocated."""
+    return sum(math.prod(shape) for shape in gpt_parameter_shapes(config).values())
+
+
+def gpt_parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter of a GPT of ``config``, by name in the model's order (the meta device)."""
     with torch.device("meta"):
-        return count_parameters(GPT(config, seed=None))
+        return {name: tuple(p.shape) for name, p in GPT(config, seed=None).named_parameters()}
 
 
 # What wrappers insert into parameter names; a parameter's initial value depends on its plain name.

@@ -39,16 +39,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from common import comm_model, estimate_memory
-from common.activations import gpt_activations
+from common.activations import LiveStorages, gpt_activations
 from common.cli import HelpFormatter
 from common.communication import CollectiveRecorder, Traffic, measured_step
-from common.distributed import DistContext, local_part, local_state_bytes
+from common.distributed import DistContext, local_state_bytes
 from common.flags import int_in_range, non_negative_int, output_file, positive_int
-from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config, gpt_parameter_count
+from common.models import (
+    COMPUTE_DTYPES,
+    GPT,
+    GPT_PRESETS,
+    GPTConfig,
+    gpt_config,
+    gpt_parameter_count,
+    gpt_parameter_shapes,
+)
 from common.outputs import add_overwrite_flag, check_output_path, write_text
 from common.plot import check_figure_path, draw_scale, save_figure_or_exit
 
@@ -237,39 +244,20 @@ def all_reduced_bucket(state, bucket):  # noqa: ANN001 - DDP refuses annotations
 
 
 class StepRecorder(CollectiveRecorder):
-    """The collectives of a step, and the peak of the bytes of every storage alive during it.
-
-    A storage counts from the first operator that shows it (or from the start, for the state held
-    then) until nothing refers to it any more, at its size then (FSDP1 frees a flat parameter by
-    shrinking its storage to nothing).
-    """
+    """The collectives of a step, and the peak of the bytes of every storage alive during it: each from the
+    first operator that shows it (or from the start, for the state held then) until it is freed."""
 
     def __init__(self, held: list[torch.Tensor]) -> None:
         super().__init__()
-        self._storages: dict[int, StorageWeakRef] = {}
-        self._note(held)
-        self.peak = self.live_bytes()
-
-    def _note(self, values: Any) -> None:
-        for tensor in tree_leaves(values):
-            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
-                storage = local_part(tensor).untyped_storage()
-                self._storages.setdefault(storage._cdata, StorageWeakRef(storage))
-
-    def live_bytes(self) -> int:
-        total = 0
-        for key, ref in list(self._storages.items()):
-            if ref.expired():
-                del self._storages[key]
-            else:
-                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-        return total
+        self.live = LiveStorages()
+        self.live.see(held)
+        self.peak = self.live.nbytes()
 
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         result = super().__torch_dispatch__(func, types, args, kwargs)
         if result is not NotImplemented:
-            self._note((args, kwargs, result))
-            self.peak = max(self.peak, self.live_bytes())
+            self.live.see(tree_leaves((args, kwargs, result)))
+            self.peak = max(self.peak, self.live.nbytes())
         return result
 
 
@@ -367,22 +355,22 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
 
 def estimate(args: argparse.Namespace, config: Any, batch_size: int) -> dict[str, float]:
     """What common.estimate_memory and common.estimate_communication (common.comm_model) say of the same job."""
-    with torch.device("meta"):
-        shapes = {name: tuple(p.shape) for name, p in GPT(config, seed=None).named_parameters()}
+    shapes = gpt_parameter_shapes(config)
     strategy = record_strategy(args)
     group = 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree
-    state = estimate_memory.between_steps(shapes.values(), group, estimate_memory.LAYOUTS[strategy])
     kind = "ddp" if strategy == "ddp" else "hybrid_shard" if args.replicate_degree > 1 else "full_shard"
-    params = sum(math.prod(s) for s in shapes.values())
-    in_flight = estimate_memory.in_flight_bytes(kind, params, config.n_layer, args.mixed_precision)
     forward = estimate_memory.forward_of(kind, args.mixed_precision)
-    activations = gpt_activations(config, batch_size, checkpointing=False, forward=forward).peak
+    activations = gpt_activations(
+        config, batch_size, checkpointing=False, forward=forward, unit_gradients=kind != "ddp"
+    )
+    layout = estimate_memory.LAYOUTS[strategy]
+    memory = estimate_memory.estimate_model(shapes, kind, group, args.mixed_precision, activations, layout)
     traffic = comm_model.run_estimate(strategy, shapes, args.world_size, group, args.mixed_precision, loss_check=False)
     return {
-        "params_bytes": state.params,
-        "grads_bytes": state.grads,
-        "optimizer_bytes": state.optimizer,
-        "peak_bytes": state.total + in_flight + activations,
+        "params_bytes": memory.state.params,
+        "grads_bytes": memory.state.grads,
+        "optimizer_bytes": memory.state.optimizer,
+        "peak_bytes": memory.peak_per_rank,
         "sent_bytes_per_step": traffic.total_ring_bytes,
     }
 
@@ -413,8 +401,8 @@ def scale_table(results: list[dict[str, Any]]) -> str:
     """Per-rank model state and bytes sent per step, one row per job, against 16P/N and the estimators."""
     lines = [
         "| model | ranks | strategy | ranks per copy | state per rank MiB | x 16P / ranks per copy "
-        "| estimated / simulated | sent per step MiB | estimated / simulated |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| estimated / simulated | sent per step MiB | estimated / simulated | peak MiB | estimated / simulated |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for result in results:
         config = GPTConfig(**result["model_config"])
@@ -426,7 +414,8 @@ def scale_table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {result['model']} | {result['world_size']:,} | {result['strategy']} | {group:,} | {state / MIB:,.2f} "
             f"| {state / (16 * params / group):.3f} | {estimated / state:.4f} | {sent / MIB:,.1f} "
-            f"| {ratio(sent_estimated, sent)} |"
+            f"| {ratio(sent_estimated, sent)} | {result['peak_bytes'] / MIB:,.1f} "
+            f"| {ratio(result['estimate']['peak_bytes'], result['peak_bytes'])} |"
         )
     return "\n".join(lines)
 

@@ -19,9 +19,9 @@ from common.estimate_memory import (
     count_label,
     estimate_all,
     estimate_table,
-    in_flight_bytes,
     main,
 )
+from common.in_flight import GatheredUnits, gathered_units, in_flight_bytes
 from common.metrics import model_flops_utilization, peak_flops, transformer_flops_per_token
 from common.models import GPT, GPTConfig
 from common.shard_sizes import largest_shard_numel
@@ -83,15 +83,37 @@ def test_formulas_for_seven_billion_parameters() -> None:
 def test_in_flight_terms() -> None:
     params, layers = 7e9, 32
     unit = params / layers
-    assert in_flight_bytes("ddp", params, layers, "fp32") == 0
-    assert in_flight_bytes("ddp", params, layers, "bf16") == 2 * params  # autocast's cached bf16 weights
-    # Two units gathered (computing + prefetched), weights in the compute dtype plus an fp32 gradient.
-    assert in_flight_bytes("full_shard", params, layers, "bf16") == pytest.approx(2 * (2 + 4) * unit)
-    assert in_flight_bytes("hybrid_shard", params, layers, "fp32") == pytest.approx(2 * (4 + 4) * unit)
+    units = GatheredUnits(root=0, block=unit, blocks=layers)  # --params alone: equal units, no root
+    assert in_flight_bytes("ddp", units, "fp32") == 0
+    assert in_flight_bytes("ddp", units, "bf16") == 2 * params  # autocast's bf16 copy of every weight
+    assert in_flight_bytes("ddp", units, "bf16", weight_copies=123) == 123  # or as common.activations measured
+    # Two Blocks gathered (computing + prefetched) in the compute dtype, and one unit's fp32 gradient where no
+    # backward was measured.
+    assert in_flight_bytes("full_shard", units, "bf16") == pytest.approx(2 * 2 * unit)
+    assert in_flight_bytes("full_shard", units, "bf16", gradients=True) == pytest.approx(2 * 2 * unit + 4 * unit)
+    assert in_flight_bytes("hybrid_shard", units, "fp32", gradients=True) == pytest.approx(2 * 4 * unit + 4 * unit)
     # Every unit stays gathered from forward to backward: the whole model in the compute dtype.
-    assert in_flight_bytes("shard_grad_op", params, layers, "bf16") == pytest.approx(2 * params + 4 * unit)
+    assert in_flight_bytes("shard_grad_op", units, "bf16", gradients=True) == pytest.approx(2 * params + 4 * unit)
+    # The root unit stays gathered too.
+    rooted = GatheredUnits(root=1000, block=unit, blocks=layers)
+    assert in_flight_bytes("full_shard", rooted, "fp32") == pytest.approx(4 * (1000 + 2 * unit))
     with pytest.raises(ValueError, match="strategy"):
-        in_flight_bytes("zero-4", params, layers, "fp32")
+        in_flight_bytes("zero-4", units, "fp32")
+
+
+def test_gathered_units_are_padded_as_each_fsdp_pads_them() -> None:
+    """FSDP2 pads every parameter's rows to a multiple of the group; FSDP1 pads each unit's flat parameter."""
+    shapes = {
+        "emb.weight": (16, 8),
+        "blocks.0.w": (24, 8),
+        "blocks.0.b": (24,),
+        "blocks.1.w": (24, 8),
+        "blocks.1.b": (24,),
+    }
+    assert gathered_units(shapes, "dim0", 64, "fp32") == GatheredUnits(root=64 * 8, block=64 * 8 + 64, blocks=2)
+    flat = gathered_units(shapes, "flat", 64, "fp32")
+    assert (flat.root, flat.block, flat.blocks) == (128, 256, 2)  # a Block's 216 values padded to 4 x 64
+    assert gathered_units(shapes, "dim0", 2, "fp32").block == 24 * 8 + 24  # nothing to pad
 
 
 def test_count_labels() -> None:

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from common import simulate
-from common.activations import gpt_activations
 from common.communication import Traffic
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, cases
@@ -86,17 +85,17 @@ def test_each_simulation_in_a_process_is_its_own_rank() -> None:
     assert last == sum(4 * (s[0] - 2 * math.ceil(s[0] / 3)) * math.prod(s[1:]) for s in shapes)
 
 
-@pytest.mark.parametrize("world_size", [8, 64])
+@pytest.mark.parametrize("world_size", [8, 1024])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp1", "fsdp2", "hsdp"])
 def test_estimators_agree_with_the_simulation(strategy: str, world_size: int) -> None:
-    """And the simulated peak holds the state a rank keeps across steps beside a forward's activations (a
-    measured step without AdamW's state before it, as a first one is, fell 600 KB short for DDP)."""
-    result = simulated(world_size, ["--strategy", strategy])
-    for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "sent_bytes_per_step"):
+    """At the script's own batch, where a step peaks early in backward. The peak is the estimate that can
+    slip: at 1,024 ranks FSDP2 gathers the tiny preset's 64-row weights padded to 1,024 rows, and those
+    gathered units are a fifth of its peak. (With 4 sequences, at 1,024 ranks FSDP2's peak moves to a
+    reduce-scatter of padded gradients, and the estimate falls 6% short: docs/memory.md.)"""
+    (job,) = simulate.parse_args(["--world-size", str(world_size), "--strategy", strategy]).jobs
+    result = simulate.simulate(job)
+    for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "sent_bytes_per_step", "peak_bytes"):
         assert result["estimate"][name] == pytest.approx(result[name], rel=0.01), name
-    state = sum(result[f"{kind}_bytes"] for kind in STATE)
-    activations = gpt_activations(GPTConfig(**result["model_config"]), 4, checkpointing=False, forward="fp32").peak
-    assert result["peak_bytes"] > state + activations
 
 
 def test_what_cannot_be_simulated_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
