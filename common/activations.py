@@ -227,8 +227,6 @@ class BackwardBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         result = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and storage_key(args[0]) in self.live.uncounted:
-            self.stop_counting([result])  # a weight cast again, as autocast does in a checkpoint's recomputation
         self.live.see(tree_leaves((args, kwargs, result)))
         self.peak = max(self.peak, self.live.nbytes())
         return result

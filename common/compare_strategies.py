@@ -38,7 +38,7 @@ import torch
 
 from common.cli import HelpFormatter
 from common.comm_model import run_estimate
-from common.estimate_memory import LAYOUTS, Estimate, StateBytes, between_steps
+from common.estimate_memory import LAYOUTS, Estimate
 from common.flags import existing_dir, output_dir, output_file, positive_int
 from common.in_flight import gathered_units, in_flight_bytes
 from common.models import GPT_PRESETS
@@ -53,6 +53,7 @@ from common.plot import FORMATS as FIGURE_FORMATS
 from common.plot import PlotError, pyplot, save_figure_or_exit
 from common.processes import exit_code_of, output_of
 from common.run_dir import MODEL_FILE, check_run_folders, final_record, finished_run_in
+from common.shard_sizes import StateBytes, between_steps
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

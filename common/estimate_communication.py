@@ -213,6 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "bandwidths it measured",
     )
     args = parser.parse_args(argv)
+    resolve_shard_group_size(parser, args)
     config = gpt_of(parser, args)
     if args.layers * args.micro_steps > MAX_UNIT_STEPS:
         units = "--layers" if config is None else "--n-layer"
@@ -228,7 +229,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{config.block_size} tokens of context): {args.shapes.numel:,} parameters, "
             f"{args.shapes.trainable_numel:,} of them trained"
         )
-    resolve_shard_group_size(parser, args)
     try:
         args.check = CommCheck.load(args.comm_check) if args.comm_check else None
     except ValueError as err:

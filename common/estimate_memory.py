@@ -48,7 +48,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from common.activations import ActivationBytes, gpt_activations, mnist_activations
@@ -57,14 +57,12 @@ from common.fine_tuning import DEFAULT_LORA_TARGETS, add_estimator_flags, estima
 from common.flags import float_in_range, int_in_range, positive_float, positive_int
 from common.in_flight import GatheredUnits, gathered_units, in_flight_bytes
 from common.models import GPT_PRESETS, GPTConfig, MnistNet, count_parameters, gpt_parameter_shapes
-from common.shard_sizes import COMPUTE_BYTES, largest_shard_numel, rank_shares
+from common.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
 
-FP32 = 4
-ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, both fp32
-ADAM_STEP_BYTES = 4  # one float32 scalar per parameter tensor
 GIB = 2**30
 MIB = 2**20
 MNIST = "mnist"
+DEFAULT_LAYERS = 32  # FSDP units of a model given by --params alone
 SYNTHETIC_VOCAB = 16  # the transformer scripts' default data, common.tokens.markov_data
 # The scripts' default micro-batch, per rank.
 DEFAULT_BATCH = {MNIST: 64, "gpt": 32}
@@ -83,49 +81,6 @@ LAYOUTS = {
     "fsdp2": "dim0",
     "fsdp2_hsdp": "dim0",
 }
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes of model state one rank holds, by kind."""
-
-    params: int
-    grads: int
-    optimizer: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer
-
-    def as_dict(self) -> dict[str, int]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
-
-
-def between_steps(
-    shapes: Iterable[Sequence[int]] | Mapping[str, Sequence[int]],
-    shard_group: int,
-    layout: str,
-    trainable: Collection[str] | None = None,
-    precision: str = "fp32",
-) -> StateBytes:
-    """AdamW model state a rank holds between two steps: fp32 weights of its shard, gradients and moments of
-    what trains in it. Shapes by name count each rank's shard as the scripts cut the GPT (FSDP1's units and
-    padding, LoRA adapters: ``shard_sizes.rank_shares``), ``trainable`` the names that train (None: all); a
-    list of shapes, all training, counts FSDP1's units as one flat tensor."""
-    if isinstance(shapes, Mapping):
-        shares = rank_shares(shapes, shard_group, layout, trainable, precision)
-        return StateBytes(
-            params=FP32 * max(held for held, _, _ in shares),
-            grads=FP32 * max(trained for _, trained, _ in shares),
-            optimizer=max(ADAM_MOMENTS * FP32 * trained + ADAM_STEP_BYTES * tensors for _, trained, tensors in shares),
-        )
-    shapes = list(shapes)
-    numel = largest_shard_numel(shapes, shard_group, layout)
-    return StateBytes(
-        params=FP32 * numel,
-        grads=FP32 * numel,
-        optimizer=ADAM_MOMENTS * FP32 * numel + ADAM_STEP_BYTES * len(shapes),
-    )
 
 
 @dataclass(frozen=True)
@@ -261,8 +216,7 @@ def add_job_flags(parser: argparse.ArgumentParser, *, params_required: bool = Tr
     parser.add_argument(
         "--layers",
         type=layer_count,
-        default=32,
-        help="FSDP units (transformer blocks); one unit is params / layers (default: %(default)s)",
+        help=f"with --params: FSDP units (transformer blocks); one unit is params / layers (default: {DEFAULT_LAYERS})",
     )
 
 
@@ -335,7 +289,11 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 
 def resolve_shard_group_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--shard-group-size defaults to one machine of up to 8 GPUs, and must divide --world-size."""
+    """--shard-group-size defaults to one machine of up to 8 GPUs, and must divide --world-size. --layers
+    divides --params into units; a --model has its own."""
+    if args.model is not None and args.layers is not None:
+        parser.error("--layers divides --params into FSDP units; --model's units are its Blocks (--n-layer)")
+    args.layers = DEFAULT_LAYERS if args.layers is None else args.layers
     if args.shard_group_size is None:
         args.shard_group_size = math.gcd(args.world_size, 8)
     if args.shard_group_size < 1 or args.world_size % args.shard_group_size:

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from common.fine_tuning import is_adapter
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2}
+FP32 = 4
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, both fp32
+ADAM_STEP_BYTES = 4  # one float32 scalar per parameter tensor
 FSDP1_ALIGNMENT_BYTES = 16  # FSDP1 with use_orig_params starts every parameter at this boundary
 
 
@@ -153,3 +157,46 @@ def fsdp_unit_names(
         owner = max((p for p in prefixes if name.startswith(p)), key=len, default="root.")
         units.setdefault(owner.rstrip("."), []).append(name)
     return units
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model state one rank holds, by kind."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def as_dict(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+
+
+def between_steps(
+    shapes: Iterable[Sequence[int]] | Mapping[str, Sequence[int]],
+    shard_group: int,
+    layout: str,
+    trainable: Collection[str] | None = None,
+    precision: str = "fp32",
+) -> StateBytes:
+    """AdamW model state a rank holds between two steps: fp32 weights of its shard, gradients and moments of
+    what trains in it. Shapes by name count each rank's shard as the scripts cut the GPT (FSDP1's units and
+    padding, LoRA adapters: ``rank_shares``), ``trainable`` the names that train (None: all); a
+    list of shapes, all training, counts FSDP1's units as one flat tensor."""
+    if isinstance(shapes, Mapping):
+        shares = rank_shares(shapes, shard_group, layout, trainable, precision)
+        return StateBytes(
+            params=FP32 * max(held for held, _, _ in shares),
+            grads=FP32 * max(trained for _, trained, _ in shares),
+            optimizer=max(ADAM_MOMENTS * FP32 * trained + ADAM_STEP_BYTES * tensors for _, trained, tensors in shares),
+        )
+    shapes = list(shapes)
+    numel = largest_shard_numel(shapes, shard_group, layout)
+    return StateBytes(
+        params=FP32 * numel,
+        grads=FP32 * numel,
+        optimizer=ADAM_MOMENTS * FP32 * numel + ADAM_STEP_BYTES * len(shapes),
+    )

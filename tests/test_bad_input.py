@@ -150,6 +150,9 @@ COMMAND_CASES = [
         ["--params", "7e9", "--world-size", "8", "--layers", "10000", "--grad-accum-steps", "11"],
         "--layers 10000 x --grad-accum-steps 11 is more than 100,000 units' collectives to list",
     ),
+    # --layers cut --params into units; beside --model it was silently ignored (issue 42's hostile pass).
+    ("estimate_communication", ["--model", "tiny", "--world-size", "8", "--layers", "7"], "units are its Blocks"),
+    ("estimate_memory", ["--model", "tiny", "--world-size", "8", "--gpu-memory", "8", "--layers", "7"], "its Blocks"),
     # --wait becomes each rank's --dist-timeout: refused by its own name, in that flag's range (issue 37, 13).
     ("preflight", ["--nproc", "2", "--wait", "1e6", "ddp/train_mnist.py"], "--wait: must be from 10 to 604800"),
     ("sample", ["common", "--prompt", "1", "--temperature", "1e-40"], "--temperature: must be from 0.01 to 100"),

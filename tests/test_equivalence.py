@@ -26,7 +26,8 @@ from common import check_equivalence
 from common.comm_model import run_estimate
 from common.communication import KIND_OF_OP
 from common.compare_runs import main as compare_runs_main
-from common.estimate_memory import LAYOUTS, between_steps
+from common.estimate_memory import LAYOUTS
+from common.shard_sizes import between_steps
 from tests.harness.cases import cases
 from tests.harness.noise_floor import (
     BROKEN_MARGIN,
