@@ -2,10 +2,12 @@
 
     python -m common.check_equivalence --nproc 3 ddp/train_transformer.py --global-batch-size 24
     python -m common.check_equivalence --nproc 2 train/train.py --global-batch-size 24 --max-steps 12
+    python -m common.check_equivalence --nproc 2 --reference-script ddp/train_transformer.py \
+        fsdp/train_transformer.py --lora-rank 4 --global-batch-size 24
 
 It runs the script, with its flags, three ways, each into a run directory of its own under
 --runs-dir:
-  reference   one process;
+  reference   one process (of --reference-script, where given);
   twin-K      one process in K micro-steps (--grad-accum-steps K): the same training summed in
               another order, for several K, whose drift from the reference is the noise floor;
   candidate   torchrun --standalone --nproc_per_node=N, with the flags as given.
@@ -153,8 +155,10 @@ def check(
     runs_dir: Path,
     runner: Runner = run_in_subprocess,
     factor: float = NOISE_FACTOR,
+    reference_script: str | None = None,
 ) -> int:
-    """Run the plan and print the verdict; SAME, DIFFERENT or FAILED."""
+    """Run the plan and print the verdict; SAME, DIFFERENT or FAILED. The one-process runs (reference and
+    twins) run ``reference_script`` where it is given, the candidate ``script``."""
     try:
         planned = plan(flags, nproc)
     except BadFlags as err:
@@ -169,14 +173,15 @@ def check(
     for run in planned:
         how = "1 process" if run.nproc is None else f"{run.nproc} processes"
         started = time.perf_counter()
-        code, output = runner(script, run.flags, run.nproc, runs_dir / run.name)
+        run_script = reference_script if reference_script and run.nproc is None else script
+        code, output = runner(run_script, run.flags, run.nproc, runs_dir / run.name)
         write_text(runs_dir / f"{run.name}.log", output, overwrite=True)  # beside this check's own run
         if code != 0:
             tail = "\n".join(output.splitlines()[-20:])
             print(f"{run.name} ({how}) failed with exit code {code}; its last lines:\n{tail}\n"
                   f"(all of it: {runs_dir / run.name}.log)", file=sys.stderr)  # fmt: skip
             return FAILED
-        print(f"{run.name:<10} {how:<12} {time.perf_counter() - started:6.1f} s")
+        print(f"{run.name:<10} {how:<12} {time.perf_counter() - started:6.1f} s  {run_script}")
     twins = [runs_dir / run.name for run in planned if run.name.startswith("twin-")]
     try:
         verdict = compare_with_noise(runs_dir / "reference", runs_dir / "candidate", twins, factor)
@@ -201,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=NOISE_FACTOR,
         help="how many times the twins' drift is still SAME",
     )
+    parser.add_argument(
+        "--reference-script",
+        type=existing_file,
+        help="run the one-process reference and twins with this script (default: SCRIPT): for a candidate that "
+        "cannot train in one process, as FSDP1 with --freeze or --lora-rank, one that trains the same model, "
+        "e.g. ddp/train_transformer.py",
+    )
     parser.add_argument("script", type=existing_file, help="the training script: this repository's or your copy")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="the script's flags, as you would give them")
     return parser
@@ -213,13 +225,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.nproc < 2:
         parser.error("--nproc must be 2 or more: the reference already runs one process")
     args.script = str(args.script)
+    args.reference_script = None if args.reference_script is None else str(args.reference_script)
     args.runs_dir = args.runs_dir or Path("runs") / "equivalence" / f"{Path(args.script).stem}-{args.nproc}"
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return check(args.script, args.flags, args.nproc, args.runs_dir, factor=args.noise_factor)
+    return check(
+        args.script,
+        args.flags,
+        args.nproc,
+        args.runs_dir,
+        factor=args.noise_factor,
+        reference_script=args.reference_script,
+    )
 
 
 if __name__ == "__main__":

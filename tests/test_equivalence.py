@@ -460,6 +460,23 @@ def test_check_equivalence_reports_a_failed_run_and_stops(tmp_path: Path, capsys
     assert (tmp_path / "reference.log").exists() and not (tmp_path / "twin-2").exists()
 
 
+def test_check_equivalence_runs_the_one_process_runs_with_the_reference_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--reference-script: FSDP1 fine-tunes only sharded, so its one-process runs are another script's."""
+    ran: list[tuple[str, int | None]] = []
+
+    def run(script: str, flags: list[str], nproc: int | None, run_dir: Path) -> tuple[int, str]:
+        ran.append((script, nproc))
+        write_run(run_dir, [2.0])
+        return 0, ""
+
+    flags = ["--global-batch-size", "4", "--lora-rank", "4"]
+    assert check_equivalence.check("fsdp1.py", flags, 2, tmp_path, runner=run, reference_script="ddp.py") == 0
+    assert ran == [("ddp.py", None), ("ddp.py", None), ("fsdp1.py", 2)]  # the reference, twin-2, the candidate
+    assert "SAME" in capsys.readouterr().out
+
+
 def test_check_equivalence_without_steps_to_compare_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert check_equivalence.check("x.py", ["--global-batch-size", "4"], 2, tmp_path, runner=runner_that(False)) == 2
     error = capsys.readouterr().err
