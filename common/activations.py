@@ -80,6 +80,10 @@ class ActivationBytes:
     recomputed: int = 0  # activation checkpointing: one Block rebuilt during its backward
     backward: int = 0  # the most the backward holds at once above ``kept`` and ``weight_copies`` (0: not measured)
     weight_copies: int = 0  # autocast's bf16 copies of the weights, which forward saves for backward: model state
+    # With unit_gradients, per unit in the order backward finishes them, above ``kept`` and ``weight_copies``:
+    # the most alive during its backward, and what is alive at its end, its gradients all there.
+    unit_peaks: tuple[int, ...] = ()
+    unit_ends: tuple[int, ...] = ()
 
     @property
     def peak(self) -> int:
@@ -174,9 +178,16 @@ def gpt_activations(
             counter.add(logits)  # the training loop holds it through backward
         recomputed = block_activations(model, batch_size, forward) if checkpointing else 0
         units = [list(block.parameters()) for block in model.blocks] if unit_gradients else None
-        backward = backward_bytes(model, loss, counter, units)
+        measure = backward_bytes(model, loss, counter, units)
     copies = sum(counter.copy_sizes.values())
-    return ActivationBytes(kept=counter.total, recomputed=recomputed, backward=backward, weight_copies=copies)
+    return ActivationBytes(
+        kept=counter.total,
+        recomputed=recomputed,
+        backward=measure.peak - measure.start,
+        weight_copies=copies,
+        unit_peaks=tuple(peak - measure.start for peak in measure.unit_peaks),
+        unit_ends=tuple(end - measure.start for end in measure.unit_ends),
+    )
 
 
 class LiveStorages:
@@ -218,7 +229,17 @@ class BackwardBytes(TorchDispatchMode):
         self.live = LiveStorages()
         self.live.uncounted.update(storage_key(t) for t in self.state)
         self.live.see(kept)
-        self.start = self.peak = self.live.nbytes()
+        self.start = self.peak = self.unit_peak = self.live.nbytes()
+        self.unit_peaks: list[int] = []
+        self.unit_ends: list[int] = []
+
+    def unit_done(self, gradients: list[torch.Tensor]) -> None:
+        """A unit's gradients are all there: FSDP reduce-scatters them now, and frees them."""
+        end = self.live.nbytes()
+        self.unit_peaks.append(max(self.unit_peak, end))
+        self.unit_ends.append(end)
+        self.unit_peak = 0
+        self.stop_counting(gradients)
 
     def stop_counting(self, tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -228,16 +249,17 @@ class BackwardBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         result = func(*args, **(kwargs or {}))
         self.live.see(tree_leaves((args, kwargs, result)))
-        self.peak = max(self.peak, self.live.nbytes())
+        now = self.live.nbytes()
+        self.peak, self.unit_peak = max(self.peak, now), max(self.unit_peak, now)
         return result
 
 
 def backward_bytes(
     model: torch.nn.Module, loss: torch.Tensor, counter: SavedBytes, units: list[list[torch.Tensor]] | None
-) -> int:
-    """How far above what forward kept (``counter``: activations and weight copies) the backward of ``loss``
-    rises: activations' gradients, a checkpointed Block rebuilt, and parameters' gradients until their unit
-    in ``units`` is done (never, without units; the parameters in no unit, until the end)."""
+) -> BackwardBytes:
+    """The backward of ``loss``, measured from what forward kept (``counter``: activations and weight copies):
+    activations' gradients, a checkpointed Block rebuilt, and parameters' gradients until their unit in
+    ``units`` is done (never, without units; the parameters in no unit, until the end)."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     measure = BackwardBytes([*counter.held, *counter.parameter_copies], model.parameters())
     # From here on the graph alone keeps what forward saved, and frees it as backward goes.
@@ -250,14 +272,14 @@ def backward_bytes(
             return
         unit = unit_of.get(id(parameter))
         if unit is not None and all(p.grad is not None for p in unit if p.requires_grad):
-            measure.stop_counting(p.grad for p in unit if p.requires_grad)
+            measure.unit_done([p.grad for p in unit if p.requires_grad])
 
     hooks = [p.register_post_accumulate_grad_hook(gradient_ready) for p in parameters]
     with measure:
         loss.backward()
     for hook in hooks:
         hook.remove()
-    return measure.peak - measure.start
+    return measure
 
 
 def block_activations(model: GPT, batch_size: int, forward: str) -> int:
@@ -284,8 +306,8 @@ def mnist_activations(batch_size: int, *, fake: bool = True) -> ActivationBytes:
             logits = model(images)
             loss = F.cross_entropy(logits, labels)
             counter.add(logits)
-        backward = backward_bytes(model, loss, counter, units=None)
-    return ActivationBytes(kept=counter.total, backward=backward)
+        measure = backward_bytes(model, loss, counter, units=None)
+    return ActivationBytes(kept=counter.total, backward=measure.peak - measure.start)
 
 
 @contextmanager

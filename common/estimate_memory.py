@@ -55,7 +55,7 @@ from common.activations import ActivationBytes, gpt_activations, mnist_activatio
 from common.cli import HelpFormatter
 from common.fine_tuning import DEFAULT_LORA_TARGETS, add_estimator_flags, estimator_shapes, fine_tune
 from common.flags import float_in_range, int_in_range, positive_float, positive_int
-from common.in_flight import GatheredUnits, gathered_units, in_flight_bytes
+from common.in_flight import GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from common.models import GPT_PRESETS, GPTConfig, MnistNet, count_parameters, gpt_parameter_shapes
 from common.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
 
@@ -143,8 +143,11 @@ def estimate_model(
     ``trainable``: the names that train (None: all), as --freeze and --lora-rank leave them."""
     layout = "replicated" if shard_group == 1 else layout
     state = between_steps(shapes, shard_group, layout, trainable, precision)
-    units = gathered_units(shapes, layout if layout != "replicated" else "flat", shard_group, precision)
+    gathered_layout = "flat" if layout == "replicated" else layout
+    units = gathered_units(shapes, gathered_layout, shard_group, precision)
     in_flight = in_flight_bytes(strategy, units, precision, weight_copies=activations.weight_copies)
+    if strategy != "ddp" and activations.unit_ends:
+        in_flight += reduce_scatter_bytes(gathered_layout, units, shard_group, precision, activations)
     params = sum(math.prod(shape) for shape in shapes.values())
     return Estimate(params, strategy, shard_group, state, in_flight, activations.peak)
 

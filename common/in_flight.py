@@ -4,7 +4,8 @@ A step peaks early in backward, in the last Block's, while every activation is s
 holds gathered the root unit (embeddings, final norm, head) and the last Block, both kept from forward
 into backward, and the Block before it, gathered ahead of its backward; under shard_grad_op every unit,
 kept from forward. Each counts as its all-gather assembles it, padding included. DDP gathers nothing,
-but under bf16 autocast forward saves a bf16 copy of each weight for backward.
+but under bf16 autocast forward saves a bf16 copy of each weight for backward. With a small batch the
+peak moves to a unit's reduce-scatter, whose buffers ``reduce_scatter_bytes`` adds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from common.activations import ActivationBytes
 from common.shard_sizes import COMPUTE_BYTES, fsdp1_flat_elements, fsdp2_padded_elements, fsdp_units
 
 FP32 = 4
@@ -64,3 +66,23 @@ def in_flight_bytes(
     if strategy == "shard_grad_op":
         return compute * model + unsharded_gradients
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+def reduce_scatter_bytes(
+    layout: str, units: GatheredUnits, shard_group: int, precision: str, activations: ActivationBytes
+) -> float:
+    """What a unit's reduce-scatter adds where it, not the start of backward, is the step's peak (a small
+    batch: the gathered units and their gradients outweigh the activations), on top of ``activations``.
+
+    Measured against common.simulate's runs of the real wraps: FSDP1 ("flat") copies a unit's gradients into
+    one flat gradient in the compute dtype (under bf16 the fp32 shard it reduces into comes while both are
+    alive); FSDP2 ("dim0") keeps the last reduce-scatter's fp32 input, padded, until the next one. The
+    shards reduced so far are the sharded gradients, which a step holds from then on.
+    """
+    shard = FP32 * units.block / shard_group
+    if layout == "flat":
+        extra = COMPUTE_BYTES[precision] * units.block + (shard if precision == "bf16" else 0)
+        at = [end + extra + done * shard for done, end in enumerate(activations.unit_ends)]
+    else:
+        at = [peak + FP32 * units.block + done * shard for done, peak in enumerate(activations.unit_peaks) if done]
+    return max(0.0, max(at, default=0.0) - activations.backward)
