@@ -153,6 +153,7 @@ def gpt_activations(
     fake: bool = True,
     unit_gradients: bool = False,
     prepare: Callable[[GPT], None] | None = None,
+    backward: bool = True,
 ) -> ActivationBytes:
     """A training forward and backward of the GPT with the transformer scripts' loss, as in their training loop.
 
@@ -160,7 +161,8 @@ def gpt_activations(
     unsharded until then (the root's, outside the Blocks, until the backward ends); without it, not at
     all, as under DDP, whose gradients are model state (its buckets). ``prepare`` changes the model before
     its forward, as fine-tuning does (``common.fine_tuning.fine_tune``). ``fake`` False runs on real
-    tensors, as a check of the fake run (seconds, not milliseconds).
+    tensors, as a check of the fake run (seconds, not milliseconds); ``backward`` False measures the
+    forward alone (``backward`` and the units' figures 0).
     """
     with FakeTensorMode() if fake else nullcontext():
         with parameter_dtype(forward):
@@ -178,8 +180,10 @@ def gpt_activations(
             counter.add(logits)  # the training loop holds it through backward
         recomputed = block_activations(model, batch_size, forward) if checkpointing else 0
         units = [list(block.parameters()) for block in model.blocks] if unit_gradients else None
+        copies = sum(counter.copy_sizes.values())
+        if not backward:
+            return ActivationBytes(kept=counter.total, recomputed=recomputed, weight_copies=copies)
         measure = backward_bytes(model, loss, counter, units)
-    copies = sum(counter.copy_sizes.values())
     return ActivationBytes(
         kept=counter.total,
         recomputed=recomputed,

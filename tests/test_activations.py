@@ -125,7 +125,9 @@ def test_bytes_grow_linearly_with_batch_and_block_size(forward: str, checkpointi
 
     def peak(batch: int, block: int) -> int:
         config = dataclasses.replace(TINY, block_size=block)
-        measured = real(config, batch, checkpointing=checkpointing, forward=forward)
+        measured = gpt_activations(
+            config, batch, checkpointing=checkpointing, forward=forward, fake=False, backward=False
+        )
         return measured.kept + measured.recomputed
 
     by_batch = [peak(batch, 64) for batch in (1, 2, 7)]
