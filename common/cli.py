@@ -250,7 +250,13 @@ def add_transformer_flags(parser: Parser) -> None:
     group.add_argument(
         "--eval-batch-size", type=positive_int, default=100, help="held-out sequences per rank per evaluation batch"
     )
-    tuning = parser.add_argument_group("fine-tuning")
+    add_fine_tuning_flags(parser)
+
+
+def add_fine_tuning_flags(parser: Parser, *, title: str = "fine-tuning", alpha: bool = True) -> None:
+    """--freeze, --lora-rank, --lora-alpha and --lora-targets: the transformer scripts', and the estimators'
+    (which do without --lora-alpha: it changes no byte)."""
+    tuning = parser.add_argument_group(title)
     tuning.add_argument(
         "--freeze",
         type=name_pattern,
@@ -267,11 +273,12 @@ def add_transformer_flags(parser: Parser) -> None:
         help="train LoRA adapters of this rank beside the linear layers --lora-targets names, and freeze every "
         "other parameter; model.pt holds the adapters merged into the weights (default: no adapters)",
     )
-    tuning.add_argument(
-        "--lora-alpha",
-        type=positive_float,
-        help="the adapters' update is scaled by alpha / rank (default: 2 x --lora-rank, a scale of 2)",
-    )
+    if alpha:
+        tuning.add_argument(
+            "--lora-alpha",
+            type=positive_float,
+            help="the adapters' update is scaled by alpha / rank (default: 2 x --lora-rank, a scale of 2)",
+        )
     tuning.add_argument(
         "--lora-targets",
         type=name_pattern,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from common.communication import Traffic
 from common.shard_sizes import (
@@ -206,45 +207,9 @@ def current_behaviour(
     raise ValueError(f"no FSDP behaviour for strategy {strategy!r}")
 
 
-def run_estimate(
-    strategy: str,
-    shapes: Mapping[str, Sequence[int]],
-    world_size: int,
-    shard_group: int,
-    precision: str = "fp32",
-    micro_steps: int = 1,
-    *,
-    behaviour: FsdpBehaviour | None = None,
-    unit_prefixes: Sequence[str] | None = None,
-    loss_check: bool = True,
-    trainable: Collection[str] | None = None,
-) -> Traffic:
-    """The formula for one of this repository's runs: its final record's strategy and sizes, and the
-    shapes of its model.pt, plus the script's own small all-reduces (``script_scalars``).
-
-    ``behaviour`` defaults to what the script does today (``current_behaviour``); ``unit_prefixes``
-    to the GPT's Blocks (the MNIST script wraps only ``fc1.``). ``trainable``: the names that train
-    (--freeze, --lora-rank; None: all of them). A frozen parameter is all-gathered as before, but DDP
-    buckets, and FSDP reduce-scatters, only the trainable ones: FSDP2 per parameter, FSDP1 per unit
-    (its flat gradient covers the whole unit as soon as one of its parameters trains). FSDP1 makes each
-    LoRA adapter a unit of its own. Frozen units are gathered for backward as before, even where no
-    gradient passes through them (the first Blocks, with the embeddings frozen too): both FSDPs prefetch
-    the next unit of backward whether it needs it or not (measured at 2 ranks, torch 2.14).
-    """
-    return Traffic.of(
-        run_collectives(
-            strategy,
-            shapes,
-            world_size,
-            shard_group,
-            precision,
-            micro_steps,
-            behaviour=behaviour,
-            unit_prefixes=unit_prefixes,
-            loss_check=loss_check,
-            trainable=trainable,
-        )
-    )
+def run_estimate(*args: Any, **kwargs: Any) -> Traffic:
+    """``run_collectives``, summed: what one step of this repository's run sends, by kind."""
+    return Traffic.of(run_collectives(*args, **kwargs))
 
 
 def run_collectives(
@@ -260,7 +225,19 @@ def run_collectives(
     loss_check: bool = True,
     trainable: Collection[str] | None = None,
 ) -> list[tuple[str, int, int]]:
-    """``run_estimate``'s collectives one by one: ``(kind, message bytes, group size)``."""
+    """The collectives of one step of this repository's run, one by one as ``(kind, message bytes, group
+    size)``: from its final record's strategy and sizes and the shapes of its model.pt, plus the script's
+    own small all-reduces (``script_scalars``).
+
+    ``behaviour`` defaults to what the script does today (``current_behaviour``); ``unit_prefixes``
+    to the GPT's Blocks (the MNIST script wraps only ``fc1.``). ``trainable``: the names that train
+    (--freeze, --lora-rank; None: all of them). A frozen parameter is all-gathered as before, but DDP
+    buckets, and FSDP reduce-scatters, only the trainable ones: FSDP2 per parameter, FSDP1 per unit
+    (its flat gradient covers the whole unit as soon as one of its parameters trains). FSDP1 makes each
+    LoRA adapter a unit of its own. Frozen units are gathered for backward as before, even where no
+    gradient passes through them (the first Blocks, with the embeddings frozen too): both FSDPs prefetch
+    the next unit of backward whether it needs it or not (measured at 2 ranks, torch 2.14).
+    """
     trains = set(shapes) if trainable is None else set(trainable)
     tensors = sum(name in trains for name in shapes)
     scalars = scalar_collectives(strategy, tensors, world_size, shard_group, loss_check)

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.cli import add_fine_tuning_flags
 from common.distributed import FatalError, print0
-from common.flags import name_pattern, positive_int
 from common.models import GPT, GPTConfig, init_parameters
 
 
@@ -199,26 +199,8 @@ def fine_tune(
 def add_estimator_flags(parser: argparse.ArgumentParser) -> None:
     """--freeze, --lora-rank and --lora-targets for common.estimate_memory and common.estimate_communication,
     as the training scripts take them (--lora-alpha changes no byte, so the estimators do without it)."""
-    group = parser.add_argument_group("fine-tuning: train part of a GPT (needs --model with a GPT preset)")
-    group.add_argument(
-        "--freeze",
-        type=name_pattern,
-        action="append",
-        default=[],
-        metavar="PATTERN",
-        help="the scripts' --freeze: parameters whose names match this glob (repeatable) keep no gradient and no "
-        "optimizer state, and send no gradient",
-    )
-    group.add_argument(
-        "--lora-rank", type=positive_int, help="the scripts' --lora-rank: adapters of this rank, the base frozen"
-    )
-    group.add_argument(
-        "--lora-targets",
-        type=name_pattern,
-        action="append",
-        metavar="PATTERN",
-        help="the scripts' --lora-targets: glob over the linear layers that get adapters (repeatable; default: "
-        f"{' and '.join(repr(target) for target in DEFAULT_LORA_TARGETS)})",
+    add_fine_tuning_flags(
+        parser, title="fine-tuning: train part of a GPT (needs --model with a GPT preset)", alpha=False
     )
 
 
