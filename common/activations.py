@@ -1,8 +1,8 @@
-"""Activations: the bytes one forward keeps for backward, measured on the model a script trains.
+"""Activations: the bytes a training step holds beyond its weights, measured on the model a script trains.
 
 ``gpt_activations`` and ``mnist_activations`` build the scripts' model (a GPT, or the MNIST net), run one
 training forward and the scripts' loss inside ``torch.autograd.graph.saved_tensors_hooks``, and add
-up the storages autograd keeps for backward:
+up the storages autograd keeps for backward (``kept``):
 
 - every tensor an operation saves for its backward, each storage once (q, k and v are views of one
   buffer; a layer norm's input is also the previous residual sum);
@@ -15,8 +15,12 @@ up the storages autograd keeps for backward:
 With ``--activation-checkpointing`` every Block runs under non-reentrant ``torch.utils.checkpoint``,
 whose own hooks stand in for ours inside the Block; it saves the Block's input before they do, and
 that is what reaches ours: what it keeps. In backward each Block's activations are rebuilt while
-its gradient is computed, so the peak adds one Block's worth (``recomputed``), measured on one Block
-alone.
+its gradient is computed: one Block's worth (``recomputed``), measured on one Block alone.
+
+Then the backward of the same loss runs under ``BackwardBytes``, which follows every storage until it
+is freed: how far above ``kept`` it rises at its most (``backward``): the activations' gradients (the
+logits' above all), a checkpointed Block rebuilt, and with ``unit_gradients`` the parameters' gradients
+until FSDP would reduce-scatter them, unit by unit (what is alive at each unit's end: ``unit_ends``).
 
 bf16 follows the scripts. DDP runs under ``torch.autocast``: matmuls take bf16 copies of their
 inputs, while layer norms, the residual stream and the loss stay fp32. FSDP1 and FSDP2 gather the
@@ -26,11 +30,10 @@ which the scripts compute in fp32 (``logits.float()``).
 The forward runs under ``FakeTensorMode``: tensors with shapes, dtypes and the CPU as device, but no
 data. Autograd saves the same tensors, and the CPU's choice of attention kernel (flash attention,
 which keeps no T x T scores) is made from the same shapes, so the bytes are those of a real CPU
-forward (tests/test_activations.py checks it) for a fraction of a second at GPT-2's size, where
+forward and backward (tests/test_activations.py checks it) for about a second at GPT-2's size, where
 building the model and a real forward take 13 s here.
 
-Left out, and so not in the estimator's peak either: temporaries that live inside one operation or
-one backward step (above all the logits' gradient); the caching allocator's rounding and
+Left out, and so not in the estimator's peak either: the caching allocator's rounding and
 fragmentation, cuBLAS workspaces and NCCL buffers; what GPU kernels save otherwise than the CPU's
 (small extras such as a random seed; a layer norm's statistics stay fp32 on CUDA under bf16
 parameters; CUDA's dropout keeps a 1-byte mask where the CPU's keeps an fp32 one); and
