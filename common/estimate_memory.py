@@ -144,7 +144,7 @@ def estimate_model(
     layout = "replicated" if shard_group == 1 else layout
     state = between_steps(shapes, shard_group, layout, trainable, precision)
     gathered_layout = "flat" if layout == "replicated" else layout
-    units = gathered_units(shapes, gathered_layout, shard_group, precision)
+    units = gathered_units(shapes, gathered_layout, shard_group, precision, trainable)
     in_flight = in_flight_bytes(strategy, units, precision, weight_copies=activations.weight_copies)
     if strategy != "ddp" and activations.unit_ends:
         in_flight += reduce_scatter_bytes(gathered_layout, units, shard_group, precision, activations)

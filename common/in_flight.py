@@ -11,11 +11,11 @@ peak moves to a unit's reduce-scatter, whose buffers ``reduce_scatter_bytes`` ad
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from common.activations import ActivationBytes
-from common.shard_sizes import COMPUTE_BYTES, fsdp1_flat_elements, fsdp2_padded_elements, fsdp_units
+from common.shard_sizes import COMPUTE_BYTES, fsdp1_flat_elements, fsdp2_padded_elements, fsdp_unit_names
 
 FP32 = 4
 PREFETCHED_UNITS = 2  # the Block computing its backward and the one gathered ahead of it
@@ -24,25 +24,56 @@ STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
 
 @dataclass(frozen=True)
 class GatheredUnits:
-    """Elements one all-gather assembles, padding included: the root unit (what no Block holds) and a Block."""
+    """Elements one all-gather assembles, padding included: the root unit (what no Block holds) and a Block;
+    and of a Block's gradient, what its reduce-scatter carries (padding included) and the values that train."""
 
     root: float
     block: float
     blocks: int
+    reduced: float | None = None  # None: the whole Block, as in full training
+    trained: float | None = None
+
+    @property
+    def reduced_block(self) -> float:
+        return self.block if self.reduced is None else self.reduced
+
+    @property
+    def trained_block(self) -> float:
+        return self.block if self.trained is None else self.trained
 
 
-def gathered_units(shapes: Mapping[str, Sequence[int]], layout: str, shard_group: int, precision: str) -> GatheredUnits:
-    """The GPT's units as FSDP1 ("flat") or FSDP2 ("dim0") gathers them, from its parameters' shapes by name."""
-    units = fsdp_units(shapes)
+def gathered_units(
+    shapes: Mapping[str, Sequence[int]],
+    layout: str,
+    shard_group: int,
+    precision: str,
+    trainable: Collection[str] | None = None,
+) -> GatheredUnits:
+    """The GPT's units as FSDP1 ("flat") or FSDP2 ("dim0") gathers them, from its parameters' shapes by name;
+    ``trainable``: the names that train (None: all). FSDP1 reduces a unit's whole flat gradient once anything
+    in it trains, FSDP2 the trainable parameters, each padded."""
     compute = COMPUTE_BYTES[precision]
+    trains = set(shapes) if trainable is None else set(trainable)
 
-    def elements(unit_shapes: list) -> int:
+    def elements(names: list[str]) -> int:
         if layout == "flat":
-            return fsdp1_flat_elements([math.prod(shape) for shape in unit_shapes], shard_group, compute)
-        return fsdp2_padded_elements(unit_shapes, shard_group)
+            return fsdp1_flat_elements([math.prod(shapes[name]) for name in names], shard_group, compute)
+        return fsdp2_padded_elements([shapes[name] for name in names], shard_group)
 
-    blocks = [elements(unit_shapes) for name, unit_shapes in units.items() if name != "root"]
-    return GatheredUnits(elements(units["root"]), max(blocks, default=0), len(blocks))
+    def reduced(names: list[str]) -> int:
+        if layout == "flat":
+            return elements(names) if trains.intersection(names) else 0
+        return elements([name for name in names if name in trains])
+
+    units = fsdp_unit_names(shapes)
+    blocks = [names for unit, names in units.items() if unit != "root"]
+    return GatheredUnits(
+        root=elements(units["root"]),
+        block=max(map(elements, blocks), default=0),
+        blocks=len(blocks),
+        reduced=max(map(reduced, blocks), default=0),
+        trained=max((sum(math.prod(shapes[n]) for n in names if n in trains) for names in blocks), default=0),
+    )
 
 
 def in_flight_bytes(
@@ -74,15 +105,28 @@ def reduce_scatter_bytes(
     """What a unit's reduce-scatter adds where it, not the start of backward, is the step's peak (a small
     batch: the gathered units and their gradients outweigh the activations), on top of ``activations``.
 
-    Measured against common.simulate's runs of the real wraps: FSDP1 ("flat") copies a unit's gradients into
-    one flat gradient in the compute dtype (under bf16 the fp32 shard it reduces into comes while both are
-    alive); FSDP2 ("dim0") keeps the last reduce-scatter's fp32 input, padded, until the next one. The
-    shards reduced so far are the sharded gradients, which a step holds from then on.
+    Measured against common.simulate's runs of the real wraps, unit by unit (``activations.unit_peaks``
+    and ``unit_ends``, counted after ``done`` units were reduced, whose shards are the sharded gradients
+    a step holds from then on):
+    - FSDP1 ("flat") copies a unit's gradients into one flat gradient in the compute dtype; under bf16
+      the fp32 shard it reduces into comes while both are alive.
+    - FSDP2 ("dim0") keeps a reduce-scatter's fp32 input, padded, until the next one: through the next
+      unit's backward, where the last unit has no next one gathered ahead; and right after the
+      reduce-scatter, its gradients freed and the unit still gathered.
     """
-    shard = FP32 * units.block / shard_group
+    compute = COMPUTE_BYTES[precision]
+    reduced = units.reduced_block
+    shard = FP32 * reduced / shard_group
     if layout == "flat":
-        extra = COMPUTE_BYTES[precision] * units.block + (shard if precision == "bf16" else 0)
+        extra = compute * reduced + (shard if precision == "bf16" else 0)
         at = [end + extra + done * shard for done, end in enumerate(activations.unit_ends)]
     else:
-        at = [peak + FP32 * units.block + done * shard for done, peak in enumerate(activations.unit_peaks) if done]
+        last = len(activations.unit_peaks) - 1
+        at = [
+            peak + FP32 * reduced + done * shard - (compute * units.block if done == last else 0)
+            for done, peak in enumerate(activations.unit_peaks)
+            if done
+        ]
+        freed = compute * units.trained_block
+        at += [end - freed + FP32 * reduced + (done + 1) * shard for done, end in enumerate(activations.unit_ends)]
     return max(0.0, max(at, default=0.0) - activations.backward)

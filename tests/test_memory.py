@@ -110,7 +110,15 @@ def test_gathered_units_are_padded_as_each_fsdp_pads_them() -> None:
         "blocks.1.w": (24, 8),
         "blocks.1.b": (24,),
     }
-    assert gathered_units(shapes, "dim0", 64, "fp32") == GatheredUnits(root=64 * 8, block=64 * 8 + 64, blocks=2)
+    padded = gathered_units(shapes, "dim0", 64, "fp32")
+    assert (padded.root, padded.block, padded.blocks) == (64 * 8, 64 * 8 + 64, 2)
+    assert (padded.reduced_block, padded.trained_block) == (64 * 8 + 64, 24 * 8 + 24)
+    # A frozen weight is gathered but not reduced: FSDP2 reduce-scatters the trainable parameters alone,
+    # FSDP1 the whole flat gradient of a unit in which anything trains.
+    biases = ["blocks.0.b", "blocks.1.b"]
+    frozen = gathered_units(shapes, "dim0", 64, "fp32", trainable=biases)
+    assert (frozen.block, frozen.reduced_block, frozen.trained_block) == (64 * 8 + 64, 64, 24)
+    assert gathered_units(shapes, "flat", 64, "fp32", trainable=biases).reduced_block == 256
     flat = gathered_units(shapes, "flat", 64, "fp32")
     assert (flat.root, flat.block, flat.blocks) == (128, 256, 2)  # a Block's 216 values padded to 4 x 64
     assert gathered_units(shapes, "dim0", 2, "fp32").block == 24 * 8 + 24  # nothing to pad
