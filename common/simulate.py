@@ -11,51 +11,44 @@ measured as the runs measure theirs (see ``warm_up``). For the rank: its paramet
 optimizer bytes after the step, the peak of its live tensors' bytes during it, and each collective
 (common.communication's recorder), beside what common.estimate_memory and common.estimate_communication
 predict for the same job. Several values of --world-size, --strategy or --model: one job each, a table
-(and with --png, state per rank by world size, drawn).
+(and with --png, state per rank by world size, drawn). --freeze, --lora-rank: as the scripts fine-tune.
 
-What the fake world cannot do, the simulation routes around without changing the wrap: the device mesh
-is built outside the fake tensors (it reads its own ranks), so is DDP's parameter check, on their shapes;
-DDP's reducer gets its all-reduced bucket back from a hook (the fake group's futures carry nothing); FSDP1
-tells a freed flat parameter by its storage's size (fake storages have no address), and its model comes
-as fake CPU tensors, not meta ones (which fake tensors cannot replace), flattened and sharded as usual.
+What the fake world cannot do without help, common.fake_world provides, without changing the wrap.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import math
 import os
 import runpy
-import warnings
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.distributed.tensor import DTensor
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
 from common import comm_model, estimate_memory
 from common.activations import LiveStorages, gpt_activations
-from common.cli import HelpFormatter
+from common.cli import HelpFormatter, add_fine_tuning_flags
 from common.communication import CollectiveRecorder, Traffic, measured_step
 from common.distributed import DistContext, local_state_bytes
-from common.flags import int_in_range, non_negative_int, output_file, positive_int
-from common.models import (
-    COMPUTE_DTYPES,
-    GPT,
-    GPT_PRESETS,
-    GPTConfig,
-    gpt_config,
-    gpt_parameter_count,
-    gpt_parameter_shapes,
+from common.fake_world import all_reduced_bucket, fake_world
+from common.fine_tuning import (
+    DEFAULT_LORA_TARGETS,
+    add_adapters,
+    estimator_shapes,
+    fine_tune,
+    fine_tuned_shapes,
+    freeze,
 )
+from common.flags import int_in_range, non_negative_int, output_file, positive_int
+from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config, gpt_parameter_count
 from common.outputs import add_overwrite_flag, check_output_path, write_text
 from common.plot import check_figure_path, draw_scale, save_figure_or_exit
 
@@ -129,6 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--vocab-size", type=positive_int, default=SYNTHETIC_VOCAB, help="the data's vocabulary (default: %(default)s)"
     )
+    add_fine_tuning_flags(parser, title="fine-tuning, as the transformer scripts take it", alpha=False)
     parser.add_argument("--out", type=output_file, help="write the figures here as JSON (several jobs: a list)")
     parser.add_argument("--png", type=output_file, help="draw state per rank by world size here (.png or .svg)")
     add_overwrite_flag(parser)
@@ -141,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.jobs = [job(args, n, s, m) for m in args.model for n in args.world_size for s in args.strategy]
     except ValueError as err:
         parser.error(str(err))
+    for model in args.model:  # a --freeze or --lora-targets that the scripts would refuse, refused here
+        estimator_shapes(parser, args, GPTConfig(vocab_size=args.vocab_size, **GPT_PRESETS[model]))
     return args
 
 
@@ -155,6 +151,9 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
         raise ValueError(f"--replicate-degree is for hsdp and fsdp1 (hybrid_shard), not {strategy}")
     if world_size % replicate_degree:
         raise ValueError(f"--replicate-degree {replicate_degree} does not divide --world-size {world_size}")
+    if strategy == "fsdp1" and (args.freeze or args.lora_rank):
+        # Its fake flat parameters lose the units with nothing to train (measured: half the bytes held).
+        raise ValueError("--freeze and --lora-rank are simulated for ddp, fsdp2 and hsdp, not fsdp1")
     return argparse.Namespace(
         world_size=world_size,
         strategy=strategy,
@@ -164,6 +163,7 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
         rank=args.rank,
         batch_size=args.batch_size,
         vocab_size=args.vocab_size,
+        fine_tuning={"freeze": args.freeze, "lora_rank": args.lora_rank, "lora_targets": args.lora_targets},
     )
 
 
@@ -176,6 +176,10 @@ def script_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--replicate-degree", str(args.replicate_degree)]
     if args.strategy == "fsdp1" and args.replicate_degree > 1:
         argv += ["--sharding-strategy", "hybrid_shard"]
+    tuning = args.fine_tuning
+    argv += [flag for pattern in tuning["freeze"] for flag in ("--freeze", pattern)]
+    argv += ["--lora-rank", str(tuning["lora_rank"])] if tuning["lora_rank"] else []
+    argv += [flag for pattern in tuning["lora_targets"] or [] for flag in ("--lora-targets", pattern)]
     return argv
 
 
@@ -186,61 +190,6 @@ def record_strategy(args: argparse.Namespace) -> str:
     if args.strategy == "hsdp" and args.replicate_degree > 1:
         return "fsdp2_hsdp"
     return "ddp" if args.strategy == "ddp" else "fsdp2"  # HSDP of one replica (8 ranks or fewer by default) is FSDP2
-
-
-def outside_fake(function: Callable) -> Callable:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with unset_fake_temporarily():
-            return function(*args, **kwargs)
-
-    return call
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = (getattr(t, "_local_tensor", t) for t in (a, b))
-    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
-
-
-@contextlib.contextmanager
-def fake_world(world_size: int, rank: int, script_globals: dict) -> Iterator[DistContext]:
-    """Rank ``rank`` of a fake process group of ``world_size``, with what the wraps need to run on fake tensors."""
-    import torch.distributed.fsdp._flat_param as flat_param
-    import torch.nn.parallel.distributed as ddp_module
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    # DTensor remembers the sharding of each operator's result, meshes included, and takes two meshes of
-    # one shape for the same mesh: a simulation of another rank would get the last one's mesh, and its
-    # rank's slices. Forgotten here, each simulation in a process is its own.
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ copy
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    with contextlib.ExitStack() as stack:
-        # FSDP1's catch-all reshard, for a unit whose backward did not run (every unit's runs here), compares
-        # a flat parameter's address with its shard's; fake ones have none, and torch warns of each read.
-        stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        stack.callback(dist.destroy_process_group)
-        if "init_device_mesh" in script_globals:
-            stack.enter_context(
-                mock.patch.dict(script_globals, init_device_mesh=outside_fake(script_globals["init_device_mesh"]))
-            )
-        verify = ddp_module._verify_param_shape_across_processes
-        stack.enter_context(mock.patch.object(ddp_module, "_verify_param_shape_across_processes", outside_fake(verify)))
-        stack.enter_context(
-            mock.patch.object(flat_param, "_data_ptr_allocated", lambda t: t.untyped_storage().size() > 0)
-        )
-        stack.enter_context(mock.patch.object(flat_param, "_same_storage", _same_storage))
-        yield DistContext(rank, rank % 8, world_size, min(world_size, 8), torch.device("cpu"), "fake")
-
-
-def all_reduced_bucket(state, bucket):  # noqa: ANN001 - DDP refuses annotations it reads as text
-    """DDP's own all-reduce of a bucket (the default hook's mean), with a future the fake group cannot give."""
-    buffer = bucket.buffer()
-    dist.all_reduce(buffer)
-    buffer.div_(dist.get_world_size())
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(buffer)
-    return done
 
 
 class StepRecorder(CollectiveRecorder):
@@ -320,6 +269,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         else:
             with torch.device("meta"):
                 model = GPT(config, seed=None)
+        add_adapters(model, script_args.lora_rank, script_args.lora_alpha, script_args.lora_targets, script_args.seed)
+        freeze(model, script_args.freeze)
         model = wrap_model(model, script_args, ctx)
         if args.strategy == "ddp":
             model.register_comm_hook(None, all_reduced_bucket)
@@ -349,23 +300,31 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "sent_bytes_per_step": traffic.total_ring_bytes,
         **traffic.as_record(),
         "collectives": collectives,
+        **{key: value for key, value in args.fine_tuning.items() if value},
         "estimate": estimate(args, config, script_args.batch_size),
     }
 
 
 def estimate(args: argparse.Namespace, config: Any, batch_size: int) -> dict[str, float]:
     """What common.estimate_memory and common.estimate_communication (common.comm_model) say of the same job."""
-    shapes = gpt_parameter_shapes(config)
+    freeze_patterns, rank = args.fine_tuning["freeze"], args.fine_tuning["lora_rank"]
+    targets = args.fine_tuning["lora_targets"] or DEFAULT_LORA_TARGETS
+    tuned = fine_tuned_shapes(config, freeze_patterns, rank, targets)
+    shapes, trainable = tuned.shapes, tuned.trainable
+    prepare = functools.partial(fine_tune, freeze_patterns=freeze_patterns, lora_rank=rank, lora_targets=targets)
     strategy = record_strategy(args)
     group = 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree
     kind = "ddp" if strategy == "ddp" else "hybrid_shard" if args.replicate_degree > 1 else "full_shard"
     forward = estimate_memory.forward_of(kind, args.mixed_precision)
     activations = gpt_activations(
-        config, batch_size, checkpointing=False, forward=forward, unit_gradients=kind != "ddp"
+        config, batch_size, checkpointing=False, forward=forward, unit_gradients=kind != "ddp", prepare=prepare
     )
     layout = estimate_memory.LAYOUTS[strategy]
-    memory = estimate_memory.estimate_model(shapes, kind, group, args.mixed_precision, activations, layout)
-    traffic = comm_model.run_estimate(strategy, shapes, args.world_size, group, args.mixed_precision, loss_check=False)
+    precision = args.mixed_precision
+    memory = estimate_memory.estimate_model(shapes, kind, group, precision, activations, layout, trainable)
+    traffic = comm_model.run_estimate(
+        strategy, shapes, args.world_size, group, precision, loss_check=False, trainable=trainable
+    )
     return {
         "params_bytes": memory.state.params,
         "grads_bytes": memory.state.grads,

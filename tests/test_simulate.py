@@ -85,13 +85,19 @@ def test_each_simulation_in_a_process_is_its_own_rank() -> None:
     assert last == sum(4 * (s[0] - 2 * math.ceil(s[0] / 3)) * math.prod(s[1:]) for s in shapes)
 
 
-@pytest.mark.parametrize("world_size", [8, 1024])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp1", "fsdp2", "hsdp"])
-def test_estimators_agree_with_the_simulation(strategy: str, world_size: int) -> None:
+AGREEMENT_JOBS = [
+    (strategy, world_size, []) for strategy in ("ddp", "fsdp1", "fsdp2", "hsdp") for world_size in (8, 1024)
+]
+AGREEMENT_JOBS += [("ddp", 8, ["--freeze", "blocks.0.*"]), ("fsdp2", 1024, ["--lora-rank", "4"])]
+AGREEMENT_JOBS += [("hsdp", 64, ["--lora-rank", "4"])]
+
+
+@pytest.mark.parametrize(("strategy", "world_size", "fine_tuning"), AGREEMENT_JOBS)
+def test_estimators_agree_with_the_simulation(strategy: str, world_size: int, fine_tuning: list[str]) -> None:
     """At the script's own batch, where a step peaks early in backward. The peak is the estimate that can
     slip: at 1,024 ranks FSDP2 gathers the tiny preset's 64-row weights padded to 1,024 rows, and those
     gathered units are a fifth of its peak."""
-    (job,) = simulate.parse_args(["--world-size", str(world_size), "--strategy", strategy]).jobs
+    (job,) = simulate.parse_args(["--world-size", str(world_size), "--strategy", strategy, *fine_tuning]).jobs
     result = simulate.simulate(job)
     for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "sent_bytes_per_step", "peak_bytes"):
         assert result["estimate"][name] == pytest.approx(result[name], rel=0.01), name
@@ -123,6 +129,7 @@ def test_what_cannot_be_simulated_is_refused(capsys: pytest.CaptureFixture[str])
     for argv, message in [
         (["--world-size", "12", "--strategy", "hsdp", "--replicate-degree", "5"], "does not divide --world-size 12"),
         (["--world-size", "8", "--strategy", "fsdp2", "--model", "huge"], "invalid choice: 'huge'"),
+        (["--world-size", "8", "--strategy", "fsdp1", "--lora-rank", "4"], "not fsdp1"),
     ]:
         with pytest.raises(SystemExit) as exited:
             simulate.parse_args(argv)
