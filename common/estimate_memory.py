@@ -335,18 +335,21 @@ def measure_model(args: argparse.Namespace) -> MeasuredModel:
         prepare = functools.partial(
             fine_tune, freeze_patterns=args.freeze, lora_rank=args.lora_rank, lora_targets=targets
         )
+    measured: dict[tuple[str, bool], ActivationBytes] = {}  # every FSDP row computes and holds alike
     estimates = []
     for strategy in STRATEGIES:
-        activations = gpt_activations(
-            config,
-            args.batch_size,
-            checkpointing=args.activation_checkpointing,
-            forward=forward_of(strategy, args.precision),
-            unit_gradients=strategy != "ddp",
-            prepare=prepare,
-        )
+        how = (forward_of(strategy, args.precision), strategy != "ddp")
+        if how not in measured:
+            measured[how] = gpt_activations(
+                config,
+                args.batch_size,
+                checkpointing=args.activation_checkpointing,
+                forward=how[0],
+                unit_gradients=how[1],
+                prepare=prepare,
+            )
         group = shard_group_for(strategy, args.world_size, args.shard_group_size)
-        estimates.append(estimate_model(shapes, strategy, group, args.precision, activations, trainable=trainable))
+        estimates.append(estimate_model(shapes, strategy, group, args.precision, measured[how], trainable=trainable))
     description = (
         f"GPT {args.model} ({args.n_layer} Blocks of width {args.d_model}, vocabulary {args.vocab_size}), "
         f"{args.batch_size} sequences of {args.block_size} tokens per rank"
