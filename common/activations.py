@@ -182,10 +182,10 @@ def gpt_activations(
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
             counter.add(logits)  # the training loop holds it through backward
         recomputed = block_activations(model, batch_size, forward) if checkpointing else 0
-        units = [list(block.parameters()) for block in model.blocks] if unit_gradients else None
         copies = sum(counter.copy_sizes.values())
         if not backward:
             return ActivationBytes(kept=counter.total, recomputed=recomputed, weight_copies=copies)
+        units = [list(block.parameters()) for block in model.blocks] if unit_gradients else None
         measure = backward_bytes(model, loss, counter, units)
     return ActivationBytes(
         kept=counter.total,

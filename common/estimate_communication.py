@@ -29,12 +29,12 @@ from common.estimate_memory import (
     between_steps,
     count_label,
     resolve_shard_group_size,
+    shard_group_for,
 )
 from common.fine_tuning import ParameterShapes, add_estimator_flags, estimator_shapes, fine_tuned_shapes
 from common.flags import existing_file, int_in_range, positive_float, positive_int
+from common.in_flight import STRATEGIES
 from common.models import GPT_PRESETS, GPTConfig
-
-STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
 
 
 def estimate_table(args: argparse.Namespace, check: CommCheck | None = None) -> str:
@@ -52,7 +52,7 @@ def estimate_table(args: argparse.Namespace, check: CommCheck | None = None) -> 
     for params in args.params:
         compute_s = 6 * params * args.tokens_per_gpu / (args.tflops * 1e12)
         for strategy in STRATEGIES:
-            group = {"ddp": 1, "hybrid_shard": args.shard_group_size}.get(strategy, args.world_size)
+            group = shard_group_for(strategy, args.world_size, args.shard_group_size)
             held = between_steps([(round(params),)], group, "replicated" if group == 1 else "flat").total
             collectives = model_collectives(
                 strategy, params, args.layers, args.world_size, args.shard_group_size, args.precision, args.micro_steps

@@ -55,7 +55,7 @@ from common.activations import ActivationBytes, gpt_activations, mnist_activatio
 from common.cli import HelpFormatter
 from common.fine_tuning import DEFAULT_LORA_TARGETS, add_estimator_flags, estimator_shapes, fine_tune
 from common.flags import float_in_range, int_in_range, positive_float, positive_int
-from common.in_flight import GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
+from common.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from common.models import GPT_PRESETS, GPTConfig, MnistNet, count_parameters, gpt_parameter_shapes
 from common.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
 
@@ -68,7 +68,6 @@ SYNTHETIC_VOCAB = 16  # the transformer scripts' default data, common.tokens.mar
 DEFAULT_BATCH = {MNIST: 64, "gpt": 32}
 GPT_SHAPE_FLAGS = ("n_layer", "n_head", "d_model", "block_size", "vocab_size")
 
-STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
 # How each training script's "strategy" field shards its state: "replicated" (every rank holds it
 # all), "flat" (FSDP1: each unit's parameters flattened and cut into equal pieces), or "dim0"
 # (FSDP2: every parameter cut along its first dimension, the first ranks taking the larger pieces).
@@ -118,7 +117,8 @@ def estimate_all(params: float, world_size: int, hybrid_group: int, layers: int,
     """One estimate per strategy for a model of ``params`` parameters, counted as one flat tensor in ``layers``
     equal units, with no root."""
     count = round(params)
-    units = GatheredUnits(root=0, block=count / layers, blocks=layers)
+    unit = count / layers
+    units = GatheredUnits(root=0, block=unit, blocks=layers, reduced=unit, trained=unit)
     estimates = []
     for strategy in STRATEGIES:
         group = shard_group_for(strategy, world_size, hybrid_group)

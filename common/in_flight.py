@@ -15,9 +15,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from common.activations import ActivationBytes
-from common.shard_sizes import COMPUTE_BYTES, fsdp1_flat_elements, fsdp2_padded_elements, fsdp_unit_names
+from common.shard_sizes import COMPUTE_BYTES, FP32, fsdp1_flat_elements, fsdp2_padded_elements, fsdp_unit_names
 
-FP32 = 4
 PREFETCHED_UNITS = 2  # the Block computing its backward and the one gathered ahead of it
 STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
 
@@ -30,16 +29,8 @@ class GatheredUnits:
     root: float
     block: float
     blocks: int
-    reduced: float | None = None  # None: the whole Block, as in full training
-    trained: float | None = None
-
-    @property
-    def reduced_block(self) -> float:
-        return self.block if self.reduced is None else self.reduced
-
-    @property
-    def trained_block(self) -> float:
-        return self.block if self.trained is None else self.trained
+    reduced: float  # in full training, the Block as gathered
+    trained: float  # in full training, the Block's values
 
 
 def gathered_units(
@@ -115,7 +106,7 @@ def reduce_scatter_bytes(
       reduce-scatter, its gradients freed and the unit still gathered.
     """
     compute = COMPUTE_BYTES[precision]
-    reduced = units.reduced_block
+    reduced = units.reduced
     shard = FP32 * reduced / shard_group
     if layout == "flat":
         extra = compute * reduced + (shard if precision == "bf16" else 0)
@@ -127,6 +118,6 @@ def reduce_scatter_bytes(
             for done, peak in enumerate(activations.unit_peaks)
             if done
         ]
-        freed = compute * units.trained_block
+        freed = compute * units.trained
         at += [end - freed + FP32 * reduced + (done + 1) * shard for done, end in enumerate(activations.unit_ends)]
     return max(0.0, max(at, default=0.0) - activations.backward)

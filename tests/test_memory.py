@@ -83,7 +83,7 @@ def test_formulas_for_seven_billion_parameters() -> None:
 def test_in_flight_terms() -> None:
     params, layers = 7e9, 32
     unit = params / layers
-    units = GatheredUnits(root=0, block=unit, blocks=layers)  # --params alone: equal units, no root
+    units = GatheredUnits(root=0, block=unit, blocks=layers, reduced=unit, trained=unit)  # --params alone: no root
     assert in_flight_bytes("ddp", units, "fp32") == 0
     assert in_flight_bytes("ddp", units, "bf16") == 2 * params  # autocast's bf16 copy of every weight
     assert in_flight_bytes("ddp", units, "bf16", weight_copies=123) == 123  # or as common.activations measured
@@ -95,7 +95,7 @@ def test_in_flight_terms() -> None:
     # Every unit stays gathered from forward to backward: the whole model in the compute dtype.
     assert in_flight_bytes("shard_grad_op", units, "bf16", gradients=True) == pytest.approx(2 * params + 4 * unit)
     # The root unit stays gathered too.
-    rooted = GatheredUnits(root=1000, block=unit, blocks=layers)
+    rooted = GatheredUnits(root=1000, block=unit, blocks=layers, reduced=unit, trained=unit)
     assert in_flight_bytes("full_shard", rooted, "fp32") == pytest.approx(4 * (1000 + 2 * unit))
     with pytest.raises(ValueError, match="strategy"):
         in_flight_bytes("zero-4", units, "fp32")
@@ -112,13 +112,13 @@ def test_gathered_units_are_padded_as_each_fsdp_pads_them() -> None:
     }
     padded = gathered_units(shapes, "dim0", 64, "fp32")
     assert (padded.root, padded.block, padded.blocks) == (64 * 8, 64 * 8 + 64, 2)
-    assert (padded.reduced_block, padded.trained_block) == (64 * 8 + 64, 24 * 8 + 24)
+    assert (padded.reduced, padded.trained) == (64 * 8 + 64, 24 * 8 + 24)
     # A frozen weight is gathered but not reduced: FSDP2 reduce-scatters the trainable parameters alone,
     # FSDP1 the whole flat gradient of a unit in which anything trains.
     biases = ["blocks.0.b", "blocks.1.b"]
     frozen = gathered_units(shapes, "dim0", 64, "fp32", trainable=biases)
-    assert (frozen.block, frozen.reduced_block, frozen.trained_block) == (64 * 8 + 64, 64, 24)
-    assert gathered_units(shapes, "flat", 64, "fp32", trainable=biases).reduced_block == 256
+    assert (frozen.block, frozen.reduced, frozen.trained) == (64 * 8 + 64, 64, 24)
+    assert gathered_units(shapes, "flat", 64, "fp32", trainable=biases).reduced == 256
     flat = gathered_units(shapes, "flat", 64, "fp32")
     assert (flat.root, flat.block, flat.blocks) == (128, 256, 2)  # a Block's 216 values padded to 4 x 64
     assert gathered_units(shapes, "dim0", 2, "fp32").block == 24 * 8 + 24  # nothing to pad
