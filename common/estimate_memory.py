@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 
 from common.activations import ActivationBytes, gpt_activations, mnist_activations
 from common.cli import HelpFormatter
-from common.fine_tuning import DEFAULT_LORA_TARGETS, add_estimator_flags, estimator_shapes, fine_tune
+from common.fine_tuning import add_estimator_flags, estimator_shapes, fine_tune
 from common.flags import float_in_range, int_in_range, positive_float, positive_int
 from common.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from common.models import GPT_PRESETS, GPTConfig, MnistNet, count_parameters, gpt_parameter_shapes
@@ -331,9 +331,8 @@ def measure_model(args: argparse.Namespace) -> MeasuredModel:
     tuned, prepare = args.fine_tuning, None
     shapes, trainable = (tuned.shapes, tuned.trainable) if tuned else (gpt_parameter_shapes(config), None)
     if tuned is not None:
-        targets = args.lora_targets or DEFAULT_LORA_TARGETS
         prepare = functools.partial(
-            fine_tune, freeze_patterns=args.freeze, lora_rank=args.lora_rank, lora_targets=targets
+            fine_tune, freeze_patterns=args.freeze, lora_rank=args.lora_rank, lora_targets=args.lora_targets
         )
     measured: dict[tuple[str, bool], ActivationBytes] = {}  # every FSDP row computes and holds alike
     estimates = []

@@ -170,7 +170,7 @@ def fine_tuned_shapes(
     config: GPTConfig,
     freeze_patterns: Sequence[str] = (),
     lora_rank: int | None = None,
-    lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
+    lora_targets: Sequence[str] | None = None,
 ) -> ParameterShapes:
     """The GPT's parameters after --lora-rank and --freeze, as the scripts apply them (the same calls, on a
     model on the meta device: nothing allocated). Raises FatalError as the scripts refuse a pattern."""
@@ -187,12 +187,12 @@ def fine_tune(
     model: nn.Module,
     freeze_patterns: Sequence[str] = (),
     lora_rank: int | None = None,
-    lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
+    lora_targets: Sequence[str] | None = None,
 ) -> None:
-    """--lora-rank, then --freeze, as the scripts call them, without their log lines: an estimator says what
-    it wants in its own words."""
+    """--lora-rank, then --freeze, as the scripts call them (``lora_targets`` None: the scripts' default),
+    without their log lines: an estimator says what it wants in its own words."""
     with contextlib.redirect_stdout(io.StringIO()):
-        add_adapters(model, lora_rank, None, lora_targets, seed=0)
+        add_adapters(model, lora_rank, None, lora_targets or DEFAULT_LORA_TARGETS, seed=0)
         freeze(model, freeze_patterns)
 
 
@@ -221,6 +221,6 @@ def estimator_shapes(
     if args.lora_rank is None and args.lora_targets is not None:
         parser.error("--lora-targets chooses the layers that --lora-rank adapts: give --lora-rank too")
     try:
-        return fine_tuned_shapes(config, args.freeze, args.lora_rank, args.lora_targets or DEFAULT_LORA_TARGETS)
+        return fine_tuned_shapes(config, args.freeze, args.lora_rank, args.lora_targets)
     except FatalError as err:
         parser.error(str(err))

@@ -40,7 +40,6 @@ from common.communication import CollectiveRecorder, Traffic, measured_step
 from common.distributed import DistContext, local_state_bytes
 from common.fake_world import all_reduced_bucket, fake_world
 from common.fine_tuning import (
-    DEFAULT_LORA_TARGETS,
     add_adapters,
     estimator_shapes,
     fine_tune,
@@ -163,7 +162,8 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
         rank=args.rank,
         batch_size=args.batch_size,
         vocab_size=args.vocab_size,
-        fine_tuning={"freeze": args.freeze, "lora_rank": args.lora_rank, "lora_targets": args.lora_targets},
+        # fine_tune's arguments, by name
+        fine_tuning={"freeze_patterns": args.freeze, "lora_rank": args.lora_rank, "lora_targets": args.lora_targets},
     )
 
 
@@ -177,7 +177,7 @@ def script_argv(args: argparse.Namespace) -> list[str]:
     if args.strategy == "fsdp1" and args.replicate_degree > 1:
         argv += ["--sharding-strategy", "hybrid_shard"]
     tuning = args.fine_tuning
-    argv += [flag for pattern in tuning["freeze"] for flag in ("--freeze", pattern)]
+    argv += [flag for pattern in tuning["freeze_patterns"] for flag in ("--freeze", pattern)]
     argv += ["--lora-rank", str(tuning["lora_rank"])] if tuning["lora_rank"] else []
     argv += [flag for pattern in tuning["lora_targets"] or [] for flag in ("--lora-targets", pattern)]
     return argv
@@ -307,11 +307,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
 
 def estimate(args: argparse.Namespace, config: Any, batch_size: int) -> dict[str, float]:
     """What common.estimate_memory and common.estimate_communication (common.comm_model) say of the same job."""
-    freeze_patterns, rank = args.fine_tuning["freeze"], args.fine_tuning["lora_rank"]
-    targets = args.fine_tuning["lora_targets"] or DEFAULT_LORA_TARGETS
-    tuned = fine_tuned_shapes(config, freeze_patterns, rank, targets)
-    shapes, trainable = tuned.shapes, tuned.trainable
-    prepare = functools.partial(fine_tune, freeze_patterns=freeze_patterns, lora_rank=rank, lora_targets=targets)
+    tuned = fine_tuned_shapes(config, **args.fine_tuning)
+    shapes, trainable, prepare = tuned.shapes, tuned.trainable, functools.partial(fine_tune, **args.fine_tuning)
     strategy = record_strategy(args)
     group = 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree
     kind = "ddp" if strategy == "ddp" else "hybrid_shard" if args.replicate_degree > 1 else "full_shard"
