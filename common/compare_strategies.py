@@ -192,7 +192,7 @@ def estimated_peak_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> f
     strategy = IN_FLIGHT_STRATEGY[record["strategy"]]
     group = record["shard_group_size"]
     layout = LAYOUTS[record["strategy"]]
-    units = gathered_units(shapes, "flat" if layout == "replicated" else layout, group, precision)
+    units = gathered_units(shapes, layout, group, precision)
     in_flight = in_flight_bytes(strategy, units, precision, gradients=True)
     state = estimated_state(record, shapes)
     return Estimate(0, strategy, group, state, in_flight).peak

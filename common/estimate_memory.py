@@ -143,11 +143,10 @@ def estimate_model(
     ``trainable``: the names that train (None: all), as --freeze and --lora-rank leave them."""
     layout = "replicated" if shard_group == 1 else layout
     state = between_steps(shapes, shard_group, layout, trainable, precision)
-    gathered_layout = "flat" if layout == "replicated" else layout
-    units = gathered_units(shapes, gathered_layout, shard_group, precision, trainable)
+    units = gathered_units(shapes, layout, shard_group, precision, trainable)
     in_flight = in_flight_bytes(strategy, units, precision, weight_copies=activations.weight_copies)
     if strategy != "ddp" and activations.unit_ends:
-        in_flight += reduce_scatter_bytes(gathered_layout, units, shard_group, precision, activations)
+        in_flight += reduce_scatter_bytes(layout, units, shard_group, precision, activations)
     params = sum(math.prod(shape) for shape in shapes.values())
     return Estimate(params, strategy, shard_group, state, in_flight, activations.peak)
 

@@ -40,21 +40,22 @@ def gathered_units(
     precision: str,
     trainable: Collection[str] | None = None,
 ) -> GatheredUnits:
-    """The GPT's units as FSDP1 ("flat") or FSDP2 ("dim0") gathers them, from its parameters' shapes by name;
+    """The GPT's units as FSDP2 ("dim0") or FSDP1 (any other layout: "flat", and "replicated" unpadded, a group
+    of one) gathers them, from its parameters' shapes by name;
     ``trainable``: the names that train (None: all). FSDP1 reduces a unit's whole flat gradient once anything
     in it trains, FSDP2 the trainable parameters, each padded."""
     compute = COMPUTE_BYTES[precision]
     trains = set(shapes) if trainable is None else set(trainable)
 
     def elements(names: list[str]) -> int:
-        if layout == "flat":
-            return fsdp1_flat_elements([math.prod(shapes[name]) for name in names], shard_group, compute)
-        return fsdp2_padded_elements([shapes[name] for name in names], shard_group)
+        if layout == "dim0":
+            return fsdp2_padded_elements([shapes[name] for name in names], shard_group)
+        return fsdp1_flat_elements([math.prod(shapes[name]) for name in names], shard_group, compute)
 
     def reduced(names: list[str]) -> int:
-        if layout == "flat":
-            return elements(names) if trains.intersection(names) else 0
-        return elements([name for name in names if name in trains])
+        if layout == "dim0":
+            return elements([name for name in names if name in trains])
+        return elements(names) if trains.intersection(names) else 0
 
     units = fsdp_unit_names(shapes)
     blocks = [names for unit, names in units.items() if unit != "root"]
@@ -108,7 +109,7 @@ def reduce_scatter_bytes(
     compute = COMPUTE_BYTES[precision]
     reduced = units.reduced
     shard = FP32 * reduced / shard_group
-    if layout == "flat":
+    if layout != "dim0":
         extra = compute * reduced + (shard if precision == "bf16" else 0)
         at = [end + extra + done * shard for done, end in enumerate(activations.unit_ends)]
     else:
