@@ -28,6 +28,7 @@ from common.estimate_memory import (
     add_job_flags,
     between_steps,
     count_label,
+    gpt_shape,
     resolve_shard_group_size,
     shard_group_for,
 )
@@ -87,7 +88,7 @@ def model_estimates(args: argparse.Namespace) -> dict[str, tuple[int, StateBytes
     model: ParameterShapes = args.shapes
     estimates = {}
     for strategy, textbook in RUN_STRATEGIES.items():
-        group = {"ddp": 1, "hybrid_shard": args.shard_group_size}.get(textbook, args.world_size)
+        group = shard_group_for(textbook, args.world_size, args.shard_group_size)
         held = between_steps(model.shapes, group, LAYOUTS[strategy], model.trainable, args.precision)
         collectives = run_collectives(
             strategy, model.shapes, args.world_size, group, args.precision, args.micro_steps, trainable=model.trainable
@@ -164,12 +165,9 @@ def gpt_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConf
         if any(getattr(args, flag) is not None for flag in GPT_SHAPE_FLAGS):
             parser.error("--n-layer, --n-head, --d-model, --block-size and --vocab-size shape --model's GPT")
         return None
-    shape = {flag: getattr(args, flag) or GPT_PRESETS[args.model].get(flag) for flag in GPT_SHAPE_FLAGS}
-    shape["vocab_size"] = shape["vocab_size"] or SYNTHETIC_VOCAB
-    if shape["d_model"] % shape["n_head"]:
-        parser.error(f"--d-model {shape['d_model']} must be divisible by --n-head {shape['n_head']}")
-    args.layers = shape["n_layer"]
-    return GPTConfig(**shape)
+    config = gpt_shape(parser, args)
+    args.layers = config.n_layer
+    return config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

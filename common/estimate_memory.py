@@ -281,6 +281,11 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
         if args.precision != "fp32" or args.activation_checkpointing:
             parser.error("the MNIST scripts have neither --mixed-precision nor --activation-checkpointing")
         return
+    gpt_shape(parser, args)
+
+
+def gpt_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConfig:
+    """--model's GPT: its preset, with the shape flags given in place of the preset's, written back to ``args``."""
     for name, value in GPT_PRESETS[args.model].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -288,6 +293,7 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
         args.vocab_size = SYNTHETIC_VOCAB
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
+    return GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
 
 
 def resolve_shard_group_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
