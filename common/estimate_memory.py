@@ -258,21 +258,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.params is None) == (args.model is None):
         parser.error("give --params (the model state alone) or --model (with its activations), one of them")
-    check_model_flags(parser, args)
-    gpt = args.model not in (None, MNIST)
-    config = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model) if gpt else None
-    args.fine_tuning = estimator_shapes(parser, args, config)
+    args.fine_tuning = estimator_shapes(parser, args, check_model_flags(parser, args))
     resolve_shard_group_size(parser, args)
     return args
 
 
-def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse what the chosen model's scripts do not have; fill the GPT's shape from its preset."""
+def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConfig | None:
+    """Refuse what the chosen model's scripts do not have; fill the GPT's shape from its preset. The GPT, if
+    the model is one."""
     if args.model is None:
         given = [flag for flag in (*GPT_SHAPE_FLAGS, "batch_size") if getattr(args, flag) is not None]
         if given or args.activation_checkpointing:
             parser.error("activations need a model: add --model, or drop the model's flags")
-        return
+        return None
     if args.batch_size is None:
         args.batch_size = DEFAULT_BATCH[MNIST if args.model == MNIST else "gpt"]
     if args.model == MNIST:
@@ -280,8 +278,8 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
             parser.error("--n-layer, --n-head, --d-model, --block-size and --vocab-size describe the GPT, not MNIST")
         if args.precision != "fp32" or args.activation_checkpointing:
             parser.error("the MNIST scripts have neither --mixed-precision nor --activation-checkpointing")
-        return
-    gpt_shape(parser, args)
+        return None
+    return gpt_shape(parser, args)
 
 
 def gpt_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConfig:
