@@ -49,6 +49,7 @@ from common.distributed import (
     shard_group_size,
 )
 from common.fine_tuning import adapter_identity
+from common.models import tied_parameters
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
 from common.run_dir import CHECKPOINTS, checkpoint_step, checkpoint_to_resume, complete_checkpoints
 from common.safe_loading import (
@@ -128,7 +129,8 @@ class Checkpointer:
         self.model = model
         self.optimizer = optimizer
         self.extra = extra
-        self.identity = {**identity, "lora": adapter_identity(model)}  # None without adapters, as before them
+        # None without adapters and without tied weights, as before either was recorded.
+        self.identity = {**identity, "lora": adapter_identity(model), "tied": tied_parameters(model) or None}
         self.settings = settings
         self.global_batch_size = global_batch_size
         self.sharded = sharded

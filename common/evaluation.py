@@ -78,6 +78,12 @@ def evaluate_classifier(
     return {"loss": loss_sum / count, "accuracy": correct / count, "samples": int(count)}
 
 
+def logits_of(output: Any) -> torch.Tensor:
+    """A language model's logits: its output itself, or the ``logits`` of the output object a Hugging Face
+    model returns."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
 @torch.no_grad()
 def evaluate_language_model(
     model: nn.Module, loader: DataLoader, ctx: DistContext, autocast: torch.dtype | None = None
@@ -92,7 +98,7 @@ def evaluate_language_model(
     for (inputs, targets), counts in _lockstep_batches(loader, ctx):
         inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
         with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
-            logits = model(inputs)
+            logits = logits_of(model(inputs))
         if counts:
             # Padding (IGNORE_INDEX) adds nothing to the sum and is not counted.
             loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")

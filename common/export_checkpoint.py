@@ -15,12 +15,20 @@ among them, is replaced only with --overwrite.
 
 A run with LoRA adapters (--lora-rank) exports as its model.pt is written: the adapters merged into
 the weights they adapt; --adapters-only writes the adapters alone.
+
+A run of a Hugging Face model (docs/hugging-face.md) exports as a folder ``from_pretrained`` loads:
+
+    python -m common.export_checkpoint RUN_DIR/checkpoints/step-N OUT_DIR --hf-config MODEL_DIR
+
+``config.json`` comes from --hf-config (the folder the run started from, or the file itself), the
+weights go to ``model.safetensors``, a tied weight once, under its first name.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import os
 import sys
 import warnings
@@ -34,30 +42,47 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from common.checkpoint import TRAINER_FILE
 from common.cli import HelpFormatter, add_trust_flag
 from common.fine_tuning import is_adapter, merge_adapters
-from common.flags import existing_path, output_file
-from common.outputs import add_overwrite_flag, check_output_path, save_torch
+from common.flags import existing_path, output_path
+from common.outputs import (
+    OVERWRITE_FLAG,
+    add_overwrite_flag,
+    check_output_path,
+    folder_problem,
+    holds_something,
+    save_torch,
+)
 from common.processes import exit_code_of
 from common.run_dir import CHECKPOINTS, LOCK_FILE, RUN_RESULTS, checkpoint_step
 from common.safe_loading import UntrustedCheckpoint, describe_failure, load_file, root_failure, sharded_reader
+from common.safetensors_weights import CONFIG_FILE, pretrained_folder, write_pretrained
 
 MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
 
 
 def read_model_state(checkpoint: Path, trust: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The model's full state dict from a sharded or full checkpoint, and the run's recorded flags (empty if none)."""
+    """The model's full state dict from a sharded or full checkpoint, and what the checkpoint records of its
+    run (``trainer``: flags, identity; empty if none)."""
     if checkpoint.is_dir():
         trainer = load_file(checkpoint / TRAINER_FILE)
-        return read_sharded_model_state(checkpoint, trust), recorded_settings(trainer)
+        return read_sharded_model_state(checkpoint, trust), trainer if isinstance(trainer, dict) else {}
     saved = load_file(checkpoint)
     model = saved.get("model") if isinstance(saved, dict) else None
     if not isinstance(model, dict) or not all(isinstance(value, torch.Tensor) for value in model.values()):
         raise ValueError("it holds no model state dict (a training checkpoint has one under 'model')")
-    return model, recorded_settings(saved.get("trainer"))
+    trainer = saved.get("trainer")
+    return model, trainer if isinstance(trainer, dict) else {}
 
 
-def recorded_settings(trainer: Any) -> dict[str, Any]:
-    settings = trainer.get("settings") if isinstance(trainer, dict) else None
+def recorded_settings(trainer: dict[str, Any]) -> dict[str, Any]:
+    settings = trainer.get("settings")
     return settings if isinstance(settings, dict) else {}
+
+
+def recorded_ties(trainer: dict[str, Any]) -> dict[str, str]:
+    """The names under which the run's model holds one tensor twice (alias -> first name), as recorded."""
+    identity = trainer.get("identity")
+    tied = identity.get("tied") if isinstance(identity, dict) else None
+    return tied if isinstance(tied, dict) else {}
 
 
 def plain_or_adapters(state: dict[str, torch.Tensor], settings: dict[str, Any], adapters_only: bool) -> dict:
@@ -91,7 +116,16 @@ def read_sharded_model_state(folder: Path, trust: bool) -> dict[str, torch.Tenso
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("checkpoint", type=existing_path, help="RUN_DIR/checkpoints/step-N (a folder) or step-N.pt")
-    parser.add_argument("output", type=output_file, help="where to write the model's state dict")
+    parser.add_argument(
+        "output", type=output_path, help="where to write the model's state dict (a folder, with --hf-config)"
+    )
+    parser.add_argument(
+        "--hf-config",
+        type=existing_path,
+        metavar="CONFIG",
+        help="write OUTPUT as a Hugging Face folder (config.json and model.safetensors) that from_pretrained loads, "
+        "with this config.json, or the one in this folder (the folder the run started from)",
+    )
     parser.add_argument(
         "--adapters-only",
         action="store_true",
@@ -113,9 +147,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{args.output}: a run is writing {args.output.parent} now ({holder}), and replaces its own "
             f"{args.output.name} when it ends; write the export beside it, e.g. {args.output.parent}/model-step-N.pt"
         )
-    # A run's own model.pt is an existing file like any other: replaced only when the user says so.
-    check_output_path(parser, args.output, "", [args.checkpoint], args.overwrite)
+    if args.hf_config is None:
+        # A run's own model.pt is an existing file like any other: replaced only when the user says so.
+        check_output_path(parser, args.output, "", [args.checkpoint], args.overwrite)
+        return args
+    if args.adapters_only:
+        parser.error("--adapters-only writes the adapters as a state dict; --hf-config writes the whole model")
+    try:
+        args.hf_config = config_text(args.hf_config)
+    except ValueError as err:
+        parser.error(f"--hf-config {args.hf_config}: {err}")
+    problem = pretrained_output_problem(args.output, args.checkpoint, args.overwrite)
+    if problem is not None:
+        parser.error(problem)
     return args
+
+
+def config_text(path: Path) -> str:
+    """The text of the config.json that ``path`` is or holds, checked to be a Hugging Face config."""
+    file = path / CONFIG_FILE if path.is_dir() else path
+    try:
+        text = file.read_text()
+        config = json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"cannot read {file.name} ({getattr(err, 'strerror', None) or err})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"{file.name} is no Hugging Face config (it has no model_type)")
+    return text
+
+
+def pretrained_output_problem(output: Path, checkpoint: Path, overwrite: bool) -> str | None:
+    """Why the folder ``output`` cannot take a Hugging Face export of ``checkpoint``; None if it can."""
+    if output.resolve() == checkpoint.resolve() or output.resolve() in checkpoint.resolve().parents:
+        return f"{output} holds the checkpoint it would be written from; write the folder elsewhere"
+    if output.exists() and not output.is_dir():
+        return f"{output} is a file; --hf-config writes a folder there"
+    if holds_something(output) and not overwrite:
+        return f"{output} exists; choose another name, or pass {OVERWRITE_FLAG} to replace it"
+    if holds_something(output) and not pretrained_folder(output):
+        return f"{output} holds more than a Hugging Face model; {OVERWRITE_FLAG} replaces only such a folder"
+    return folder_problem(output.parent, str(output))
 
 
 def running_in(run_dir: Path) -> str | None:
@@ -144,7 +215,7 @@ def running_in(run_dir: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        state, settings = read_model_state(args.checkpoint, trust=args.trust_checkpoint)
+        state, trainer = read_model_state(args.checkpoint, trust=args.trust_checkpoint)
     # DCP's CheckpointException is a BaseException, so it is named here.
     except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - any failure to read means one thing here
         cause = root_failure(err)
@@ -152,11 +223,14 @@ def main(argv: list[str] | None = None) -> int:
             return fail(cause.refusal(args.checkpoint))
         return fail(f"cannot read {args.checkpoint}: {describe_failure(err)}")
     try:
-        state = plain_or_adapters(state, settings, args.adapters_only)
+        state = plain_or_adapters(state, recorded_settings(trainer), args.adapters_only)
     except ValueError as err:
         return fail(f"{args.checkpoint}: {err}")
     try:
-        save_torch(state, args.output, args.overwrite)
+        if args.hf_config is None:
+            save_torch(state, args.output, args.overwrite)
+        else:
+            write_pretrained(state, args.output, args.hf_config, recorded_ties(trainer), args.overwrite)
     except OSError as err:
         return fail(f"cannot write {args.output}: {err.strerror or err}")
     parameters = sum(tensor.numel() for tensor in state.values())

@@ -23,22 +23,26 @@ import torch.nn.functional as F
 
 from common.cli import add_fine_tuning_flags
 from common.distributed import FatalError, print0
-from common.models import GPT, GPTConfig, init_parameters
+from common.models import GPT, GPTConfig, init_parameters, tied_parameters
 
 
 def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     """Turn off the gradient of each parameter whose name matches one of ``patterns`` (shell-style
     globs over names as ``model.named_parameters()`` gives them: ``'tok_emb.*'``, ``'blocks.0.*'``).
     Returns the frozen names. A pattern that matches nothing is a typo, not a choice: it is refused,
-    as is freezing everything, which would leave the run nothing to train."""
+    as is freezing everything, which would leave the run nothing to train. A tied parameter (one tensor
+    under two names: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) matches under either name
+    and is frozen under both, so the message says so."""
     parameters = dict(model.named_parameters())
+    tied = tied_parameters(model)
     for pattern in patterns:
-        if not any(fnmatchcase(name, pattern) for name in parameters):
+        if not any(fnmatchcase(name, pattern) for name in [*parameters, *tied]):
             examples = ", ".join(list(parameters)[:4])
             raise FatalError(
                 f"--freeze {pattern!r} matches no parameter of the model; its parameters are named like {examples}"
             )
-    frozen = [name for name in parameters if any(fnmatchcase(name, pattern) for pattern in patterns)]
+    matched = {name for name in [*parameters, *tied] if any(fnmatchcase(name, pattern) for pattern in patterns)}
+    frozen = [name for name in parameters if name in matched or any(tied[a] == name for a in matched & tied.keys())]
     if frozen and all(name in frozen or not parameters[name].requires_grad for name in parameters):
         raise FatalError(
             "--freeze matches every parameter left to train (with --lora-rank, every adapter): nothing would be trained"
@@ -49,6 +53,9 @@ def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
         elements = sum(parameters[name].numel() for name in frozen)
         total = sum(parameter.numel() for parameter in parameters.values())
         print0(f"frozen: {len(frozen)} of {len(parameters)} parameters, {elements:,} of {total:,} values")
+        for alias, name in tied.items():
+            if name in frozen:
+                print0(f"frozen: {alias} too, which is {name} (one tensor under two names)")
     return frozen
 
 
@@ -97,10 +104,7 @@ def add_adapters(model: nn.Module, rank: int | None, alpha: float | None, target
     without values, for the sharded initialisation to set; elsewhere they get their initial values here."""
     if rank is None:
         return
-    chosen = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    chosen = [(name, module) for name, module in chosen if any(fnmatchcase(name, t) for t in targets)]
-    if not chosen:
-        raise FatalError(f"--lora-targets {' '.join(targets)} matches no linear layer of the model")
+    chosen = choose_linear_layers(model, targets)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     scale = adapter_scale(rank, alpha)
@@ -112,6 +116,27 @@ def add_adapters(model: nn.Module, rank: int | None, alpha: float | None, target
             init_parameters(adapted.adapter, seed, prefix=f"{name}.adapter")
     adapters = sum(p.numel() for m in model.modules() if isinstance(m, LowRankUpdate) for p in m.parameters())
     print0(f"LoRA: rank {rank}, scale {scale:g}, on {len(chosen)} linear layers: {adapters:,} values to train")
+
+
+def choose_linear_layers(model: nn.Module, targets: Sequence[str]) -> list[tuple[str, nn.Linear]]:
+    """The ``torch.nn.Linear`` layers whose names match ``targets``; FatalError, saying why, where that is none,
+    or where one's weight is tied to another parameter (an adapter merged into it would untie the two)."""
+    matched = [(name, module) for name, module in model.named_modules() if any(fnmatchcase(name, t) for t in targets)]
+    chosen = [(name, module) for name, module in matched if isinstance(module, nn.Linear)]
+    if not chosen:
+        others = [f"{name} (a {type(module).__name__})" for name, module in matched if not list(module.children())]
+        seen = f": it matches {', '.join(others[:3])}, and adapters go beside torch.nn.Linear layers" if others else ""
+        raise FatalError(f"--lora-targets {' '.join(targets)} matches no linear layer of the model{seen}")
+    tied = tied_parameters(model)
+    shared = {name for pair in tied.items() for name in pair}
+    for name, _ in chosen:
+        if f"{name}.weight" in shared:
+            other = next(n for pair in tied.items() for n in pair if n != f"{name}.weight" and f"{name}.weight" in pair)
+            raise FatalError(
+                f"--lora-targets matches {name}, whose weight is tied to {other} (one tensor): merged, its adapter "
+                "would change both. Leave it out of --lora-targets"
+            )
+    return chosen
 
 
 def adapter_scale(rank: int, alpha: float | None) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from common.cli import Parser
 from common.distributed import wants_cuda
@@ -19,6 +20,7 @@ from common.fine_tuning import DEFAULT_LORA_TARGETS
 from common.input_checks import check_model_size, check_synthetic_size, check_text_file, check_token_file
 from common.models import GPT_PRESETS
 from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step, checkpoint_to_resume
+from common.safetensors_weights import safetensors_files
 from common.torchrun_env import LAUNCH_VARIABLES, env_num_nodes, env_world_size
 
 
@@ -136,6 +138,23 @@ def check_fsdp1_flags(parser: Parser, args: argparse.Namespace) -> None:
             args.replicate_degree = 2
 
 
+def check_init_from(parser: Parser, path: Path) -> None:
+    """--init-from names a state dict file, a .safetensors file or a Hugging Face folder, and the folder holds
+    the files its index names; whether they fit the model is known once it is built."""
+    if path.is_dir() and (path / ".metadata").exists():
+        parser.error(
+            f"--init-from {path} is a sharded checkpoint; "
+            f"python -m common.export_checkpoint {path} weights.pt makes a state dict of one"
+        )
+    if path.is_dir():
+        try:
+            safetensors_files(path)
+        except ValueError as err:
+            parser.error(f"--init-from {path} {err}")
+    elif not path.is_file():
+        parser.error(f"--init-from {path}: no such file")
+
+
 def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
     """Refuse a resume that cannot work, and a start that would replace or mix with an earlier run's files."""
     check_run_dir(parser, args.run_dir)
@@ -144,13 +163,7 @@ def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
     if args.init_from is not None:
         if args.resume_from is not None:
             parser.error("give --resume-from (continue a run) or --init-from (start one from weights), not both")
-        if args.init_from.is_dir():
-            parser.error(
-                f"--init-from {args.init_from} is a folder, as a sharded checkpoint is; "
-                f"python -m common.export_checkpoint {args.init_from} weights.pt makes a state dict of one"
-            )
-        if not args.init_from.is_file():
-            parser.error(f"--init-from {args.init_from}: no such file")
+        check_init_from(parser, args.init_from)
     if args.resume_from is not None:
         if not args.resume_from.exists():
             parser.error(f"--resume-from {args.resume_from}: no such checkpoint")

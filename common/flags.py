@@ -29,6 +29,7 @@ EXISTING_DIR = "existing folder"
 EXISTING_PATH = "existing file or folder"  # a checkpoint: step-N.pt, or the folder of a sharded one
 OUTPUT_FILE = "output file"
 OUTPUT_DIR = "output folder"
+OUTPUT_PATH = "output file or folder"  # what a command writes as one or the other, as its other flags say
 NAME_PATTERN = "name pattern"  # a glob over names, such as a parameter's
 
 T = TypeVar("T")
@@ -247,6 +248,15 @@ def output_file(text: str) -> Path:
     path = Path(text)
     if path.is_dir() or text.endswith(("/", "/.")):  # Path drops the slash that says the user means a folder
         raise argparse.ArgumentTypeError(f"{text} is a folder; give the name of the file to write")
+    _refuse_unwritable(text, path.parent)
+    _refuse_long_names(text, path)
+    return path
+
+
+@path_kind(OUTPUT_PATH)
+def output_path(text: str) -> Path:
+    """A file or folder this run may create (or replace, where its command allows that): not below a file."""
+    path = Path(text)
     _refuse_unwritable(text, path.parent)
     _refuse_long_names(text, path)
     return path

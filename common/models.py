@@ -18,6 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 
 class MnistNet(nn.Module):
@@ -177,6 +178,32 @@ def gpt_parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name in the model as built, whatever wraps it (FSDP1, activation checkpointing, compile)."""
+    for wrapper in WRAPPER_PREFIXES:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """Names that are another parameter under a second name, each with the first name it has: GPT-2's
+    ``{"lm_head.weight": "transformer.wte.weight"}``, its output head tied to its token embedding.
+
+    One tensor, so one gradient and one optimizer state; a file of the weights holds it once, under the
+    first name (as a Hugging Face folder does). ``model`` may be wrapped (DDP, FSDP1, FSDP2).
+    """
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    first: dict[int, str] = {}
+    tied = {}
+    for name, parameter in inner.named_parameters(remove_duplicate=False):
+        name = plain_name(name)
+        if id(parameter) in first:
+            tied[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return tied
+
+
 def initial_value(owner: nn.Module, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     """GPT-2's initial value of the parameter ``name`` (of module ``owner``): a whole fp32 tensor on the CPU.
 
@@ -210,9 +237,7 @@ def init_parameters(module: nn.Module, seed: int, prefix: str = "", recurse: boo
     modules = module.named_modules(prefix=prefix) if recurse else [(prefix, module)]
     for module_name, owner in modules:
         for local_name, parameter in owner.named_parameters(recurse=False):
-            name = f"{module_name}.{local_name}" if module_name else local_name
-            for wrapper in WRAPPER_PREFIXES:
-                name = name.replace(wrapper, "")
+            name = plain_name(f"{module_name}.{local_name}" if module_name else local_name)
             value = initial_value(owner, name, parameter.shape, seed).to(parameter.device)
             if isinstance(parameter, DTensor):
                 # src_data_rank None: take this rank's slice of its own copy, with no communication.

@@ -49,7 +49,8 @@ CHECKPOINTS = "checkpoints"
 PROFILE_DIR = "profile"
 STOP_FILE = "STOP"
 LOCK_FILE = ".lock"
-RUN_RESULTS = (METRICS_FILE, MODEL_FILE)  # what a run leaves in its run dir besides checkpoints
+PRETRAINED_DIR = "hf"  # a Hugging Face model's run: its final model as a save_pretrained folder too
+RUN_RESULTS = (METRICS_FILE, MODEL_FILE, PRETRAINED_DIR)  # what a run leaves in its run dir besides checkpoints
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
 # What a file system without locks answers (Lustre without -o flock, some FUSE mounts).
 NO_LOCKS_HERE = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}

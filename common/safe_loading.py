@@ -23,6 +23,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from common.compat import quiet_internal_warnings
 from common.distributed import DistContext, FatalError, broadcast_object, print0
 from common.fine_tuning import is_adapter
+from common.models import tied_parameters
+from common.safetensors_weights import (
+    Header,
+    holds_safetensors,
+    start_from_safetensors,
+    untied_problem,
+    weights_problem,
+)
 
 
 def load_file(path: Path) -> Any:
@@ -40,17 +48,22 @@ def load_file(path: Path) -> Any:
 
 def start_from_weights(model: torch.nn.Module, path: Path, ctx: DistContext) -> None:
     """--init-from: the weights of a plain state dict (a run's model.pt, common.export_checkpoint's
-    output, any state dict of this model) in the wrapped ``model``, for a new run from step 0.
+    output, any state dict of this model) in the wrapped ``model``, for a new run from step 0. A
+    Hugging Face folder or a ``.safetensors`` file goes to ``start_from_safetensors``.
 
     DISTRIBUTED: only rank 0 reads the file. set_model_state_dict broadcasts it one tensor at a time
     and each rank keeps its own part, so no rank holds more than one whole copy, and a GPU holds at
-    most one whole tensor. Keys or shapes that differ stop every rank with one message (exit 2).
+    most one whole tensor. Keys, shapes or dtypes that differ stop every rank with one message (exit 2).
     """
+    if holds_safetensors(path):
+        start_from_safetensors(model, path, ctx)
+        return
     # This rank's part of each tensor, under the names a plain model has; size() is the whole tensor's.
     # LoRA adapters are not in the weights a user starts from: they start as no change (B = 0).
     with quiet_internal_warnings():  # FSDP1's sharded state dict still goes through ShardedTensor
-        whole = {name: tuple(tensor.size()) for name, tensor in get_model_state_dict(model).items()}
+        whole = {name: (tuple(tensor.size()), tensor.dtype) for name, tensor in get_model_state_dict(model).items()}
     expected = {name: shape for name, shape in whole.items() if not is_adapter(name)}
+    tied = tied_parameters(model)
     state: dict[str, torch.Tensor] = {}
     problem = None
     if ctx.is_main:
@@ -59,41 +72,27 @@ def start_from_weights(model: torch.nn.Module, path: Path, ctx: DistContext) -> 
         except Exception as err:  # noqa: BLE001 - any failure to read it is one message, below
             problem = f"cannot be loaded ({describe_failure(err)})"
         else:
-            problem = weights_mismatch(state, expected)
+            problem = weights_mismatch(state, expected, tied)
     problem = broadcast_object(problem)
     if problem is not None:
         raise FatalError(f"--init-from {path} {problem}")
+    for alias, source in tied.items() if ctx.is_main else ():
+        state[alias] = state[source]  # a file may hold a tied tensor once, under its first name
     with quiet_internal_warnings():
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=len(expected) == len(whole))
         set_model_state_dict(model, state, options=options)
     print0(f"weights from {path} ({len(expected)} tensors); a new run: step 0, a fresh optimizer")
 
 
-def weights_mismatch(state: Any, expected: dict[str, tuple[int, ...]]) -> str | None:
-    """Why ``state`` does not fit a model whose state dict has ``expected``'s names and shapes; None if it fits."""
+def weights_mismatch(state: Any, expected: Header, tied: dict[str, str]) -> str | None:
+    """Why ``state`` does not fit a model of ``expected``'s names, shapes and dtypes; None if it fits."""
     if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
         return (
             "is not a state dict (tensors by name). A checkpoint of a run resumes with --resume-from; "
             "python -m common.export_checkpoint turns one into a state dict"
         )
-    missing = [name for name in expected if name not in state]
-    unexpected = [name for name in state if name not in expected]
-    reshaped = [
-        f"{name} is {list(state[name].shape)} there, {list(shape)} here"
-        for name, shape in expected.items()
-        if name in state and tuple(state[name].shape) != shape
-    ]
-    parts = [
-        f"{what}: {first_few(names)}"
-        for what, names in (("missing", missing), ("not in this model", unexpected), ("other shapes", reshaped))
-        if names
-    ]
-    return f"does not fit this model ({'; '.join(parts)})" if parts else None
-
-
-def first_few(items: list[str], shown: int = 3) -> str:
-    more = f" and {len(items) - shown} more" if len(items) > shown else ""
-    return ", ".join(items[:shown]) + more
+    found = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
+    return weights_problem(found, expected, tied) or untied_problem(state, tied)
 
 
 def describe_failure(err: BaseException) -> str:

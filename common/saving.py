@@ -19,6 +19,7 @@ from common.distributed import DistContext, FatalError, all_ranks_agree
 from common.outputs import save_torch
 from common.run_dir import complete_checkpoints
 from common.safe_loading import describe_failure, root_failure
+from common.safetensors_weights import write_pretrained
 
 
 def save_atomic(obj: Any, path: Path) -> None:
@@ -63,6 +64,21 @@ def save_model_file(state: dict[str, torch.Tensor] | None, path: Path, ctx: Dist
     Weights that are not finite are not written. Every rank stops together, with one
     message, if rank 0 cannot write: the job does not hang on the ranks that could.
     """
+    save_on_rank_0(state, path, lambda: save_atomic(state, path), ctx)
+
+
+def save_model_folder(
+    state: dict[str, torch.Tensor] | None, folder: Path, config_text: str, tied: dict[str, str], ctx: DistContext
+) -> None:
+    """``save_model_file`` as a Hugging Face ``save_pretrained`` folder: ``config.json`` (``config_text``) and
+    ``model.safetensors``, each name of ``tied`` (alias -> first name) left out, as the Hub's files leave it."""
+    save_on_rank_0(state, folder, lambda: write_pretrained(state, folder, config_text, tied, overwrite=True), ctx)
+
+
+def save_on_rank_0(
+    state: dict[str, torch.Tensor] | None, path: Path, write: Callable[[], None], ctx: DistContext
+) -> None:
+    """Rank 0 checks that ``state`` is finite and runs ``write`` (of ``path``); every rank stops together if not."""
     problem = None
     if ctx.is_main:
         assert state is not None, "rank 0 writes the model; give it the full state dict"
@@ -73,7 +89,7 @@ def save_model_file(state: dict[str, torch.Tensor] | None, path: Path, ctx: Dist
                 f"the last update overflowed. {path} was not written. Lower --lr, or resume from an earlier checkpoint"
             )
         else:
-            failure = write_failure(lambda: save_atomic(state, path))
+            failure = write_failure(write)
             problem = failure and f"could not write {path}: {failure}. {what_is_kept(path.parent)}"
     if not all_ranks_agree(problem is None, ctx):
         raise FatalError(problem or "rank 0 could not write the model", exit_code=1)

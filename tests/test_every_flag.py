@@ -51,6 +51,7 @@ HOSTILE = {
     flags.EXISTING_PATH: ["{missing}", "{below_file}", *ANY_PATH],
     flags.OUTPUT_FILE: ["{folder}", "{below_file}", *ANY_PATH],
     flags.OUTPUT_DIR: ["{file}", "{below_file}", *ANY_PATH],
+    flags.OUTPUT_PATH: ["{below_file}", *ANY_PATH],
     flags.NAME_PATTERN: ["", " "],  # one that matches nothing is refused when the model exists
 }
 NOT_A_CHOICE = "no-such-choice"
@@ -208,7 +209,7 @@ def cases(program: str, parser: argparse.ArgumentParser, places: dict[str, str])
             argv = command_line(program, parser, {action: value}, places)
             must_fail = (name_of(action), value) not in VALID
             yield Case(program, name_of(action), value.format(**places), argv, must_fail, shown_as(action))
-        if kind in (flags.OUTPUT_FILE, flags.OUTPUT_DIR):
+        if kind in (flags.OUTPUT_FILE, flags.OUTPUT_DIR, flags.OUTPUT_PATH):
             for source in inputs:
                 _, positionals = SCRIPT_BASE if program.endswith(".py") else BASE[program]
                 value = (positionals.get(source.dest) or ["{text}"])[0]

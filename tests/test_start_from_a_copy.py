@@ -24,10 +24,9 @@ from types import ModuleType
 import pytest
 import torch
 
-from common import check_equivalence
-from tests.harness import launcher
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU
-from tests.harness.runs import REPO, Run, clean_env, run_command
+from tests.harness.copies import check_warm, copy_common, project_env
+from tests.harness.runs import REPO, Run, run_command
 
 # Step 2 of the README, the model in a file of its own beside the script.
 RESNET = '''
@@ -84,9 +83,7 @@ class TinyLM(nn.Module):
 
 def copy_project(script: str, project: Path) -> Path:
     """Step 1: common/ and the script, the script one folder below common/'s parent."""
-    shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
-    (project / "train").mkdir()
-    return Path(shutil.copy(REPO / script, project / "train" / "train.py"))
+    return Path(shutil.copy(REPO / script, copy_common(project) / "train.py"))
 
 
 def put_in(train_py: Path, model_source: str, edits: dict[str, str]) -> None:
@@ -113,22 +110,7 @@ def check_the_copy(project: Path, args: list[str]) -> Run:
 
 def check_the_copy_warm(project: Path, args: list[str], capsys: pytest.CaptureFixture[str]) -> Run:
     """Step 3 as ``check_the_copy``, with the runs' ranks forked from the warm launcher in the copy's folder."""
-
-    def run_in_the_copy(script: str, flags: list[str], nproc: int | None, run_dir: Path) -> tuple[int, str]:
-        program, argv = str(project / script), [*flags, "--run-dir", str(run_dir)]
-        finished = launcher.launch(program, argv, project_env(project), nproc, timeout=300, cwd=project)
-        if finished.timed_out:
-            pytest.fail(f"timed out after 300 s: {script} {' '.join(argv)}\n{finished.output}")
-        return finished.returncode, finished.output
-
-    runs_dir = project / "runs" / "equivalence" / "train-2"
-    code = check_equivalence.check("train/train.py", ["--device", "cpu", *args], 2, runs_dir, run_in_the_copy)
-    output = capsys.readouterr()
-    check = Run(["check_equivalence.check", "train/train.py", *args], code, output.out + output.err,
-                runs_dir / "candidate", warm=True)  # fmt: skip
-    assert code == check_equivalence.SAME, check.describe()
-    assert output.out.splitlines()[-1].startswith("SAME:"), check.describe()
-    return check
+    return check_warm(project, "train/train.py", args, project / "runs" / "equivalence" / "train-2", capsys)
 
 
 def load(path: Path) -> ModuleType:
@@ -138,12 +120,6 @@ def load(path: Path) -> ModuleType:
     sys.modules[spec.name] = module  # type: ignore[union-attr]  # dataclasses look their module up there
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
-
-
-def project_env(project: Path) -> dict[str, str]:
-    env = clean_env()
-    env["PYTHONPATH"] = str(project)  # the copy's common/, never this repository's
-    return env
 
 
 def test_the_fsdp1_cnn_script_trains_a_torchvision_resnet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,6 +22,14 @@ import torch.nn.parallel  # noqa: F401
 import torchvision.datasets  # noqa: F401
 import torchvision.transforms  # noqa: F401
 
+try:  # the copies of tests/test_hugging_face.py build their models with it; the floor pass has no transformers
+    import safetensors.torch  # noqa: F401
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+except ImportError:
+    pass
+
 import common.checkpoint  # noqa: F401
 import common.cli  # noqa: F401
 import common.data  # noqa: F401
