@@ -14,13 +14,16 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed.checkpoint as dcp
+
 from common.cli import Parser
 from common.distributed import wants_cuda
 from common.fine_tuning import DEFAULT_LORA_TARGETS
 from common.input_checks import check_model_size, check_synthetic_size, check_text_file, check_token_file
 from common.models import GPT_PRESETS
 from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step, checkpoint_to_resume
-from common.safetensors_weights import safetensors_files
+from common.safetensors_weights import holds_safetensors, safetensors_files
 from common.torchrun_env import LAUNCH_VARIABLES, env_num_nodes, env_world_size
 
 
@@ -151,6 +154,11 @@ def check_init_from(parser: Parser, path: Path) -> None:
             safetensors_files(path)
         except ValueError as err:
             parser.error(f"--init-from {path} {err}")
+    if holds_safetensors(path) and not hasattr(dcp, "HuggingFaceStorageReader"):
+        parser.error(
+            f"--init-from {path}: safetensors are read with torch.distributed.checkpoint's HuggingFaceStorageReader, "
+            f"which torch {torch.__version__} lacks: use a newer torch (docs/torch-versions.md)"
+        )
     elif not path.is_file():
         parser.error(f"--init-from {path}: no such file")
 

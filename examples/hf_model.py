@@ -90,6 +90,25 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return found
 
 
+@torch.no_grad()
+def refuse_if_not_causal(model: nn.Module, device: torch.device) -> None:
+    """Next-token prediction needs a model whose output at a position sees no later token: two sequences that
+    differ only in their second token must score their first alike. FatalError where they do not, as for an
+    encoder with a language-model head (BERT without ``is_decoder``), whose training would see each answer.
+    Every rank runs the same small forward (under FSDP it gathers the units as any forward does)."""
+    tokens = torch.tensor([[1, 2], [1, 3]], device=device)
+    training = model.training
+    model.eval()
+    logits = model(tokens).logits.float()
+    model.train(training)
+    if not torch.allclose(logits[0, 0], logits[1, 0], rtol=1e-5, atol=1e-6):
+        raise FatalError(
+            f"{type(model).__name__} is no causal language model: its output at a position depends on later "
+            "tokens, which these scripts train it to predict (a BERT-like model needs is_decoder: true in its "
+            "config.json)"
+        )
+
+
 def model_shape(config: PretrainedConfig) -> dict[str, Any]:
     """What the checkpoints record of the model: its config without the fields a resume may change."""
     return {

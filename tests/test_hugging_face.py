@@ -21,9 +21,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # in requirements.txt; the floor pass's venv has none
 
-from safetensors.torch import load_file  # noqa: E402 - transformers brings it
+from safetensors.torch import load_file, save_file  # noqa: E402 - transformers brings it
 
 from common import check_equivalence, export_checkpoint  # noqa: E402
+from common.distributed import FatalError  # noqa: E402
+from common.fine_tuning import add_adapters, freeze  # noqa: E402
 from common.tokens import IGNORE_INDEX, markov_data  # noqa: E402
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU  # noqa: E402
 from tests.harness.copies import check_warm, copy_common, run_copy  # noqa: E402
@@ -166,3 +168,195 @@ def test_each_strategy_trains_what_one_process_does_and_resumes_where_it_stopped
     loaded = from_folder(exported).state_dict()
     assert loaded.keys() == trained.keys()
     assert all(torch.equal(loaded[name], trained[name]) for name in trained)
+
+
+@NEEDS_FSDP2_ON_CPU
+@pytest.mark.parametrize(
+    ("model", "strategy", "fine_tuning", "said"),
+    [
+        # LoRA on Llama's names: at 0 steps every B is still zero, so the merged weights are the folder's own.
+        ("llama", "fsdp2", ["--lora-rank", "4", "--lora-targets", "model.layers.*.self_attn.*",
+                            "--lora-targets", "model.layers.*.mlp.*"], ["on 14 linear layers"]),
+        # GPT-2's head is its token embedding: freezing it by the head's name freezes the one tensor (Block 0's
+        # 12 and the embedding: 13).
+        ("gpt2", "fsdp1", ["--freeze", "lm_head.*", "--freeze", "transformer.h.0.*"],
+         ["frozen: 13 of 28 parameters", "frozen: lm_head.weight too, which is transformer.wte.weight"]),
+    ],
+    ids=["llama-fsdp2-lora", "gpt2-fsdp1-freeze"],
+)  # fmt: skip
+def test_a_folder_in_and_out_unchanged_is_bit_identical(
+    model: str, strategy: str, fine_tuning: list[str], said: list[str], project: Path, tmp_path: Path
+) -> None:
+    """save_pretrained folder -> --init-from -> 0 steps -> RUN_DIR/hf: the same tensors, bit for bit, under the
+    same names, with fine-tuning on Hugging Face names; each rank read only its half of the weights."""
+    source = project / "models" / model
+    run = run_copy(project, f"train/{strategy}.py", ["--init-from", str(source), *DATA, "--max-steps", "0",
+                                                    *fine_tuning], tmp_path / "run", 2)  # fmt: skip
+    assert run.returncode == 0 and all(line in run.output for line in said), run.describe()
+    assert "each rank read at most 50% of them" in run.output, run.describe()
+    before, after = load_file(source / "model.safetensors"), load_file(tmp_path / "run" / "hf" / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def folder_like(project: Path, tmp_path: Path, model: str, **changes: object) -> Path:
+    """A copy of a test model's folder, its config.json changed by ``changes``."""
+    folder = tmp_path / f"{model}-changed"
+    shutil.copytree(project / "models" / model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+def wider_weights(project: Path, tmp_path: Path) -> Path:
+    """Llama's config with the weights of a Llama 48 wide: the folder of another model's weights."""
+    folder = folder_like(project, tmp_path, "llama")
+    config = tiny_config("llama")
+    config.hidden_size = 48
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "wide")
+    shutil.copy(tmp_path / "wide" / "model.safetensors", folder / "model.safetensors")
+    return folder
+
+
+def untied_weights(project: Path, tmp_path: Path) -> Path:
+    """GPT-2's tied config with the weights of an untied GPT-2: a head apart from the embedding."""
+    config = tiny_config("gpt2")
+    config.tie_word_embeddings = False
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "untied")
+    folder = folder_like(project, tmp_path, "gpt2")
+    shutil.copy(tmp_path / "untied" / "model.safetensors", folder / "model.safetensors")
+    return folder
+
+
+def bert_weights(project: Path, tmp_path: Path) -> Path:
+    """A BERT written as the library writes it: built as a causal LM, it attends to the tokens after each."""
+    config = transformers.BertConfig(
+        vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "bert")
+    return tmp_path / "bert"
+
+
+def double_weights(project: Path, tmp_path: Path) -> Path:
+    """Llama's weights in float64: more bits than the model's float32 keeps."""
+    folder = folder_like(project, tmp_path, "llama")
+    tensors = load_file(folder / "model.safetensors")
+    save_file({name: tensor.double() for name, tensor in tensors.items()}, folder / "model.safetensors")
+    return folder
+
+
+REFUSED = {
+    # (the folder, the copy, its processes): what the one message must say.
+    "width": (wider_weights, "fsdp2", 2, "other shapes: model.embed_tokens.weight is [16, 48] there, [16, 32] here"),
+    "untied": (untied_weights, "ddp", None, "holds lm_head.weight and transformer.wte.weight as two different tensors"),
+    "vocabulary": (
+        lambda project, tmp_path: folder_like(project, tmp_path, "llama", vocab_size=8),
+        "fsdp1", None, "the data's tokens go up to 15, past this llama model's vocabulary of 8",
+    ),
+    # An encoder: AutoModelForCausalLM builds BERT with a language-model head, which sees every token.
+    "not causal": (bert_weights, "fsdp2", 2, "BertLMHeadModel is no causal language model"),
+    # An encoder-decoder: no causal language model at all.
+    "encoder-decoder": (
+        lambda project, tmp_path: folder_like(project, tmp_path, "llama", model_type="t5"),
+        "ddp", None, "describes a t5 model, which is no causal language model",
+    ),
+    "dtype": (double_weights, "ddp", None, "convert exactly: model.embed_tokens.weight is float64 there, float32 here"),
+}  # fmt: skip
+
+
+@NEEDS_FSDP2_ON_CPU
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_weights_that_do_not_fit_are_one_message_and_nothing_saved(case: str, project: Path, tmp_path: Path) -> None:
+    make, strategy, nproc, message = REFUSED[case]
+    folder = make(project, tmp_path)
+    run = run_copy(project, f"train/{strategy}.py", ["--init-from", str(folder), *DATA], tmp_path / "run", nproc)
+    assert run.returncode == 2 and run.output.count(message) == 1, run.describe()
+    assert "Traceback" not in run.output, run.describe()
+    assert not any((tmp_path / "run" / name).exists() for name in ("model.pt", "hf", "checkpoints")), run.describe()
+
+
+def test_a_pickled_model_file_loads_only_when_named(project: Path, tmp_path: Path) -> None:
+    """pytorch_model.bin, the format before safetensors: a folder holding only it is refused as it is flagged
+    (its pickle is never opened implicitly); named itself, it loads with torch.load(weights_only=True)."""
+    folder = tmp_path / "bin-only"
+    folder.mkdir()
+    shutil.copy(project / "models" / "gpt2" / "config.json", folder)
+    torch.save(load_file(project / "models" / "gpt2" / "model.safetensors"), folder / "pytorch_model.bin")
+    refused = run_copy(project, "train/ddp.py", ["--init-from", str(folder), *DATA], tmp_path / "refused", None)
+    assert refused.returncode == 2, refused.describe()
+    assert (
+        refused.output.count(
+            "with no .safetensors file and no model.safetensors.index.json: pytorch_model.bin is a pickle"
+        )
+        == 1
+    )
+    named = [*DATA, "--init-from", str(folder / "pytorch_model.bin"), "--max-steps", "0"]
+    loaded = run_copy(project, "train/ddp.py", named, tmp_path / "loaded", None).check()
+    saved = load_file(loaded.run_dir / "hf" / "model.safetensors")
+    source = load_file(project / "models" / "gpt2" / "model.safetensors")
+    assert saved.keys() == source.keys() and all(torch.equal(saved[name], source[name]) for name in source)
+
+
+def test_an_index_that_names_a_missing_file_is_refused_before_anything_starts(
+    project: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = folder_like(project, tmp_path, "llama")
+    tensors = load_file(folder / "model.safetensors")
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[:10], "model-00002-of-00002.safetensors": names[10:]}
+    for file, part in halves.items():
+        save_file({name: tensors[name] for name in part}, folder / file)
+    weight_map = {name: file for file, part in halves.items() for name in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors").unlink()
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    main = runpy.run_path(str(REPO / "fsdp" / "train_transformer_fsdp2.py"))["main"]
+    with pytest.raises(SystemExit) as stopped:
+        main(["--device", "cpu", "--run-dir", str(tmp_path / "run"), "--init-from", str(folder)])
+    output = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert "names model-00002-of-00002.safetensors, which the folder does not hold" in output
+    assert not (tmp_path / "run").exists()
+
+
+def test_lora_and_freeze_refuse_what_hugging_face_names_cannot_take(capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-2's layers are Conv1D, not torch.nn.Linear: no adapter goes there, and the message says why. A tied
+    head cannot take an adapter: merged, it would change the embedding too."""
+    with torch.device("meta"):
+        gpt2 = transformers.AutoModelForCausalLM.from_config(tiny_config("gpt2"))
+    with pytest.raises(FatalError, match=r"it matches transformer\.h\.0\.attn\.c_attn \(a Conv1D\)"):
+        add_adapters(gpt2, 4, None, ["transformer.h.*.attn.*"], seed=0)
+    with pytest.raises(FatalError, match="matches lm_head, whose weight is tied to transformer.wte.weight"):
+        add_adapters(gpt2, 4, None, ["lm_head"], seed=0)
+    assert freeze(gpt2, ["lm_head.weight"]) == ["transformer.wte.weight"]
+    assert not gpt2.lm_head.weight.requires_grad
+
+
+def test_an_export_as_a_folder_refuses_what_it_would_break(
+    project: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--hf-config: a config that is no Hugging Face one, a folder of other files (--overwrite or not), a file
+    where the folder goes, --adapters-only: each one message, before anything is read, nothing touched."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-2.pt"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(b"a checkpoint")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine\n")
+    (tmp_path / "not-hf.json").write_text('{"vocab_size": 16}')
+    (tmp_path / "a-file").write_text("mine\n")
+    config = str(project / "models" / "llama")
+    cases = [
+        (["out", "--hf-config", str(tmp_path / "not-hf.json")], "not-hf.json is no Hugging Face config"),
+        ([str(tmp_path / "notes"), "--hf-config", config], "exists; choose another name, or pass --overwrite"),
+        ([str(tmp_path / "notes"), "--hf-config", config, "--overwrite"], "holds more than a Hugging Face model"),
+        ([str(tmp_path / "a-file"), "--hf-config", config, "--overwrite"], "a-file is a file; --hf-config writes"),
+        (["out", "--hf-config", config, "--adapters-only"], "--adapters-only writes the adapters as a state dict"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as stopped:
+            export_checkpoint.parse_args([str(checkpoint), *argv])
+        error = capsys.readouterr().err
+        assert stopped.value.code == 2 and error.count(message) == 1, (argv, error)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine\n"
+    assert (tmp_path / "a-file").read_text() == "mine\n"
