@@ -154,13 +154,13 @@ def check_init_from(parser: Parser, path: Path) -> None:
             safetensors_files(path)
         except ValueError as err:
             parser.error(f"--init-from {path} {err}")
+    elif not path.is_file():
+        parser.error(f"--init-from {path}: no such file")
     if holds_safetensors(path) and not hasattr(dcp, "HuggingFaceStorageReader"):
         parser.error(
             f"--init-from {path}: safetensors are read with torch.distributed.checkpoint's HuggingFaceStorageReader, "
             f"which torch {torch.__version__} lacks: use a newer torch (docs/torch-versions.md)"
         )
-    elif not path.is_file():
-        parser.error(f"--init-from {path}: no such file")
 
 
 def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:

@@ -241,6 +241,8 @@ def run_rank(script: str, flags: list[str], report_dir: Path, wait_s: float) -> 
     lockstep = Lockstep(job_store("preflight"), rank, wait_s)
     recorder = make_lockstep_recorder(lockstep, os.path.realpath(script), report_dir)
     sys.argv = [script, *flags]
+    # As `python SCRIPT` puts the script's folder first: a copy imports the model file beside it.
+    sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
     ended: tuple[str, str, int] = ("returned", "", 0)
     try:
         with recorder:

@@ -23,12 +23,13 @@ transformers = pytest.importorskip("transformers")  # in requirements.txt; the f
 
 from safetensors.torch import load_file, save_file  # noqa: E402 - transformers brings it
 
-from common import check_equivalence, export_checkpoint  # noqa: E402
+from common import check_equivalence, export_checkpoint, preflight  # noqa: E402
 from common.distributed import FatalError  # noqa: E402
 from common.fine_tuning import add_adapters, freeze  # noqa: E402
 from common.tokens import IGNORE_INDEX, markov_data  # noqa: E402
+from tests.harness import launcher  # noqa: E402
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU  # noqa: E402
-from tests.harness.copies import check_warm, copy_common, run_copy  # noqa: E402
+from tests.harness.copies import check_warm, copy_common, project_env, run_copy  # noqa: E402
 from tests.harness.doc_edits import apply_edits, edits_by_script  # noqa: E402
 from tests.harness.model_files import assert_same_parameters  # noqa: E402
 from tests.harness.runs import REPO  # noqa: E402
@@ -360,3 +361,18 @@ def test_an_export_as_a_folder_refuses_what_it_would_break(
         assert stopped.value.code == 2 and error.count(message) == 1, (argv, error)
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine\n"
     assert (tmp_path / "a-file").read_text() == "mine\n"
+
+
+@NEEDS_FSDP2_ON_CPU
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_the_preflight_passes(model: str, project: Path, tmp_path: Path) -> None:
+    """Step 4 of docs/your-own-project.md on each model's hardest copy: every collective of 3 steps, an
+    evaluation, a checkpoint and the final save (RUN_DIR/hf too) matched across the ranks."""
+    script = str(project / "train" / f"{RESUMED[model]}.py")
+    planned = preflight.plan(script, ["--init-from", str(project / "models" / model), *DATA], tmp_path, 60)
+    program = str(project / "common" / "preflight.py")
+    finished = launcher.launch(program, planned.rank_argv, project_env(project), 2, 120, cwd=project)
+    assert not finished.timed_out, finished.output
+    verdict = preflight.judge(planned.report_dir, planned.run_dir, 2, finished.returncode, finished.output, script)
+    assert verdict.code == preflight.OK, verdict.text
+    assert "1 checkpoint(s), the final save" in verdict.text, verdict.text
