@@ -72,3 +72,22 @@ def test_every_command_is_on_the_front_page() -> None:
     listed = set(re.findall(r"python -m common\.(\w+)", (REPO / "README.md").read_text()))
     assert not COMMANDS - listed, "commands README.md does not list"
     assert not listed - COMMANDS, "modules README.md runs that are no commands"
+
+
+def imported_packages(module: ast.Module) -> set[str]:
+    found = set()
+    for node in ast.walk(module):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+    return found
+
+
+def test_the_scripts_and_common_never_import_transformers() -> None:
+    """A Hugging Face model comes in through a copy and examples/hf_model.py; the library needs safetensors only."""
+    modules = {**{f"common/{name}.py": module for name, module in MODULES.items()}, **{
+        str(script.relative_to(REPO)): parsed(script) for script in SCRIPTS
+    }}  # fmt: skip
+    assert "transformers" in imported_packages(parsed(REPO / "examples" / "hf_model.py")), "the rule must see it"
+    assert not [path for path, module in modules.items() if "transformers" in imported_packages(module)]
