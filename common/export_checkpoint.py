@@ -49,6 +49,7 @@ from common.outputs import (
     check_output_path,
     folder_problem,
     holds_something,
+    same_file,
     save_torch,
 )
 from common.processes import exit_code_of
@@ -153,6 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return args
     if args.adapters_only:
         parser.error("--adapters-only writes the adapters as a state dict; --hf-config writes the whole model")
+    config_holder = args.hf_config if args.hf_config.is_dir() else args.hf_config.parent
+    if same_file(args.output, config_holder):
+        parser.error(f"{args.output} is the folder --hf-config reads; write the export elsewhere, and keep the model")
     try:
         args.hf_config = config_text(args.hf_config)
     except ValueError as err:

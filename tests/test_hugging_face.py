@@ -353,6 +353,8 @@ def test_an_export_as_a_folder_refuses_what_it_would_break(
         ([str(tmp_path / "notes"), "--hf-config", config, "--overwrite"], "holds more than a Hugging Face model"),
         ([str(tmp_path / "a-file"), "--hf-config", config, "--overwrite"], "a-file is a file; --hf-config writes"),
         (["out", "--hf-config", config, "--adapters-only"], "--adapters-only writes the adapters as a state dict"),
+        # The folder the run started from, given as the output: with --overwrite it would have been replaced.
+        ([config, "--hf-config", config, "--overwrite"], "is the folder --hf-config reads; write the export elsewhere"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as stopped:
