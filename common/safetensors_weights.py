@@ -84,7 +84,7 @@ def read_header(files: list[Path]) -> Header:
         with safe_open(str(file), framework="pt") as opened:
             for name in opened.keys():  # noqa: SIM118 - a safetensors handle is no dict
                 if name in header:
-                    raise ValueError(f"{name} is in two of its files")
+                    raise ValueError(f"holds {name} in two of its files")
                 piece = opened.get_slice(name)
                 header[name] = (tuple(piece.get_shape()), _dtype(piece.get_dtype()))
     return header
@@ -183,20 +183,26 @@ def counting_reader(files: list[Path]) -> Any:
     # Imported here: on torch releases without it everything else still runs (docs/torch-versions.md).
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+    wanted = {file.resolve() for file in files}
+
+    class OnlyTheseFiles:
+        """The reader's file system, listing only ``files`` where the reader would open every file of the folder
+        (a stray or broken .safetensors beside them, a folder of several models)."""
+
+        def __init__(self, fs: Any) -> None:
+            self.fs = fs
+
+        def ls(self, path: Any) -> list[str]:
+            return [name for name in self.fs.ls(path) if Path(name).resolve() in wanted]
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.fs, name)
+
     class Reader(HuggingFaceStorageReader):
         def __init__(self) -> None:
             super().__init__(str(files[0].parent))
-            self.wanted = {str(file.resolve()) for file in files}
+            self.fs = OnlyTheseFiles(self.fs)
             self.bytes_read = 0
-
-        def read_metadata(self) -> Any:
-            metadata = super().read_metadata()
-            metadata.storage_data = {
-                index: info
-                for index, info in metadata.storage_data.items()
-                if str(Path(info.relative_path).resolve()) in self.wanted
-            }
-            return metadata
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             for item in plan.items:
@@ -222,7 +228,7 @@ def start_from_safetensors(model: torch.nn.Module, path: Path, ctx: DistContext)
         try:
             files = safetensors_files(path)
             header = read_header(files)
-        except ValueError as err:  # the folder as a whole: no weights in it, an index that names missing files
+        except ValueError as err:  # the files as a whole: none there, missing from an index, a tensor in two
             problem = str(err)
         except Exception as err:  # noqa: BLE001 - any failure to read a file is one message, below
             problem = (

@@ -96,3 +96,23 @@ def test_weights_of_another_model_are_refused_with_one_message(
     assert run.output.count(message) == 1 and reason in run.output, run.describe()
     assert "Traceback" not in run.output, run.describe()
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "model.pt").exists()
+
+
+@NEEDS_FSDP2_ON_CPU
+def test_a_safetensors_file_of_this_model_starts_a_run_whatever_lies_beside_it(tmp_path: Path) -> None:
+    """The repository's own GPT from one .safetensors file, at 2 processes of FSDP2, each reading its half; a
+    broken .safetensors in the same folder (another download cut short) is not read: it was named by no one."""
+    from safetensors.torch import save_file
+
+    from common.models import GPT, GPTConfig
+
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    state = GPT(GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64), seed=7).state_dict()
+    save_file(state, folder / "gpt.safetensors")
+    (folder / "cut-short.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    weights = folder / "gpt.safetensors"
+    run = run_script(FSDP2_SCRIPT, [*SMALL, "--init-from", str(weights), "--max-steps", "0"], tmp_path / "run", nproc=2)
+    assert run.check().output.count(f"weights from {weights} (27 tensors, 0.4 MiB; each rank read at most 5") == 1
+    saved = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert saved.keys() == state.keys() and all(torch.equal(saved[name], state[name]) for name in state)
