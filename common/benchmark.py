@@ -43,7 +43,9 @@ GIB = 2**30
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     on_gpu = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.benchmark", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument(
         "--nproc",
         type=positive_int,

@@ -193,7 +193,9 @@ def check(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.check_equivalence", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("--nproc", type=positive_int, required=True, help="processes of the candidate run")
     parser.add_argument(
         "--runs-dir",

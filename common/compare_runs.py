@@ -358,7 +358,9 @@ def tolerance_verdict(result: Comparison, args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.compare_runs", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("run_a", type=existing_dir, metavar="REFERENCE")
     parser.add_argument("run_b", type=existing_dir, metavar="CANDIDATE")
     parser.add_argument(

@@ -171,7 +171,11 @@ def gpt_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConf
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.estimate_communication",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     add_job_flags(parser, params_required=False)
     add_gpt_flags(parser)
     add_estimator_flags(parser)

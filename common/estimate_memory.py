@@ -250,7 +250,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.estimate_memory", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     add_job_flags(parser, params_required=False)
     parser.add_argument("--gpu-memory", type=positive_float, required=True, help="memory of one GPU in GiB, e.g. 80")
     add_model_flags(parser)

@@ -115,7 +115,9 @@ def read_sharded_model_state(folder: Path, trust: bool) -> dict[str, torch.Tenso
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.export_checkpoint", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("checkpoint", type=existing_path, help="RUN_DIR/checkpoints/step-N (a folder) or step-N.pt")
     parser.add_argument(
         "output", type=output_path, help="where to write the model's state dict (a folder, with --hf-config)"

@@ -89,7 +89,9 @@ temperature = float_in_range(0.01, 100, name="temperature")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.sample", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dir", type=existing_dir, help="a finished transformer run: its metrics.jsonl and model.pt")
     parser.add_argument("--prompt", required=True, help="the text to continue (ids, for synthetic tokens)")
     parser.add_argument(

@@ -46,6 +46,7 @@ from common.fine_tuning import (
     fine_tuned_shapes,
     freeze,
 )
+from common.flag_checks import ONE_RANK_SHARD_GROUPS
 from common.flags import int_in_range, non_negative_int, output_file, positive_int
 from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config, gpt_parameter_count
 from common.outputs import add_overwrite_flag, check_output_path, write_text
@@ -89,7 +90,9 @@ world_size_type = int_in_range(1, 2**20, name="world_size")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.simulate", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument(
         "--world-size",
         type=world_size_type,
@@ -150,6 +153,8 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
         raise ValueError(f"--replicate-degree is for hsdp and fsdp1 (hybrid_shard), not {strategy}")
     if world_size % replicate_degree:
         raise ValueError(f"--replicate-degree {replicate_degree} does not divide --world-size {world_size}")
+    if strategy == "fsdp1" and replicate_degree > 1 and replicate_degree == world_size:
+        raise ValueError(ONE_RANK_SHARD_GROUPS.format(replicate=replicate_degree))
     if strategy == "fsdp1" and (args.freeze or args.lora_rank):
         # Its fake flat parameters lose the units with nothing to train (measured: half the bytes held).
         raise ValueError("--freeze and --lora-rank are simulated for ddp, fsdp2 and hsdp, not fsdp1")

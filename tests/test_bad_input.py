@@ -117,6 +117,39 @@ def test_global_batch_must_divide_over_the_ranks(
     assert output.count("--global-batch-size 25 does not divide into 2 rank(s) x 1 micro-step(s)") == 1, output
 
 
+@pytest.mark.parametrize(
+    ("world_size", "flags"),
+    [
+        ("2", ["--replicate-degree", "2"]),
+        # One replica per machine is the default: 4 machines of one process each (LOCAL_WORLD_SIZE 1).
+        ("4", []),
+    ],
+    ids=["replicate-degree-2-at-2", "one-process-per-node"],
+)
+def test_hybrid_shard_with_one_process_per_shard_group_is_refused(
+    world_size: str,
+    flags: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """FSDP1 falls back to no_shard inside a shard group of one rank and never averages the replicas' gradients
+    (torch 2.14.1): each rank trains on its own data alone, silently. Refused before anything starts."""
+    launched = {"RANK": "0", "WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in {**launched, "LOCAL_WORLD_SIZE": "1" if not flags else world_size}.items():
+        monkeypatch.setenv(name, value)
+
+    def got_past_the_checks(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run went on to rendezvous: hybrid_shard with one-rank shard groups was accepted")
+
+    # Without this a missed refusal waits forever for ranks that do not exist.
+    monkeypatch.setattr("common.distributed.generation_store", got_past_the_checks)
+    args = ["--sharding-strategy", "hybrid_shard", *flags]
+    code, output = run_in_process(FSDP1, args, tmp_path / "run", capsys)
+    assert code == 2, output
+    assert output.count("leaves one process in each shard group, where FSDP1 never averages the gradients") == 1
+
+
 @pytest.mark.parametrize("nproc", [None, 2], ids=["python", "torchrun-2"])
 def test_missing_mnist_names_the_way_out(nproc: int | None, tmp_path: Path) -> None:
     empty = tmp_path / "empty"

@@ -291,3 +291,9 @@ def test_every_flag_refuses_what_broke_one(tmp_path: Path, capsys: pytest.Captur
         programs = len(SCRIPTS) + len(COMMANDS)
         print(f"\n{flags_seen} flags of {programs} programs: {tried} values tried, {declared_valid} of them VALID")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("program", COMMANDS)
+def test_a_command_names_itself_as_the_user_typed_it(program: str) -> None:
+    """An error line starts with what the user typed, ``python -m common.NAME``, not the module's file name."""
+    assert parser_of(entry_point(program)).prog == f"python -m {program}"

@@ -129,6 +129,10 @@ def test_what_cannot_be_simulated_is_refused(capsys: pytest.CaptureFixture[str])
     for argv, message in [
         (["--world-size", "12", "--strategy", "hsdp", "--replicate-degree", "5"], "does not divide --world-size 12"),
         (["--world-size", "8", "--strategy", "fsdp2", "--model", "huge"], "invalid choice: 'huge'"),
+        (
+            ["--world-size", "4", "--strategy", "fsdp1", "--replicate-degree", "4"],
+            "leaves one process in each shard group, where FSDP1 never averages",
+        ),
         (["--world-size", "8", "--strategy", "fsdp1", "--lora-rank", "4"], "not fsdp1"),
         (["--world-size", "8", "--strategy", "ddp", "--freeze", "block.0.*"], "matches no parameter of the model"),
     ]:
