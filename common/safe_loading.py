@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from common.compat import quiet_internal_warnings
@@ -193,7 +195,22 @@ class _MetadataReader(FileSystemReader):
         return self._metadata
 
 
-class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+class _CurrentFormatLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, without its guess that a checkpoint is in torch 2.3's format.
+
+    When the checkpoint holds a key that this rank's state dict lacks, DCP takes it for a checkpoint
+    of torch 2.3 or older and re-keys the rank's state in that format, which the checkpoint does not
+    hold either. FSDP1 leaves out of a rank's state dict each parameter it holds no element of (a
+    small LoRA unit at 3 ranks: rank 2 holds none of an adapter's A), so a run could not resume its
+    own checkpoint: "Missing key in checkpoint state_dict: optimizer.param_groups". The checkpoints
+    read here are written by this torch, so the guess is only ever wrong; the keys still must match.
+    """
+
+    def create_local_plan(self) -> LoadPlan:
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
+
+class _WeightsOnlyLoadPlanner(_CurrentFormatLoadPlanner):
     """DCP's planner, but a non-tensor entry must pass ``torch.load(weights_only=True)`` first.
 
     DCP reads such entries (the optimizer's learning rate, betas, ...) with
@@ -219,7 +236,7 @@ def sharded_reader(folder: Path, trust: bool) -> tuple[FileSystemReader, Default
     unpickle whatever the checkpoint holds.
     """
     if trust:
-        return FileSystemReader(folder), DefaultLoadPlanner()
+        return FileSystemReader(folder), _CurrentFormatLoadPlanner()
     return _MetadataReader(folder, read_dcp_metadata(folder)), _WeightsOnlyLoadPlanner()
 
 

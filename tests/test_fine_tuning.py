@@ -180,6 +180,20 @@ def test_a_lora_checkpoint_resumes_only_with_its_adapters_and_exports_them_alone
     assert_same_parameters(merged, tmp_path / "model.pt")  # as the run's own model.pt: adapters merged in
 
 
+def test_fsdp1_lora_resumes_its_own_sharded_checkpoint_at_3_processes(tmp_path: Path) -> None:
+    """At 3 ranks the last rank holds none of a LoRA unit's A, FSDP1 leaves it out of that rank's state dict,
+    and DCP took the missing key for a checkpoint of torch 2.3: "Missing key in checkpoint state_dict:
+    optimizer.param_groups", reported as a damaged checkpoint. Resumed, the run ends where it would have."""
+    flags = [*SMALL, "--lora-rank", "4", "--max-steps", "4", "--checkpoint-interval", "2"]
+    whole = run_script("fsdp/train_transformer.py", flags, tmp_path / "whole", 3).check()
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step-2"
+    resume = [*flags, "--resume-from", str(checkpoint)]
+    resumed = run_script("fsdp/train_transformer.py", resume, tmp_path / "resumed", 3)
+    assert "resumed from" in resumed.check().output, resumed.describe()
+    assert resumed.final()["eval_loss"] == whole.final()["eval_loss"], resumed.describe()
+    assert_same_parameters(tmp_path / "resumed" / "model.pt", tmp_path / "whole" / "model.pt")
+
+
 ESTIMATORS = [
     (estimate_memory.main, ["--world-size", "2", "--gpu-memory", "80"]),
     (estimate_communication.main, ["--world-size", "2"]),
