@@ -48,7 +48,7 @@ from common.distributed import (
     print0,
     shard_group_size,
 )
-from common.fine_tuning import adapter_identity
+from common.fine_tuning import adapter_identity, trained_difference, trained_parameters
 from common.models import tied_parameters
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
 from common.run_dir import CHECKPOINTS, checkpoint_step, checkpoint_to_resume, complete_checkpoints
@@ -130,7 +130,12 @@ class Checkpointer:
         self.optimizer = optimizer
         self.extra = extra
         # None without adapters and without tied weights, as before either was recorded.
-        self.identity = {**identity, "lora": adapter_identity(model), "tied": tied_parameters(model) or None}
+        self.identity = {
+            **identity,
+            "lora": adapter_identity(model),
+            "tied": tied_parameters(model) or None,
+            "trained": trained_parameters(model),
+        }
         self.settings = settings
         self.global_batch_size = global_batch_size
         self.sharded = sharded
@@ -355,7 +360,7 @@ class Checkpointer:
         # Tensors of another shape fail with an unhelpful message; say what differs first.
         mismatch = self._identity_mismatch(trainer)
         if mismatch:
-            raise FatalError(f"checkpoint {path} was not written by this script and model: {mismatch}")
+            raise FatalError(f"checkpoint {path} does not fit this run: {mismatch}")
 
         if path.is_dir():
             # DISTRIBUTED: DCP fills this rank's shards in place, reading whichever
@@ -404,11 +409,16 @@ class Checkpointer:
 
     def _identity_mismatch(self, trainer: dict[str, Any]) -> str | None:
         theirs = trainer.get("identity", {})
-        differences = [
-            f"{key} is {theirs.get(key)!r} there, {value!r} here"
-            for key, value in self.identity.items()
-            if theirs.get(key) != value
-        ]
+        differences = []
+        for key, value in self.identity.items():
+            if key == "trained" and key not in theirs:
+                continue  # written before it was recorded: the state dicts' own keys are all there is to go by
+            if theirs.get(key) == value:
+                continue
+            if key == "trained":
+                differences.append(trained_difference(theirs[key], value))
+            else:
+                differences.append(f"{key} is {theirs.get(key)!r} there, {value!r} here")
         return "; ".join(differences) or None
 
     def _unloadable_message(self, path: Path, error: str) -> str:

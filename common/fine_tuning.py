@@ -20,10 +20,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from common.cli import add_fine_tuning_flags
 from common.distributed import FatalError, print0
-from common.models import GPT, GPTConfig, init_parameters, tied_parameters
+from common.models import GPT, GPTConfig, init_parameters, plain_name, tied_parameters
 
 
 def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
@@ -172,6 +173,39 @@ def adapter_identity(model: nn.Module) -> dict[str, Any] | None:
     if not adapters:
         return None
     return {"rank": adapters[0].rank, "scale": adapters[0].scale, "layers": len(adapters)}
+
+
+def trained_parameters(model: nn.Module) -> list[str] | None:
+    """What a checkpoint records of --freeze and --lora-targets: the plain names of the parameters that train,
+    None when all of them do (as before this was recorded). Another set of patterns or targets over the same
+    number of layers trains other parameters, and a resume under it failed in torch's optimizer state dict."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    names = [plain_name(name) for name, parameter in inner.named_parameters() if parameter.requires_grad]
+    if len(names) == sum(1 for _ in inner.parameters()):
+        return None
+    return sorted(names)
+
+
+def trained_difference(there: list[str] | None, here: list[str] | None) -> str:
+    """The setting that changed between a checkpoint's trained parameters and this run's, and what it changed."""
+    there_set, here_set = set(there or []), set(here or [])
+    if there is None or here is None:
+        # One side trains everything, so its set is the model's: what the other side holds is all that is known.
+        known = here if there is None else there
+        side = "this run" if there is None else "the checkpoint"
+        return f"--freeze or --lora-targets differ: only {len(known or [])} parameters train in {side}"
+    changed = there_set ^ here_set
+    adapters = {is_adapter(name) for name in changed}
+    setting = {frozenset({True}): "--lora-targets", frozenset({False}): "--freeze"}.get(
+        frozenset(adapters), "--freeze or --lora-targets"
+    )
+    parts = []
+    for names, where in ((there_set - here_set, "there but not here"), (here_set - there_set, "here but not there")):
+        if names:
+            first = sorted(names)[0]
+            some = f"{first!r} and {len(names) - 1} more train" if len(names) > 1 else f"{first!r} trains"
+            parts.append(f"{some} {where}")
+    return f"{setting} differ: {'; '.join(parts)}"
 
 
 @dataclass(frozen=True)

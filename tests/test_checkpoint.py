@@ -296,7 +296,7 @@ def test_full_checkpoint_from_another_run_or_damaged_is_refused_and_an_older_one
 
     wider = run_script(script, [*SHORT_ARGS, "--resume", "--d-model", "32"], run_dir)
     assert wider.returncode == 2, wider.describe()
-    assert "was not written by this script and model: model is {" in wider.output, wider.describe()
+    assert "does not fit this run: model is {" in wider.output, wider.describe()
 
     other = "fsdp/train_transformer.py"
     other_script = run_script(

@@ -180,6 +180,31 @@ def test_a_lora_checkpoint_resumes_only_with_its_adapters_and_exports_them_alone
     assert_same_parameters(merged, tmp_path / "model.pt")  # as the run's own model.pt: adapters merged in
 
 
+@pytest.mark.parametrize(
+    ("saved", "resumed", "said"),
+    [
+        (["--freeze", "tok_emb.*", "--freeze", "blocks.0.*"], ["--freeze", "tok_emb.*"], "--freeze differ: "),
+        (
+            ["--lora-rank", "4", "--lora-targets", "blocks.*.attn.*"],
+            ["--lora-rank", "4", "--lora-targets", "blocks.*.mlp.*"],
+            "--lora-targets differ: 'blocks.0.attn.proj.adapter.a' and 7 more train there but not here",
+        ),
+    ],
+    ids=["fewer-freeze-patterns", "other-lora-targets-as-many-layers"],
+)
+def test_a_resume_that_trains_other_parameters_names_the_setting(
+    saved: list[str], resumed: list[str], said: str, tmp_path: Path
+) -> None:
+    """The checkpoint recorded how many adapters, not which, nor what --freeze froze: the resume failed in
+    torch's state dict code ("Missing optimizer state for parameter", "Missing key: ...adapter.a")."""
+    first = [*SMALL, *saved, "--max-steps", "2", "--checkpoint-interval", "2"]
+    run_script("ddp/train_transformer.py", first, tmp_path).check()
+    refused = run_script("ddp/train_transformer.py", [*SMALL, *resumed, "--resume", "--max-steps", "4"], tmp_path)
+    assert refused.returncode == 2, refused.describe()
+    assert refused.output.count(said) == 1 and "Traceback" not in refused.output, refused.describe()
+    assert (tmp_path / "checkpoints" / "step-2.pt").exists(), refused.describe()
+
+
 def test_fsdp1_lora_resumes_its_own_sharded_checkpoint_at_3_processes(tmp_path: Path) -> None:
     """At 3 ranks the last rank holds none of a LoRA unit's A, FSDP1 leaves it out of that rank's state dict,
     and DCP took the missing key for a checkpoint of torch 2.3: "Missing key in checkpoint state_dict:
