@@ -108,6 +108,12 @@ def test_a_pattern_that_matches_no_parameter_or_leaves_none_to_train_is_refused_
     run = run_script("ddp/train_transformer.py", frozen_all, tmp_path / "adapters", 2)
     assert run.returncode == 2, run.describe()
     assert run.output.count("nothing would be trained") == 1, run.describe()
+    # A rank above a layer's width: no lower-rank than the layer; 10**20 asked torch for that many rows.
+    too_wide = [*SMALL, "--lora-rank", str(10**20), "--max-steps", "3"]
+    run = run_script("ddp/train_transformer.py", too_wide, tmp_path / "too_wide", 2)
+    assert run.returncode == 2, run.describe()
+    assert run.output.count(f"--lora-rank {10**20} is above the width of blocks.0.attn.qkv") == 1, run.describe()
+    assert not (tmp_path / "too_wide").exists(), run.describe()
 
 
 @pytest.mark.parametrize(("script", "nproc"), STRATEGIES)
@@ -237,6 +243,7 @@ def test_the_estimators_refuse_fine_tuning_flags_they_cannot_apply_with_one_mess
         (["--model", "tiny", "--freeze", "block.0.*"], "--freeze 'block.0.*' matches no parameter of the model"),
         (["--model", "tiny", "--lora-rank", "4", "--freeze", "*.adapter.*"], "nothing would be trained"),
         (["--model", "tiny", "--lora-rank", "4", "--lora-targets", "head.*"], "matches no linear layer"),
+        (["--model", "tiny", "--lora-rank", "65"], "--lora-rank 65 is above the width of blocks.0.attn.qkv (64 in"),
     ]
     if main is estimate_memory.main:  # the only one of the two that takes the MNIST net
         refused.append((["--model", "mnist", "--freeze", "fc1.*"], no_gpt))
