@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from common.checkpoint import TRAINER_FILE
 from common.cli import HelpFormatter, add_trust_flag
-from common.fine_tuning import is_adapter, merge_adapters
+from common.fine_tuning import adapter_scale, adapters_file, is_adapter, merge_adapters
 from common.flags import existing_path, output_path
 from common.outputs import (
     OVERWRITE_FLAG,
@@ -53,7 +53,7 @@ from common.outputs import (
     save_torch,
 )
 from common.processes import exit_code_of
-from common.run_dir import CHECKPOINTS, LOCK_FILE, RUN_RESULTS, checkpoint_step
+from common.run_dir import CHECKPOINTS, LOCK_FILE, METRICS_FILE, RUN_RESULTS, checkpoint_step
 from common.safe_loading import UntrustedCheckpoint, describe_failure, load_file, root_failure, sharded_reader
 from common.safetensors_weights import CONFIG_FILE, pretrained_folder, write_pretrained
 
@@ -92,7 +92,10 @@ def plain_or_adapters(state: dict[str, torch.Tensor], settings: dict[str, Any], 
     if adapters_only:
         if not any(is_adapter(name) for name in state):
             raise ValueError("it holds no LoRA adapters (the run had no --lora-rank)")
-        return {name: value for name, value in state.items() if is_adapter(name)}
+        rank = settings.get("--lora-rank")
+        if not isinstance(rank, int):
+            raise ValueError("it holds LoRA adapters but records no --lora-rank, so their scale is unknown")
+        return adapters_file(state, adapter_scale(rank, settings.get("--lora-alpha")))
     return merge_adapters(state, settings.get("--lora-rank"), settings.get("--lora-alpha"))
 
 
@@ -144,6 +147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{args.output}: that is where a run keeps its checkpoints, and --resume would take a bare state dict "
             "there for one; write it beside them, e.g. RUN_DIR/model-step-N.pt"
         )
+    if args.output.name == METRICS_FILE:
+        # --overwrite is for an export over an export (or over model.pt), never over the run's own record.
+        parser.error(f"{args.output}: that is the name of a run's training log; write the export to a .pt file")
     holder = running_in(args.output.parent) if args.output.name in RUN_RESULTS else None
     if holder is not None:
         parser.error(

@@ -165,7 +165,36 @@ def merge_adapters(state: dict[str, torch.Tensor], rank: int | None, alpha: floa
     adapters dropped. What model.pt holds, so that it loads into the model without adapters."""
     if rank is None:
         return state
-    scale = adapter_scale(rank, alpha)
+    return merged_with_scale(state, adapter_scale(rank, alpha))
+
+
+# The one entry of an adapters file (common.export_checkpoint --adapters-only) that is not an adapter: the
+# update's scale, alpha / rank, without which B A cannot be added to the weights it was trained for.
+ADAPTERS_SCALE = "lora_scale"
+
+
+def adapters_file(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """What --adapters-only writes: the adapters of ``state`` and their scale, for apply_adapters to read."""
+    adapters = {name: value for name, value in state.items() if is_adapter(name)}
+    return {**adapters, ADAPTERS_SCALE: torch.tensor(scale, dtype=torch.float64)}
+
+
+def apply_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain model's state dict from its base weights and an adapters file: each adapted weight
+    ``W + scale * B A``, as the run's model.pt holds it. ValueError, saying why, if the two do not fit."""
+    if ADAPTERS_SCALE not in adapters:
+        raise ValueError(f"it has no {ADAPTERS_SCALE!r}: not written by common.export_checkpoint --adapters-only")
+    layers = [name.removesuffix(".adapter.a") for name in adapters if name.endswith(".adapter.a")]
+    for layer in layers:
+        weight = base.get(f"{layer}.weight")
+        a, b = adapters[f"{layer}.adapter.a"], adapters.get(f"{layer}.adapter.b")
+        if weight is None or b is None or weight.shape != (b.shape[0], a.shape[1]):
+            raise ValueError(f"its adapter of {layer} does not fit the base weights' {layer}.weight")
+    only_adapters = {name: value for name, value in adapters.items() if is_adapter(name)}
+    return merged_with_scale({**base, **only_adapters}, float(adapters[ADAPTERS_SCALE]))
+
+
+def merged_with_scale(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     merged = {name: value for name, value in state.items() if not is_adapter(name)}
     for name in state:
         if name.endswith(".adapter.a"):

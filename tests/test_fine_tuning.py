@@ -18,6 +18,7 @@ import torch
 
 from common import estimate_communication, estimate_memory, export_checkpoint
 from common.communication import Traffic
+from common.fine_tuning import apply_adapters
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.model_files import assert_same_parameters
@@ -180,10 +181,26 @@ def test_a_lora_checkpoint_resumes_only_with_its_adapters_and_exports_them_alone
     adapters = tmp_path / "adapters.pt"
     assert export_checkpoint.main([str(checkpoint), str(adapters), "--adapters-only"]) == 0
     exported = torch.load(adapters, weights_only=True)
-    assert len(exported) == 16 and all(name.endswith((".adapter.a", ".adapter.b")) for name in exported)
+    assert sorted(exported) == sorted(
+        [*(n for n in exported if n.endswith((".adapter.a", ".adapter.b"))), "lora_scale"]
+    )
+    assert len(exported) == 17, sorted(exported)
     merged = tmp_path / "merged.pt"
     assert export_checkpoint.main([str(checkpoint), str(merged)]) == 0
     assert_same_parameters(merged, tmp_path / "model.pt")  # as the run's own model.pt: adapters merged in
+    # The adapters file read back: on the base weights it gives that model.pt again, its scale included.
+    base = {
+        name: value
+        for name, value in torch.load(checkpoint, weights_only=True)["model"].items()
+        if "adapter" not in name
+    }
+    torch.save(apply_adapters(base, exported), tmp_path / "applied.pt")
+    assert_same_parameters(tmp_path / "applied.pt", tmp_path / "model.pt")
+    # --overwrite replaces an export or a model.pt, never the run's training log.
+    log = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(SystemExit):
+        export_checkpoint.main([str(checkpoint), str(tmp_path / "metrics.jsonl"), "--overwrite"])
+    assert (tmp_path / "metrics.jsonl").read_bytes() == log
 
 
 @pytest.mark.parametrize(
