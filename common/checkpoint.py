@@ -60,7 +60,7 @@ from common.safe_loading import (
     sharded_reader,
 )
 from common.saving import save_atomic, then_resume, what_is_kept, write_failure
-from common.settings import Settings, changed_settings, describe_changes
+from common.settings import NOT_RECORDED, Settings, changed_settings, describe_changes
 
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
 FORMAT_VERSION = 1
@@ -116,6 +116,7 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         extra: dict[str, Any],
         identity: dict[str, Any],
+        strategy: str,
         settings: dict[str, Any],
         global_batch_size: int,
         sharded: bool,
@@ -136,6 +137,7 @@ class Checkpointer:
             "tied": tied_parameters(model) or None,
             "trained": trained_parameters(model),
         }
+        self.strategy = strategy
         self.settings = settings
         self.global_batch_size = global_batch_size
         self.sharded = sharded
@@ -221,6 +223,7 @@ class Checkpointer:
         trainer = {
             "format_version": FORMAT_VERSION,
             "identity": self.identity,
+            "strategy": self.strategy,
             "settings": self.settings,
             "step": step,
             "world_size": self.ctx.world_size,
@@ -297,10 +300,14 @@ class Checkpointer:
         with quiet_internal_warnings():
             trainer = self._load(path)
         for name, obj in self.extra.items():
-            obj.load_state_dict(trainer["extra"][name])
+            if name in trainer["extra"]:
+                obj.load_state_dict(trainer["extra"][name])
+            elif obj.state_dict():  # another strategy's script lacks it: FSDP1's fp16 scaler, resuming DDP's run
+                print0(f"the checkpoint has no {name} (written under {trainer.get('strategy')}): it starts afresh")
         applied = settings.apply(self.optimizer, self.extra)
         recorded = trainer.get("settings")
         changed = changed_settings(recorded, self.settings) if isinstance(recorded, dict) else applied
+        changed = self._with_strategy_change(trainer.get("strategy"), changed)
         restore_rng(trainer["rng"])
         if path.parent == self.folder:
             self.last_saved = path
@@ -407,16 +414,32 @@ class Checkpointer:
             raise FatalError(self._unloadable_message(path, error or "it failed to load on another rank"))
         return result
 
+    def _with_strategy_change(self, recorded: Any, changed: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """``changed``, led by the strategy where the checkpoint was written under another one. The flags only
+        the other strategy's script has are no change the user asked for, so they are left out."""
+        if recorded is None or recorded == self.strategy:
+            return changed  # the same strategy, or a checkpoint from before strategies were recorded
+        kept = {flag: values for flag, values in changed.items() if values[0] != NOT_RECORDED}
+        return {"strategy": [recorded, self.strategy], **kept}
+
     def _identity_mismatch(self, trainer: dict[str, Any]) -> str | None:
         theirs = trainer.get("identity", {})
         differences = []
         for key, value in self.identity.items():
-            if key == "trained" and key not in theirs:
-                continue  # written before it was recorded: the state dicts' own keys are all there is to go by
+            if key in ("trained", "model") and key not in theirs:
+                # Written before it was recorded (the MNIST scripts recorded only themselves): the state dicts'
+                # own keys are all there is to go by.
+                continue
             if theirs.get(key) == value:
                 continue
             if key == "trained":
-                differences.append(trained_difference(theirs[key], value))
+                if theirs.get("lora") == self.identity["lora"]:  # other adapters train other parameters: said
+                    differences.append(trained_difference(theirs[key], value))
+            elif key == "lora" and value is None:
+                differences.append(
+                    f"lora is {theirs[key]!r} there, None here (to go on without adapters, merge them: python -m "
+                    "common.export_checkpoint CHECKPOINT model.pt, then start a new run with --init-from model.pt)"
+                )
             else:
                 differences.append(f"{key} is {theirs.get(key)!r} there, {value!r} here")
         return "; ".join(differences) or None

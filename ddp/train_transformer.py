@@ -159,7 +159,8 @@ def train(args, ctx: DistContext) -> None:
         model=model,
         optimizer=optimizer,
         extra={"scheduler": scheduler},
-        identity={"script": "ddp/train_transformer.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY
+        identity={"model": config.shape()},  # YOUR CHECKPOINT IDENTITY: what it resumes from
+        strategy="ddp",  # recorded; a resume names a switch
         settings=args.training_settings,  # recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=False,

@@ -226,7 +226,8 @@ def train(args, ctx: DistContext) -> None:
         model=model,
         optimizer=optimizer,
         extra={"scheduler": scheduler, "scaler": scaler},
-        identity={"script": "fsdp/train_transformer.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY
+        identity={"model": config.shape()},  # YOUR CHECKPOINT IDENTITY: what it resumes from
+        strategy=f"fsdp1_{args.sharding_strategy}",  # recorded; a resume names a switch
         settings=args.training_settings,  # recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",

@@ -215,7 +215,8 @@ def train(args, ctx: DistContext) -> None:
         model=model,
         optimizer=optimizer,
         extra={"scheduler": scheduler},
-        identity={"script": "fsdp/train_transformer_fsdp2.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY
+        identity={"model": config.shape()},  # YOUR CHECKPOINT IDENTITY: what it resumes from
+        strategy="fsdp2" if args.replicate_degree == 1 else "fsdp2_hsdp",  # recorded; a resume names a switch
         settings=args.training_settings,  # recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",

@@ -181,26 +181,60 @@ def check_export(run_dir: Path, eval_loss: float) -> None:
     assert loss_sum / tokens == pytest.approx(eval_loss, rel=1e-5)
 
 
-# --- a run stopped at 4 processes, resumed at 2, then at 3 --------------------------------------
+# --- a run stopped and resumed under another strategy at another world size, four times -----------
+
+DDP, FSDP1 = "ddp/train_transformer.py", "fsdp/train_transformer.py"
+HSDP = ["--replicate-degree", "2"]
+# Each chain: (script, processes, flags) per segment; between them, 8 switches of strategy and world size:
+# every strategy to every other, both checkpoint formats read by every script, HSDP both ways.
+SWITCHES = {
+    "ddp-fsdp2-fsdp1-hsdp-fsdp1": [
+        (DDP, 2, []),
+        (FSDP2, 3, []),
+        (FSDP1, 2, []),  # sharded
+        (FSDP2, 4, HSDP),
+        (FSDP1, 3, ["--checkpoint-format", "full"]),
+    ],
+    "fsdp2-ddp-fsdp1-ddp-fsdp2": [
+        (FSDP2, 4, []),  # sharded
+        (DDP, 2, []),
+        (FSDP1, 3, ["--checkpoint-format", "full"]),
+        (DDP, 4, []),
+        (FSDP2, 2, []),
+    ],
+}
+STRATEGY = {DDP: "ddp", FSDP1: "fsdp1_full_shard", FSDP2: "fsdp2"}
 
 
-@pytest.mark.parametrize("script", ["ddp/train_transformer.py", FSDP2])
-def test_a_run_stopped_at_4_processes_then_2_then_3_trains_each_example_once(
-    script: str, transformer_noise: NoiseRuns, tmp_path: Path
+def strategy_of(script: str, flags: list[str]) -> str:
+    return "fsdp2_hsdp" if flags == HSDP else STRATEGY[script]
+
+
+@pytest.mark.parametrize("chain", SWITCHES.values(), ids=SWITCHES.keys())
+def test_a_run_switched_between_strategies_and_world_sizes_trains_each_example_once(
+    chain: list[tuple[str, int, list[str]]], transformer_noise: NoiseRuns, tmp_path: Path
 ) -> None:
-    """Stopped at 4 processes, resumed at 2, stopped again, resumed at 3: each step trains the examples the
-    one-process reference's did, and the run is the same training (the FSDP2 checkpoint resharded twice).
+    """Stopped every 4 steps and resumed under another strategy at another world size: a checkpoint belongs
+    to the model, not to the script. Each step trains the examples the one-process reference's did, and the
+    run is the same training, its optimizer state, schedule and random state carried across each switch.
 
     The equivalence tests' settings: a global batch of 24, the same examples in every step at any world size.
     """
-    run_dir, reads = tmp_path / "resized", tmp_path / "reads"
+    run_dir, reads = tmp_path / "switched", tmp_path / "reads"
     recorded = [RECORD_READS, str(reads)]
-    run_until_stopped(script, EQUIVALENCE_ARGS, run_dir, nproc=4, stop_after=6, wrapper=recorded).check()
-    resumed = [*EQUIVALENCE_ARGS, "--resume"]
-    run_until_stopped(script, resumed, run_dir, nproc=2, stop_after=12, wrapper=recorded).check()
-    run = run_script(script, resumed, run_dir, nproc=3, wrapper=recorded).check()
-    resumes = [(record["step"], record["world_size"]) for record in run.events("resume")]
-    assert [world_size for _, world_size in resumes] == [2, 3] and 6 <= resumes[0][0] < 12 <= resumes[1][0], resumes
+    for segment, (script, nproc, flags) in enumerate(chain):
+        args = [*EQUIVALENCE_ARGS, *flags, *(["--resume"] if segment else [])]
+        if segment < len(chain) - 1:
+            run_until_stopped(script, args, run_dir, nproc, stop_after=4 * (segment + 1), wrapper=recorded).check()
+        else:
+            run = run_script(script, args, run_dir, nproc=nproc, wrapper=recorded).check()
+    resumes = run.events("resume")
+    assert [record["world_size"] for record in resumes] == [nproc for _, nproc, _ in chain[1:]], resumes
+    assert all(a["step"] < b["step"] for a, b in zip(resumes, resumes[1:], strict=False)), resumes
+    strategies = [strategy_of(script, flags) for script, _, flags in chain]
+    switches = [record["changed"]["strategy"] for record in resumes]
+    assert switches == [list(pair) for pair in zip(strategies, strategies[1:], strict=False)], resumes
+    assert run.output.count(f"strategy {strategies[-2]} -> {strategies[-1]}") == 1, run.describe()
     assert_trained_once(reads, transformer_noise.reference_reads, GLOBAL_BATCH, run.describe())
     # Up to each checkpoint the run had other world sizes, so it matches to rounding, not bit for bit.
     assert_same_training(transformer_noise, run_dir, run.describe(), EQUIVALENCE_STEPS)
@@ -298,12 +332,16 @@ def test_full_checkpoint_from_another_run_or_damaged_is_refused_and_an_older_one
     assert wider.returncode == 2, wider.describe()
     assert "does not fit this run: model is {" in wider.output, wider.describe()
 
-    other = "fsdp/train_transformer.py"
-    other_script = run_script(
-        other, [*SHORT_ARGS, "--resume-from", str(newest)], tmp_path / "other", real_launcher=True
+    # A checkpoint belongs to a model: another strategy's script resumes it (test_a_run_switched_...), but
+    # not the MNIST CNN's checkpoint, under any script.
+    mnist = ["--synthetic", "--max-steps", "1", "--checkpoint-interval", "1"]
+    run_script("fsdp/train_mnist.py", mnist, tmp_path / "mnist", nproc=2).check()
+    cnn = tmp_path / "mnist" / "checkpoints" / "step-1"
+    other_model = run_script(script, [*SHORT_ARGS, "--resume-from", str(cnn)], tmp_path / "other", real_launcher=True)
+    assert other_model.returncode == 2, other_model.describe()
+    assert "does not fit this run: model is 'MnistNet' there, {'vocab_size'" in other_model.output, (
+        other_model.describe()
     )
-    assert other_script.returncode == 2, other_script.describe()
-    assert f"script is '{script}' there, '{other}' here" in other_script.output, other_script.describe()
 
     truncate(newest)
     before[str(newest.relative_to(run_dir))] = hashlib.sha256(newest.read_bytes()).hexdigest()

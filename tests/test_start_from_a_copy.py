@@ -126,7 +126,7 @@ def test_the_fsdp1_cnn_script_trains_a_torchvision_resnet(tmp_path: Path, capsys
     project = tmp_path / "project"
     train_py = copy_project("fsdp/train_mnist.py", project)
     model_line = "    model = MnistNet(dropout=not args.deterministic).to(ctx.device)  # YOUR MODEL"
-    identity = '"script": "fsdp/train_mnist.py"},  # YOUR CHECKPOINT IDENTITY'
+    identity = '"model": "MnistNet"},  # YOUR CHECKPOINT IDENTITY'
     imports = "from common.models import MnistNet\n"
     data_line = "    train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)\n"
     put_in(
@@ -134,7 +134,7 @@ def test_the_fsdp1_cnn_script_trains_a_torchvision_resnet(tmp_path: Path, capsys
         RESNET,
         {
             model_line: "    model = digit_resnet().to(ctx.device)  # YOUR MODEL",
-            identity: '"script": "train/train.py", "model": "digit_resnet"},  # YOUR CHECKPOINT IDENTITY',
+            identity: '"model": "digit_resnet"},  # YOUR CHECKPOINT IDENTITY',
             imports: f"{imports}from model import digit_resnet\n",
             # Your data too: a test set of 500 images. The ResNet's evaluation of 2,000 was a third of each run.
             data_line: f"{data_line}    test_set = torch.utils.data.Subset(test_set, range(500))\n",
@@ -155,7 +155,7 @@ def tiny_lm_copy(project: Path) -> Path:
     """The FSDP2 script with TinyLM, a transformer of torch's own layers, in place of GPT."""
     train_py = copy_project("fsdp/train_transformer_fsdp2.py", project)
     layers_line = "    layers = model.blocks  # YOUR LAYERS: the ones that repeat; each becomes one FSDP unit"
-    identity = '"script": "fsdp/train_transformer_fsdp2.py", "model": config.shape()},  # YOUR CHECKPOINT IDENTITY'
+    identity = '"model": config.shape()},  # YOUR CHECKPOINT IDENTITY'
     imports = "from common.tokens import markov_data, text_data, token_file_data\n"
     put_in(
         train_py,
@@ -163,7 +163,7 @@ def tiny_lm_copy(project: Path) -> Path:
         {
             "model = GPT(config, seed=None)  # YOUR MODEL": "model = TinyLM(data.vocab_size, args.block_size)",
             layers_line: layers_line.replace("model.blocks", "model.layers"),
-            identity: '"script": "train/train.py", "model": "TinyLM"},  # YOUR CHECKPOINT IDENTITY',
+            identity: '"model": "TinyLM"},  # YOUR CHECKPOINT IDENTITY',
             imports: f"{imports}from model import TinyLM\n",
         },
     )

@@ -210,12 +210,13 @@ def run_until_stopped(
 
     That is how a user (or the SLURM launcher) asks a run to stop. The run
     notices at a later step boundary; which one depends on timing, so tests
-    read the step it stopped at from the PREEMPTED marker.
+    read the step it stopped at from the PREEMPTED marker. A resumed run that
+    starts past ``stop_after`` (its previous part stopped late) is asked at once.
     """
 
     def stop_at_step(line: str) -> None:
         match = PROGRESS_LINE.match(line)
-        if match and int(match.group(1)) == stop_after:
+        if match and int(match.group(1)) >= stop_after:
             (run_dir / "STOP").touch()
 
     return run_warm(script_invocation(script, args, run_dir, wrapper), run_dir, nproc, timeout, stop_at_step)
