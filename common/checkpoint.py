@@ -48,7 +48,7 @@ from common.distributed import (
     print0,
     shard_group_size,
 )
-from common.fine_tuning import adapter_identity, trained_difference, trained_parameters
+from common.fine_tuning import adapter_identity, trained_parameters
 from common.models import tied_parameters
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
 from common.run_dir import CHECKPOINTS, checkpoint_step, checkpoint_to_resume, complete_checkpoints
@@ -60,7 +60,7 @@ from common.safe_loading import (
     sharded_reader,
 )
 from common.saving import save_atomic, then_resume, what_is_kept, write_failure
-from common.settings import NOT_RECORDED, Settings, changed_settings, describe_changes
+from common.settings import Settings, changed_settings, describe_changes, identity_mismatch, with_strategy_change
 
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
 FORMAT_VERSION = 1
@@ -307,7 +307,7 @@ class Checkpointer:
         applied = settings.apply(self.optimizer, self.extra)
         recorded = trainer.get("settings")
         changed = changed_settings(recorded, self.settings) if isinstance(recorded, dict) else applied
-        changed = self._with_strategy_change(trainer.get("strategy"), changed)
+        changed = with_strategy_change(trainer.get("strategy"), self.strategy, changed)
         restore_rng(trainer["rng"])
         if path.parent == self.folder:
             self.last_saved = path
@@ -365,7 +365,7 @@ class Checkpointer:
             checkpoint = self._agree(path, lambda: load_file(path), every_rank=False)
             trainer = broadcast_object(checkpoint["trainer"] if self.ctx.is_main else None)
         # Tensors of another shape fail with an unhelpful message; say what differs first.
-        mismatch = self._identity_mismatch(trainer)
+        mismatch = identity_mismatch(trainer.get("identity", {}), self.identity)
         if mismatch:
             raise FatalError(f"checkpoint {path} does not fit this run: {mismatch}")
 
@@ -413,36 +413,6 @@ class Checkpointer:
                 raise FatalError(refusal)
             raise FatalError(self._unloadable_message(path, error or "it failed to load on another rank"))
         return result
-
-    def _with_strategy_change(self, recorded: Any, changed: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        """``changed``, led by the strategy where the checkpoint was written under another one. The flags only
-        the other strategy's script has are no change the user asked for, so they are left out."""
-        if recorded is None or recorded == self.strategy:
-            return changed  # the same strategy, or a checkpoint from before strategies were recorded
-        kept = {flag: values for flag, values in changed.items() if values[0] != NOT_RECORDED}
-        return {"strategy": [recorded, self.strategy], **kept}
-
-    def _identity_mismatch(self, trainer: dict[str, Any]) -> str | None:
-        theirs = trainer.get("identity", {})
-        differences = []
-        for key, value in self.identity.items():
-            if key in ("trained", "model") and key not in theirs:
-                # Written before it was recorded (the MNIST scripts recorded only themselves): the state dicts'
-                # own keys are all there is to go by.
-                continue
-            if theirs.get(key) == value:
-                continue
-            if key == "trained":
-                if theirs.get("lora") == self.identity["lora"]:  # other adapters train other parameters: said
-                    differences.append(trained_difference(theirs[key], value))
-            elif key == "lora" and value is None:
-                differences.append(
-                    f"lora is {theirs[key]!r} there, None here (to go on without adapters, merge them: python -m "
-                    "common.export_checkpoint CHECKPOINT model.pt, then start a new run with --init-from model.pt)"
-                )
-            else:
-                differences.append(f"{key} is {theirs.get(key)!r} there, {value!r} here")
-        return "; ".join(differences) or None
 
     def _unloadable_message(self, path: Path, error: str) -> str:
         step = checkpoint_step(path)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from common.fine_tuning import trained_difference
+
 # Flags that only say where the run writes or computes, what it reports, how it saves, or where it starts
 # from: none of them changes what is trained, so a resume may change them without a word. Every other flag
 # of a script, one added later included, is a training setting: recorded in each checkpoint, compared on
@@ -130,3 +132,36 @@ class Settings:
 
 def plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
+
+
+def with_strategy_change(recorded: Any, current: str, changed: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """``changed``, led by the strategy where the checkpoint was written under another one. The flags only
+    the other strategy's script has are no change the user asked for, so they are left out."""
+    if recorded is None or recorded == current:
+        return changed  # the same strategy, or a checkpoint from before strategies were recorded
+    kept = {flag: values for flag, values in changed.items() if values[0] != NOT_RECORDED}
+    return {"strategy": [recorded, current], **kept}
+
+
+def identity_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
+    """What makes a checkpoint (its recorded ``identity``) unfit for this run, each difference named; None if
+    it fits. The strategy is not part of it: a checkpoint belongs to a model, not to a script."""
+    differences = []
+    for key, value in ours.items():
+        if key in ("trained", "model") and key not in theirs:
+            # Written before it was recorded (the MNIST scripts recorded only themselves): the state dicts'
+            # own keys are all there is to go by.
+            continue
+        if theirs.get(key) == value:
+            continue
+        if key == "trained":
+            if theirs.get("lora") == ours.get("lora"):  # other adapters train other parameters: said already
+                differences.append(trained_difference(theirs[key], value))
+        elif key == "lora" and value is None:
+            differences.append(
+                f"lora is {theirs[key]!r} there, None here (to go on without adapters, merge them: python -m "
+                "common.export_checkpoint CHECKPOINT model.pt, then start a new run with --init-from model.pt)"
+            )
+        else:
+            differences.append(f"{key} is {theirs.get(key)!r} there, {value!r} here")
+    return "; ".join(differences) or None
