@@ -56,7 +56,15 @@ from common.cli import HelpFormatter
 from common.fine_tuning import add_estimator_flags, estimator_shapes, fine_tune
 from common.flags import float_in_range, int_in_range, positive_float, positive_int
 from common.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
-from common.models import GPT_PRESETS, GPTConfig, MnistNet, count_parameters, gpt_parameter_shapes
+from common.models import (
+    GPT_PRESETS,
+    GPTConfig,
+    MnistNet,
+    count_parameters,
+    gpt_parameter_shapes,
+    gpt_step_overflow,
+    mnist_step_overflow,
+)
 from common.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
 
 GIB = 2**30
@@ -280,6 +288,8 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
             parser.error("--n-layer, --n-head, --d-model, --block-size and --vocab-size describe the GPT, not MNIST")
         if args.precision != "fp32" or args.activation_checkpointing:
             parser.error("the MNIST scripts have neither --mixed-precision nor --activation-checkpointing")
+        if (overflow := mnist_step_overflow(args.batch_size)) is not None:
+            parser.error(overflow)
         return None
     return gpt_shape(parser, args)
 
@@ -293,7 +303,11 @@ def gpt_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTC
         args.vocab_size = SYNTHETIC_VOCAB
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
-    return GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
+    config = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
+    overflow = gpt_step_overflow(config, args.batch_size, args.lora_rank)
+    if overflow is not None:
+        parser.error(overflow)
+    return config
 
 
 def resolve_shard_group_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -48,7 +48,15 @@ from common.fine_tuning import (
 )
 from common.flag_checks import ONE_RANK_SHARD_GROUPS
 from common.flags import int_in_range, non_negative_int, output_file, positive_int
-from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config, gpt_parameter_count
+from common.models import (
+    COMPUTE_DTYPES,
+    GPT,
+    GPT_PRESETS,
+    GPTConfig,
+    gpt_config,
+    gpt_parameter_count,
+    gpt_step_overflow,
+)
 from common.outputs import add_overwrite_flag, check_output_path, write_text
 from common.plot import check_figure_path, draw_scale, save_figure_or_exit
 
@@ -138,7 +146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     for model in args.model:  # a --freeze or --lora-targets that the scripts would refuse, refused here
-        estimator_shapes(parser, args, GPTConfig(vocab_size=args.vocab_size, **GPT_PRESETS[model]))
+        config = GPTConfig(vocab_size=args.vocab_size, **GPT_PRESETS[model])
+        overflow = gpt_step_overflow(config, args.batch_size or estimate_memory.DEFAULT_BATCH["gpt"], args.lora_rank)
+        if overflow is not None:
+            parser.error(overflow)
+        estimator_shapes(parser, args, config)
     return args
 
 

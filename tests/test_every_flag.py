@@ -4,7 +4,8 @@ Generated from the parsers, not from a list: the scripts are ddp/*.py and fsdp/*
 the common/ modules with a ``__main__`` block (found as tests/test_layout.py finds them). Each has a
 ``parse_args(argv)`` that parses and runs the module's checks, and does no work. The test catches the
 parser it builds, walks ``parser._actions``, and tries on each flag the hostile values of its kind,
-which the flag's type declares (``common.flags``): for a number nan, inf, 0, -1, 1e999 and a word; for
+which the flag's type declares (``common.flags``): for a number nan, inf, 0, -1, 1e999 and a word, and for
+a whole number also integers past 64 bits (2**63, and a 401-digit one as a typo or a script makes); for
 an input a missing path and the wrong kind of path; for an output a folder or a file where the other
 goes, a place below a file (unwritable, even for root), and an input of the same command. A flag with
 choices gets a word that is none of them. Each try must end in exactly one ``error:`` line naming the
@@ -44,8 +45,13 @@ COMMANDS = sorted(f"common.{path.stem}" for path in (REPO / "common").glob("*.py
 
 # Values a flag of that kind must refuse; an output flag is also tried with an input of its command.
 ANY_PATH = ["", "{too_long}"]  # an empty path; a name longer than a file system takes (ENAMETOOLONG)
+NUMBERS = ["nan", "inf", "0", "-1", "1e999", "many"]
+# Python reads any integer, torch and numpy no larger than 2**63 - 1: these once reached a tensor's shape
+# (common.simulate --batch-size, a traceback from torch.randint).
+HUGE_INTEGERS = [str(2**63), str(10**400)]
 HOSTILE = {
-    flags.NUMBER: ["nan", "inf", "0", "-1", "1e999", "many"],
+    flags.NUMBER: NUMBERS,
+    flags.INTEGER: [*NUMBERS, *HUGE_INTEGERS],
     flags.EXISTING_FILE: ["{missing}", "{folder}", *ANY_PATH],
     flags.EXISTING_DIR: ["{missing}", "{file}", *ANY_PATH],
     flags.EXISTING_PATH: ["{missing}", "{below_file}", *ANY_PATH],

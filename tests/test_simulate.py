@@ -135,6 +135,13 @@ def test_what_cannot_be_simulated_is_refused(capsys: pytest.CaptureFixture[str])
         ),
         (["--world-size", "8", "--strategy", "fsdp1", "--lora-rank", "4"], "not fsdp1"),
         (["--world-size", "8", "--strategy", "ddp", "--freeze", "block.0.*"], "matches no parameter of the model"),
+        # Below 2**63 each, so flags' values; a tensor of the step they make would count more bytes than that.
+        (["--world-size", "8", "--strategy", "fsdp2", "--batch-size", str(2**62)], "more bytes than torch can count"),
+        (
+            ["--world-size", "8", "--strategy", "fsdp2", "--vocab-size", str(2**62)],
+            "token embedding (4611686018427387904 x 64 values)",
+        ),
+        (["--world-size", "8", "--strategy", "ddp", "--lora-rank", str(2**62)], "a LoRA factor"),
     ]:
         with pytest.raises(SystemExit) as exited:
             simulate.parse_args(argv)
