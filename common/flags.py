@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from common.outputs import creation_failure, name_max, nearest_existing, not_a_folder
+from common.outputs import creation_failure, name_max, nearest_existing, not_a_folder, same_file
 
 INTEGER = "whole number"
 NUMBER = "number"
@@ -301,3 +301,19 @@ def output_dir(text: str) -> Path:
     _refuse_unwritable(text, path)
     _refuse_long_names(text, path)
     return path
+
+
+def refuse_outputs_on_one_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any work, two of the command's outputs (its flags of an output kind, as parsed into ``args``)
+    on one path: the second would meet the first's file after all the work, and be refused as if another process
+    had written it, or replace it. Two folders may share one: a run's folder can hold the data it reads."""
+    named = []
+    for action in parser._actions:
+        kind, value = getattr(action.type, "kind", None), getattr(args, action.dest, None)
+        if kind in (OUTPUT_FILE, OUTPUT_DIR, OUTPUT_PATH) and value is not None:
+            flag = action.option_strings[-1] if action.option_strings else str(action.metavar or action.dest)
+            named += [(flag, kind, path) for path in (value if isinstance(value, list) else [value])]
+    for index, (flag, kind, path) in enumerate(named):
+        for other_flag, other_kind, other in named[index + 1 :]:
+            if not kind == other_kind == OUTPUT_DIR and same_file(path, other):
+                parser.error(f"{flag} and {other_flag} both name {path}: give each output a path of its own")

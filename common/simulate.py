@@ -47,7 +47,7 @@ from common.fine_tuning import (
     freeze,
 )
 from common.flag_checks import ONE_RANK_SHARD_GROUPS
-from common.flags import int_in_range, non_negative_int, output_file, positive_int
+from common.flags import int_in_range, non_negative_int, output_file, positive_int, refuse_outputs_on_one_path
 from common.models import (
     COMPUTE_DTYPES,
     GPT,
@@ -137,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--png", type=output_file, help="draw state per rank by world size here (.png or .svg)")
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    refuse_outputs_on_one_path(parser, args)
     if args.out is not None:
         check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
     if args.png is not None:

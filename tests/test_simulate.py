@@ -148,3 +148,15 @@ def test_what_cannot_be_simulated_is_refused(capsys: pytest.CaptureFixture[str])
         assert exited.value.code == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
         assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_two_outputs_on_one_path_are_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out F.svg --png F.svg once wrote the JSON, then refused the picture as if another process had written F.svg."""
+    path = tmp_path / "F.svg"
+    with pytest.raises(SystemExit) as exited:
+        simulate.main(["--world-size", "2", "--strategy", "ddp", "--out", str(path), "--png", str(path)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exited.value.code == 2 and len(errors) == 1 and "--out and --png both name" in errors[0], errors
+    assert not path.exists()
