@@ -9,7 +9,8 @@ still going has none yet: it is drawn as far as it got and labelled "running". A
 restarts (its "resume" records) are dotted vertical lines at the step it continued from, and where it
 continued at another world size the label names each. The records hold no clock, so the time axis is
 training time: each logged interval's step_ms times its steps, without evaluation and saving. A line
-that is not a whole record (a run killed mid-write, or writing it now) is left out, and said so.
+that is not a whole record (a run killed mid-write, or writing it now) is left out, and said so; one that
+holds a number no float holds (an edit, or damage) is refused, naming its line.
 A panel is drawn where any run has its values; runs with no value in common are refused.
 
 --out's suffix picks the format, .png or .svg. matplotlib draws with its Agg backend, so no display is
@@ -33,7 +34,7 @@ from common.flags import existing_dir, output_file
 from common.models import GPTConfig, gpt_parameter_count
 from common.outputs import OutputExists, add_overwrite_flag, check_output_path, write_by_name
 from common.processes import exit_code_of
-from common.run_dir import METRICS_FILE
+from common.run_dir import METRICS_FILE, UnreadableRecord, load_line
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -102,7 +103,7 @@ def read_history(run_dir: Path) -> RunHistory:
         raise PlotError(f"cannot read {path}: {err.strerror or err}") from None
     history = RunHistory(run_dir)
     for number, line in enumerate(text.splitlines(), 1):
-        record = whole_record(line)
+        record = whole_record(line, path, number)
         if record is None:
             history.torn_lines.append(number)
         elif record["event"] == "train" and is_number(record.get("step")):
@@ -116,12 +117,15 @@ def read_history(run_dir: Path) -> RunHistory:
     return history
 
 
-def whole_record(line: str) -> dict[str, Any] | None:
-    """The record a line holds, or None where it is cut short or is not a metrics record at all."""
+def whole_record(line: str, path: Path, number: int) -> dict[str, Any] | None:
+    """The record on line ``number`` of ``path``, or None where it is cut short or is not a metrics record at all;
+    ``PlotError`` naming the line where it holds a number no float does."""
     try:
-        record = json.loads(line)
+        record = load_line(line, path, number)
     except json.JSONDecodeError:
         return None
+    except UnreadableRecord as err:
+        raise PlotError(str(err)) from None
     return record if isinstance(record, dict) and isinstance(record.get("event"), str) else None
 
 

@@ -171,6 +171,23 @@ def test_bad_input_is_one_message(runs: dict[str, Run], tmp_path: Path, capsys: 
     assert not list(tmp_path.glob("*.png")), "a refusal writes nothing"
 
 
+@pytest.mark.parametrize("digits", [401, 5000], ids=["past a float", "past what Python reads"])
+def test_a_number_no_float_holds_is_named_with_its_file_and_line(
+    digits: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A metrics.jsonl edited or damaged by hand: one message naming the file, the line and the field, not an
+    OverflowError (401 digits) or Python's integer-reading limit (more than 4,300) as a traceback."""
+    run = tmp_path / "edited"
+    run.mkdir()
+    records = [{"event": "train", "step": 2, "loss": 2.0, "lr": 0.01}, {"event": "train", "step": 4, "loss": 1.0}]
+    lines = [json.dumps(record) for record in records]
+    lines[1] = lines[1].replace("1.0", "9" * digits)
+    (run / METRICS_FILE).write_text("\n".join(lines) + "\n")
+    code, err = refusal([str(run), "--out", str(tmp_path / "a.png")], capsys)
+    assert str(code).startswith(f"error: {run / METRICS_FILE}, line 2: loss is a number of {digits} digits"), code
+    assert not (tmp_path / "a.png").exists()
+
+
 def test_compare_strategies_draws_a_saved_comparison_without_training(
     runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
