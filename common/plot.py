@@ -151,15 +151,17 @@ def seconds_at(step: float, train: Sequence[dict[str, Any]], seconds: Sequence[f
 
 
 def run_label(history: RunHistory, name: str) -> str:
-    """``NAME: STRATEGY, N ranks``; a restart at another world size lists each size in turn."""
+    """``NAME: STRATEGY, N ranks``; a restart at another world size lists each size in turn (``4→2 ranks``): a
+    resume record holds the world size that saved its checkpoint and the one that continued from it."""
     if history.final is None:
         last = max((r["step"] for r in [*history.train, *history.evals]), default=0)
         return f"{name}: running, at step {last}"
     sizes: list[object] = []
-    for size in [*(r.get("world_size") for r in history.restarts), history.final.get("world_size")]:
+    segments = [size for r in history.restarts for size in (r.get("checkpoint_world_size"), r.get("world_size"))]
+    for size in [*segments, history.final.get("world_size")]:
         if size is not None and (not sizes or sizes[-1] != size):
             sizes.append(size)
-    ranks = " then ".join(map(str, sizes)) or "?"
+    ranks = "→".join(map(str, sizes)) or "?"
     return f"{name}: {history.final.get('strategy', '?')}, {ranks} rank{'' if sizes == [1] else 's'}"
 
 

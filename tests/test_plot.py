@@ -3,8 +3,8 @@ through matplotlib's own objects (lines, labels, data points against the records
 that neither training nor the library imports matplotlib.
 
 The runs are made once for the file, laid out as a comparison's --out-dir (STRATEGY-WORLDSIZE), so that
-common.plot and compare_strategies --from-runs draw the same runs: DDP at 1 rank (stopped at step 4 and
-resumed to step 8), DDP at 2 ranks and FSDP1 at 2 ranks (6 steps each).
+common.plot and compare_strategies --from-runs draw the same runs: DDP stopped at step 4 at 2 ranks and
+resumed to step 8 at 1 (its folder named by where it finished), DDP at 2 ranks and FSDP1 at 2 ranks (6 steps each).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """The comparison folder's runs by folder name; ``ddp-1`` was stopped at step 4 and resumed to step 8."""
+    """The comparison folder's runs by folder name; ``ddp-1`` was stopped at step 4 at 2 ranks and resumed to step 8
+    at 1."""
     out = tmp_path_factory.mktemp("comparison")
     stopped = [*TINY, "--checkpoint-interval", "4", "--max-steps", "4"]
-    run_script("ddp/train_transformer.py", stopped, out / "ddp-1").check()
+    run_script("ddp/train_transformer.py", stopped, out / "ddp-1", nproc=2).check()
     resumed = [*TINY, "--checkpoint-interval", "4", "--max-steps", "8", "--resume"]
     made = {"ddp-1": run_script("ddp/train_transformer.py", resumed, out / "ddp-1").check()}
     for name, script in [("ddp-2", "ddp/train_transformer.py"), ("fsdp1_full_shard-2", "fsdp/train_transformer.py")]:
@@ -67,7 +68,8 @@ def test_each_run_is_drawn_from_its_records_with_its_restart(runs: dict[str, Run
         ]
     )
     labels = [line.get_label() for line in lines(panels["loss by step"], plot.TRAIN)]
-    assert labels == ["ddp-1: ddp, 1 rank", "ddp-2: ddp, 2 ranks", "fsdp1_full_shard-2: fsdp1_full_shard, 2 ranks"]
+    # A resumed run's label names each world size it ran at: the resume record holds the checkpoint's.
+    assert labels == ["ddp-1: ddp, 2→1 ranks", "ddp-2: ddp, 2 ranks", "fsdp1_full_shard-2: fsdp1_full_shard, 2 ranks"]
     for field, title in [
         ("loss", "loss by step"),
         ("lr", "learning rate"),
