@@ -149,12 +149,13 @@ def estimate_model(
     """The estimate for a GPT of these parameter shapes, its units gathered as ``layout`` pads them (FSDP1's
     "flat" or FSDP2's "dim0"), with its measured activations: DDP's (``unit_gradients`` False) or FSDP's.
     ``trainable``: the names that train (None: all), as --freeze and --lora-rank leave them."""
+    alone = layout if shard_group == 1 else None  # a shard group of one: what FSDP gathers changes
     layout = "replicated" if shard_group == 1 else layout
     state = between_steps(shapes, shard_group, layout, trainable, precision)
     units = gathered_units(shapes, layout, shard_group, precision, trainable)
-    in_flight = in_flight_bytes(strategy, units, precision, weight_copies=activations.weight_copies)
+    in_flight = in_flight_bytes(strategy, units, precision, weight_copies=activations.weight_copies, alone=alone)
     if strategy != "ddp" and activations.unit_ends:
-        in_flight += reduce_scatter_bytes(layout, units, shard_group, precision, activations)
+        in_flight += reduce_scatter_bytes(alone or layout, units, shard_group, precision, activations)
     params = sum(math.prod(shape) for shape in shapes.values())
     return Estimate(params, strategy, shard_group, state, in_flight, activations.peak)
 
