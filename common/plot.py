@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from common.cli import HelpFormatter
 from common.flags import existing_dir, output_file
 from common.models import GPTConfig, gpt_parameter_count
-from common.outputs import OutputExists, add_overwrite_flag, check_output_path, write_by_name
+from common.outputs import OutputExists, add_overwrite_flag, check_output_path, same_file, write_by_name
 from common.processes import exit_code_of
 from common.run_dir import METRICS_FILE, UnreadableRecord, load_line
 
@@ -183,6 +183,20 @@ def panels_for(histories: Sequence[RunHistory], names: Sequence[str]) -> list[Pa
     return [panel for panel in PANELS if any(set(panel.values) & values for values in held)]
 
 
+MAX_RUNS = 60  # a colour each: tab20's (its first 10 are matplotlib's default cycle), tab20b's and tab20c's
+
+
+def run_colours(count: int) -> list[Any]:
+    """``count`` colours, no two alike: matplotlib's 10, then tab20's lighter shades of them, then tab20b's and
+    tab20c's; the default cycle repeats after 10, and gave an 11th run the first one's colour."""
+    colormaps = pyplot().colormaps
+    tab20 = colormaps["tab20"].colors
+    palette = [*tab20[0::2], *tab20[1::2], *colormaps["tab20b"].colors, *colormaps["tab20c"].colors]
+    if count > len(palette):
+        raise PlotError(f"{count} runs in one figure: at most {len(palette)}, a colour each; draw them in groups")
+    return palette[:count]
+
+
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend: no display needed, and imported only here, where a figure is drawn."""
     try:
@@ -203,9 +217,8 @@ def draw_runs(histories: Sequence[RunHistory], names: Sequence[str] | None = Non
     rows = math.ceil(len(panels) / 2)
     figure, grid = plt.subplots(rows, 2, figsize=(FIGURE_WIDTH, PANEL_HEIGHT * rows + 0.8), squeeze=False)
     axes_list = list(grid.flat)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for index, (history, name) in enumerate(zip(histories, names, strict=True)):
-        colour = colours[index % len(colours)]
+    colours = run_colours(len(histories))
+    for history, name, colour in zip(histories, names, colours, strict=True):
         for panel, axes in zip(panels, axes_list, strict=False):
             draw_panel(axes, panel, history, run_label(history, name), colour)
     for panel, axes in zip(panels, axes_list, strict=False):
@@ -250,26 +263,29 @@ def draw_panel(axes: Axes, panel: Panel, history: RunHistory, label: str, colour
 
 
 STATE_KINDS = ("params_bytes", "grads_bytes", "optimizer_bytes")
+PARAMETER_COUNTS = ("parameter_count", "trained_parameter_count")  # a simulated job's P and T (adapters included)
 MIB = 2**20
 
 
 def draw_scale(results: Sequence[dict[str, Any]]) -> Figure:
     """common.simulate's jobs: per-rank model state by world size on log axes, one line per model and strategy,
-    and per model a dotted line falling as 1/N from the state one rank would hold alone (16 bytes a parameter)."""
+    and per model a dotted line falling as 1/N from the state one rank would hold alone: 16 bytes a parameter, or
+    fine-tuned, 4 a parameter and 12 more one that trains (4P + 12T)."""
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(FIGURE_WIDTH, 4.5))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for result in results:
         state = sum(result[kind] for kind in STATE_KINDS) / MIB
         lines.setdefault((result["model"], result["strategy"]), []).append((result["world_size"], state))
-    for index, ((model, strategy), points) in enumerate(sorted(lines.items())):
+    for ((model, strategy), points), colour in zip(sorted(lines.items()), run_colours(len(lines)), strict=True):
         sizes, states = zip(*sorted(points), strict=True)
-        axes.plot(sizes, states, "o-", color=colours[index % len(colours)], label=f"{model} {strategy}", gid=TRAIN)
+        axes.plot(sizes, states, "o-", color=colour, label=f"{model} {strategy}", gid=TRAIN)
     for model in sorted({result["model"] for result in results}):
         sizes = sorted({result["world_size"] for result in results if result["model"] == model})
-        alone = 16 * parameter_count(next(r for r in results if r["model"] == model)["model_config"]) / MIB
-        axes.plot(sizes, [alone / n for n in sizes], ":", color="grey", label=f"{model} 16P/N", gid=IDEAL)
+        held, trained = (next(r for r in results if r["model"] == model)[key] for key in PARAMETER_COUNTS)
+        alone = (4 * held + 12 * trained) / MIB  # fp32 weights; gradients and Adam's two moments where they train
+        label = f"{model} 16P/N" if held == trained else f"{model} (4P+12T)/N"
+        axes.plot(sizes, [alone / n for n in sizes], ":", color="grey", label=label, gid=IDEAL)
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xlabel("ranks")
@@ -303,8 +319,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=output_file, required=True, help="the figure to write: FILE.png or FILE.svg")
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    for run_dir in args.run_dirs:
+    for index, run_dir in enumerate(args.run_dirs):
         check_run_dir(parser, run_dir)
+        again = next((earlier for earlier in args.run_dirs[:index] if same_file(earlier, run_dir)), None)
+        if again is not None:
+            parser.error(
+                f"{run_dir} is {again} again: the same run twice would be two lines of one label; give it once"
+            )
+    if len(args.run_dirs) > MAX_RUNS:
+        parser.error(f"{len(args.run_dirs)} runs: at most {MAX_RUNS} in one figure, a colour each; draw them in groups")
     inputs = [run_dir / METRICS_FILE for run_dir in args.run_dirs]
     check_figure_path(parser, args.out, "--out", args.overwrite, inputs)
     return args

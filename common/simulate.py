@@ -41,6 +41,7 @@ from common.communication import Traffic, measured_step
 from common.distributed import DistContext, local_state_bytes
 from common.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
 from common.fine_tuning import (
+    ParameterShapes,
     add_adapters,
     estimator_shapes,
     fine_tune,
@@ -63,7 +64,6 @@ from common.models import (
     GPT_PRESETS,
     GPTConfig,
     gpt_config,
-    gpt_parameter_count,
     gpt_step_overflow,
 )
 from common.outputs import add_overwrite_flag, check_output_path, write_text
@@ -326,6 +326,7 @@ def simulate(args: argparse.Namespace, progress: Progress | None = None) -> dict
         state = local_state_bytes(model, optimizer)
     if progress is not None:
         progress.phase("steps")
+    tuned = fine_tuned_shapes(config, **args.fine_tuning)
     collectives = [(c.kind, c.message_bytes, c.group_size) for c in recorder.collectives]
     traffic = Traffic.of(collectives)
     result = {
@@ -345,7 +346,10 @@ def simulate(args: argparse.Namespace, progress: Progress | None = None) -> dict
         **traffic.as_record(),
         "collectives": collectives,
         **{key: value for key, value in args.fine_tuning.items() if value},
-        "estimate": estimate(args, config, script_args.batch_size),
+        "estimate": estimate(args, config, script_args.batch_size, tuned),
+        # P, the values a rank's copy holds (adapters included), and T, those that train: 4P + 12T bytes unsharded
+        "parameter_count": tuned.numel,
+        "trained_parameter_count": tuned.trainable_numel,
     }
     if progress is not None:
         progress.phase("estimate")
@@ -353,9 +357,8 @@ def simulate(args: argparse.Namespace, progress: Progress | None = None) -> dict
     return result
 
 
-def estimate(args: argparse.Namespace, config: Any, batch_size: int) -> dict[str, float]:
+def estimate(args: argparse.Namespace, config: Any, batch_size: int, tuned: ParameterShapes) -> dict[str, float]:
     """What common.estimate_memory and common.estimate_communication (common.comm_model) say of the same job."""
-    tuned = fine_tuned_shapes(config, **args.fine_tuning)
     shapes, trainable, prepare = tuned.shapes, tuned.trainable, functools.partial(fine_tune, **args.fine_tuning)
     strategy = record_strategy(args)
     group = 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree
@@ -402,22 +405,22 @@ def report(result: dict[str, Any]) -> str:
 
 
 def scale_table(results: list[dict[str, Any]]) -> str:
-    """Per-rank model state and bytes sent per step, one row per job, against 16P/N and the estimators."""
+    """Per-rank model state and bytes sent per step, one row per job, against (4P + 12T) / N (16P / N in full
+    training: P values held, T of them trained) and the estimators."""
     lines = [
-        "| model | ranks | strategy | ranks per copy | state per rank MiB | x 16P / ranks per copy "
+        "| model | ranks | strategy | ranks per copy | state per rank MiB | x (4P + 12T) / ranks per copy "
         "| estimated / simulated | sent per step MiB | estimated / simulated | peak MiB | estimated / simulated |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for result in results:
-        config = GPTConfig(**result["model_config"])
-        params = gpt_parameter_count(config)
+        held, trained = result["parameter_count"], result["trained_parameter_count"]
         group = result["world_size"] // result["replicate_degree"] if result["strategy"] != "ddp" else 1
         state = sum(result[f"{kind}_bytes"] for kind in ("params", "grads", "optimizer"))
         estimated = sum(result["estimate"][f"{kind}_bytes"] for kind in ("params", "grads", "optimizer"))
         sent, sent_estimated = result["sent_bytes_per_step"], result["estimate"]["sent_bytes_per_step"]
         lines.append(
             f"| {result['model']} | {result['world_size']:,} | {result['strategy']} | {group:,} | {state / MIB:,.2f} "
-            f"| {state / (16 * params / group):.3f} | {estimated / state:.4f} | {sent / MIB:,.1f} "
+            f"| {state / ((4 * held + 12 * trained) / group):.3f} | {estimated / state:.4f} | {sent / MIB:,.1f} "
             f"| {ratio(sent_estimated, sent)} | {result['peak_bytes'] / MIB:,.1f} "
             f"| {ratio(result['estimate']['peak_bytes'], result['peak_bytes'])} |"
         )

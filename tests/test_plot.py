@@ -190,6 +190,41 @@ def test_a_number_no_float_holds_is_named_with_its_file_and_line(
     assert not (tmp_path / "a.png").exists()
 
 
+def write_finished_run(run_dir: Path, loss: float) -> Path:
+    """A finished run's metrics.jsonl, as a run writes it, with two train records."""
+    run_dir.mkdir(parents=True)
+    records = [
+        {"event": "train", "step": 2, "loss": loss, "lr": 0.01, "step_ms": 5.0},
+        {"event": "train", "step": 4, "loss": loss / 2, "lr": 0.01, "step_ms": 5.0},
+        {"event": "final", "strategy": "ddp", "world_size": 2},
+    ]
+    (run_dir / METRICS_FILE).write_text("".join(json.dumps(record) + "\n" for record in records))
+    return run_dir
+
+
+def test_two_dozen_runs_get_a_colour_and_a_label_each(tmp_path: Path) -> None:
+    """Matplotlib's default cycle has 10 colours: the 11th run took the first's. Runs of one folder name in two
+    places are told apart by their paths."""
+    run_dirs = [
+        write_finished_run(tmp_path / f"sweep-{index // 12}" / f"lr-{index % 12}", 1.0 + index) for index in range(24)
+    ]
+    figure, panels = figure_of(*run_dirs)
+    drawn = lines(panels["loss by step"], plot.TRAIN)
+    assert len(drawn) == 24
+    assert len({line.get_color() for line in drawn}) == 24, [line.get_color() for line in drawn]
+    labels = [line.get_label() for line in drawn]
+    assert len(set(labels)) == 24 and labels[0] == f"{run_dirs[0]}: ddp, 2 ranks", labels[:2]
+    plot.pyplot().close(figure)
+
+
+def test_one_run_given_twice_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same folder twice, under two spellings, drew two lines of one label: one message instead."""
+    run = write_finished_run(tmp_path / "run", 1.0)
+    code, err = refusal([str(run), f"{tmp_path}/./run/", "--out", str(tmp_path / "a.png")], capsys)
+    assert code == 2 and err.count("error:") == 1 and "the same run twice" in err, err
+    assert not (tmp_path / "a.png").exists()
+
+
 def test_compare_strategies_draws_a_saved_comparison_without_training(
     runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import simulate
+from common import plot, simulate
 from common.communication import Traffic
+from common.fine_tuning import fine_tuned_shapes
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, cases
 from tests.harness.runs import run_script
@@ -200,3 +201,26 @@ def test_each_job_says_how_far_it_got_once(capsys: pytest.CaptureFixture[str]) -
             ended
         )
     assert "simulate:" not in said.out and said.out.startswith("| model | ranks |")
+
+
+def test_the_state_column_counts_what_fine_tuning_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With LoRA only the adapters have gradients and Adam moments: a rank holds 4 bytes a value and 12 more a value
+    that trains, (4P + 12T) / ranks per copy, where 16P / ranks per copy read 0.27 of it. The table's column and the
+    --png's dotted line."""
+    out = tmp_path / "lora.json"
+    simulate.main(["--world-size", "2", "8", "--strategy", "ddp", "--lora-rank", "4", *BATCH, "--out", str(out)])
+    table = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    results = json.loads(out.read_text())
+    tuned = fine_tuned_shapes(GPTConfig(**results[0]["model_config"]), lora_rank=4)
+    held, trained = tuned.numel, tuned.trainable_numel
+    assert trained < held / 10  # the adapters
+    for row, result in zip(table, results, strict=True):
+        state = sum(result[f"{kind}_bytes"] for kind in STATE)
+        # The rest is AdamW's step count, 4 bytes a trained tensor (16 adapters: 64 of 470,000 bytes).
+        assert state == pytest.approx(4 * held + 12 * trained, rel=2e-4)
+        assert float(row[5]) == pytest.approx(1.0, abs=1e-3), row
+    figure = plot.draw_scale(results)
+    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    expected = [(4 * held + 12 * trained) / 2**20 / n for n in (2, 8)]
+    assert list(lines["tiny (4P+12T)/N"].get_ydata()) == pytest.approx(expected), sorted(lines)
+    plot.pyplot().close(figure)
