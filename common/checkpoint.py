@@ -91,6 +91,7 @@ class Resumed:
     step: int
     path: Path | None  # None: a fresh start
     changed: dict[str, list[Any]] = field(default_factory=dict)  # flag: [the checkpoint's value, this run's]
+    world_size: int | None = None  # the processes that saved the checkpoint
 
 
 class Checkpointer:
@@ -330,7 +331,7 @@ class Checkpointer:
                 f"warning: the global batch was {trainer['global_batch_size']} sequences or images, now "
                 f"{self.global_batch_size}; keep it (--global-batch-size) to continue exactly"
             )
-        return Resumed(trainer["step"], path, changed)
+        return Resumed(trainer["step"], path, changed, trainer["world_size"])
 
     def _set_aside_newer_than(self, resumed: Path) -> None:
         """Resuming from an older checkpoint of this run starts another branch; the newer checkpoints

@@ -47,7 +47,7 @@ from common.distributed import (
     wants_cuda,
 )
 from common.flag_checks import check_launch_environment
-from common.flags import NUMBER, flag_kind, output_file, positive_int, timeout_seconds
+from common.flags import INTEGER, flag_kind, output_file, positive_int, shown, timeout_seconds
 from common.metrics import synchronize
 from common.outputs import add_overwrite_flag, check_output_path, write_text
 from common.torchrun_env import env_num_nodes, env_world_size
@@ -75,7 +75,7 @@ def bus_factor(op: str, world_size: int) -> float:
 MAX_MESSAGE_BYTES = 64 * 2**30
 
 
-@flag_kind(NUMBER)
+@flag_kind(INTEGER)
 def byte_size(text: str) -> int:
     """A byte count such as 65536, 64K, 4M or 1G (powers of 1024)."""
     number, unit = (text[:-1], text[-1].upper()) if text[-1:].upper() in UNITS else (text, "")
@@ -83,12 +83,14 @@ def byte_size(text: str) -> int:
         value = int(number) * UNITS[unit]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"must be a whole number of bytes such as 65536, 64K, 4M or 1G, got {text}"
+            f"must be a whole number of bytes such as 65536, 64K, 4M or 1G, got {shown(text)}"
         ) from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {shown(text)}")
     if value > MAX_MESSAGE_BYTES:
-        raise argparse.ArgumentTypeError(f"must be at most 64G: one message's buffers would fit no GPU, got {text}")
+        raise argparse.ArgumentTypeError(
+            f"must be at most 64G: one message's buffers would fit no GPU, got {shown(text)}"
+        )
     return value
 
 

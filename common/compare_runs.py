@@ -32,7 +32,7 @@ import torch
 
 from common.cli import HelpFormatter
 from common.flags import existing_dir, non_negative_float, positive_float
-from common.run_dir import METRICS_FILE, MODEL_FILE
+from common.run_dir import METRICS_FILE, MODEL_FILE, load_line
 from common.safe_loading import describe_failure, load_file
 
 # How far beyond the twins' drift a candidate may go and still be the same training. Measured on
@@ -57,7 +57,7 @@ def read_records(run_dir: Path) -> list[dict]:
     records = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
-            record = json.loads(line)
+            record = load_line(line, path, number)  # UnreadableRecord, a ValueError, names a number no float holds
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}, line {number}: not a whole record ({err.msg}); was the run cut off?") from None
         if not isinstance(record, dict) or not isinstance(record.get("event"), str):

@@ -39,7 +39,7 @@ import torch
 from common.cli import HelpFormatter
 from common.comm_model import run_estimate
 from common.estimate_memory import LAYOUTS, Estimate
-from common.flags import existing_dir, output_dir, output_file, positive_int
+from common.flags import existing_dir, output_dir, output_file, positive_int, refuse_outputs_on_one_path
 from common.in_flight import gathered_units, in_flight_bytes
 from common.models import GPT_PRESETS
 from common.outputs import (
@@ -317,6 +317,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if args.from_runs is not None:
         check_saved_runs(parser, args.from_runs, passed_on)
         return args, passed_on
+    refuse_outputs_on_one_path(parser, args)  # --out-dir is an output only when this command trains
     check_out_dir(parser, args)
     scripts = sorted({strategy.script for strategy in STRATEGIES if strategy.name in args.strategies})
     check_script_flags(parser, scripts, script_flags(args, passed_on))

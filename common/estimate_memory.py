@@ -56,7 +56,15 @@ from common.cli import HelpFormatter
 from common.fine_tuning import add_estimator_flags, estimator_shapes, fine_tune
 from common.flags import float_in_range, int_in_range, positive_float, positive_int
 from common.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
-from common.models import GPT_PRESETS, GPTConfig, MnistNet, count_parameters, gpt_parameter_shapes
+from common.models import (
+    GPT_PRESETS,
+    GPTConfig,
+    MnistNet,
+    count_parameters,
+    gpt_parameter_shapes,
+    gpt_step_overflow,
+    mnist_step_overflow,
+)
 from common.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
 
 GIB = 2**30
@@ -141,12 +149,13 @@ def estimate_model(
     """The estimate for a GPT of these parameter shapes, its units gathered as ``layout`` pads them (FSDP1's
     "flat" or FSDP2's "dim0"), with its measured activations: DDP's (``unit_gradients`` False) or FSDP's.
     ``trainable``: the names that train (None: all), as --freeze and --lora-rank leave them."""
+    alone = layout if shard_group == 1 else None  # a shard group of one: what FSDP gathers changes
     layout = "replicated" if shard_group == 1 else layout
     state = between_steps(shapes, shard_group, layout, trainable, precision)
     units = gathered_units(shapes, layout, shard_group, precision, trainable)
-    in_flight = in_flight_bytes(strategy, units, precision, weight_copies=activations.weight_copies)
+    in_flight = in_flight_bytes(strategy, units, precision, weight_copies=activations.weight_copies, alone=alone)
     if strategy != "ddp" and activations.unit_ends:
-        in_flight += reduce_scatter_bytes(layout, units, shard_group, precision, activations)
+        in_flight += reduce_scatter_bytes(alone or layout, units, shard_group, precision, activations)
     params = sum(math.prod(shape) for shape in shapes.values())
     return Estimate(params, strategy, shard_group, state, in_flight, activations.peak)
 
@@ -280,6 +289,8 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
             parser.error("--n-layer, --n-head, --d-model, --block-size and --vocab-size describe the GPT, not MNIST")
         if args.precision != "fp32" or args.activation_checkpointing:
             parser.error("the MNIST scripts have neither --mixed-precision nor --activation-checkpointing")
+        if (overflow := mnist_step_overflow(args.batch_size)) is not None:
+            parser.error(overflow)
         return None
     return gpt_shape(parser, args)
 
@@ -293,7 +304,11 @@ def gpt_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTC
         args.vocab_size = SYNTHETIC_VOCAB
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
-    return GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
+    config = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
+    overflow = gpt_step_overflow(config, args.batch_size, args.lora_rank)
+    if overflow is not None:
+        parser.error(overflow)
+    return config
 
 
 def resolve_shard_group_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

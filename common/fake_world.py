@@ -6,6 +6,7 @@ is built outside the fake tensors (it reads its own ranks), so is DDP's paramete
 DDP's reducer gets its all-reduced bucket back from a hook (the fake group's futures carry nothing); FSDP1
 tells a freed flat parameter by its storage's size (fake storages have no address). (FSDP1's model comes
 as fake CPU tensors, not meta ones, which fake tensors cannot replace: common.simulate builds it so.)
+``StepRecorder`` measures a step there: its collectives and the peak of its live storages.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
+from common.activations import LiveStorages
+from common.communication import CollectiveRecorder
 from common.distributed import DistContext
 
 
@@ -77,3 +81,29 @@ def all_reduced_bucket(state, bucket):  # noqa: ANN001 - DDP refuses annotations
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(buffer)
     return done
+
+
+class StepRecorder(CollectiveRecorder):
+    """The collectives of a step, and the peak of the bytes of every storage alive during it: each from the
+    first operator that shows it (or from the start, for the state held then) until it is freed."""
+
+    def __init__(self, held: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.live = LiveStorages()
+        self.live.see(held)
+        self.peak = self.live.nbytes()
+
+    def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        if result is not NotImplemented:
+            self.live.see(tree_leaves((args, kwargs, result)))
+            self.peak = max(self.peak, self.live.nbytes())
+        return result
+
+
+def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What a rank holds between steps: parameters, buffers, gradients and the optimizer's state."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors

@@ -6,7 +6,7 @@ long for the file system, a missing input, a folder where a file goes, a file wh
 an output below a file or where nothing can be created.
 argparse prints the refusal once as ``PROG: error: argument --FLAG: ...`` and exits with 2.
 
-Each type carries ``kind`` (NUMBER, EXISTING_FILE, ...): tests/test_every_flag.py reads it to
+Each type carries ``kind`` (INTEGER, NUMBER, EXISTING_FILE, ...): tests/test_every_flag.py reads it to
 choose the hostile values it tries on the flag, and fails on a flag whose type has none.
 No torch here: common.preflight parses its flags without importing it.
 """
@@ -21,8 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from common.outputs import creation_failure, name_max, nearest_existing, not_a_folder
+from common.outputs import creation_failure, name_max, nearest_existing, not_a_folder, same_file
 
+INTEGER = "whole number"
 NUMBER = "number"
 EXISTING_FILE = "existing file"
 EXISTING_DIR = "existing folder"
@@ -45,20 +46,33 @@ def flag_kind(kind: str) -> Callable[[Callable[[str], T]], Callable[[str], T]]:
     return mark
 
 
+# torch's sizes and numpy's integers are 64-bit: a larger count, which Python reads happily, fails inside them.
+INT64_MAX = 2**63 - 1
+
+
+def shown(text: str) -> str:
+    """A flag's text as a message repeats it: a long one cut short, with its length."""
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+
+
 def _integer(text: str) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text}") from None
+        # Python refuses to read more than 4,300 digits (ValueError): a whole number still, only too large.
+        if not text.strip().lstrip("+-").replace("_", "").isdigit():
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {shown(text)}") from None
+        return INT64_MAX + 1 if text.strip()[0] != "-" else -INT64_MAX - 2
+    return value
 
 
 def _finite(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text}") from None
+        raise argparse.ArgumentTypeError(f"must be a number, got {shown(text)}") from None
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {shown(text)}")
     return value
 
 
@@ -69,13 +83,17 @@ def _int_range_text(low: int, high: int | None) -> str:
 
 
 def int_in_range(low: int, high: int | None = None, *, name: str = "integer") -> Callable[[str], int]:
-    """Whole numbers from ``low`` to ``high`` (no upper end when None)."""
+    """Whole numbers from ``low`` to ``high`` (when None, to the largest 64-bit integer)."""
 
-    @flag_kind(NUMBER)
+    @flag_kind(INTEGER)
     def parse(text: str) -> int:
         value = _integer(text)
         if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {_int_range_text(low, high)}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {_int_range_text(low, high)}, got {shown(text)}")
+        if abs(value) > INT64_MAX:
+            raise argparse.ArgumentTypeError(
+                f"must be at most {INT64_MAX:,} (64 bits, what torch and numpy count with), got {shown(text)}"
+            )
         return value
 
     parse.__name__ = name
@@ -92,7 +110,9 @@ def float_in_range(
         value = _finite(text)
         too_low = value <= low if above_low else value < low
         if too_low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {_float_range_text(low, high, above_low, unit)}, got {text}")
+            raise argparse.ArgumentTypeError(
+                f"must be {_float_range_text(low, high, above_low, unit)}, got {shown(text)}"
+            )
         return value
 
     parse.__name__ = name
@@ -121,7 +141,7 @@ seed_value = int_in_range(0, SEED_LIMIT - 1, name="seed_value")
 def probability(text: str) -> float:
     value = _finite(text)
     if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {shown(text)}")
     return value
 
 
@@ -135,7 +155,7 @@ def learning_rate(text: str) -> float:
     value = positive_float(text)
     if value > LR_LIMIT:
         raise argparse.ArgumentTypeError(
-            f"must be at most {LR_LIMIT:.3g}: the optimizer's float32 arithmetic overflows, got {text}"
+            f"must be at most {LR_LIMIT:.3g}: the optimizer's float32 arithmetic overflows, got {shown(text)}"
         )
     return value
 
@@ -151,7 +171,7 @@ def timeout_seconds(text: str) -> float:
     low, high = DIST_TIMEOUT_RANGE_S
     if not low <= value <= high:
         raise argparse.ArgumentTypeError(
-            f"must be from {low} to {high} seconds (a week), got {text}: ranks start seconds apart and wait "
+            f"must be from {low} to {high} seconds (a week), got {shown(text)}: ranks start seconds apart and wait "
             "while rank 0 saves, so a shorter limit fails a healthy run"
         )
     return value
@@ -281,3 +301,19 @@ def output_dir(text: str) -> Path:
     _refuse_unwritable(text, path)
     _refuse_long_names(text, path)
     return path
+
+
+def refuse_outputs_on_one_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any work, two of the command's outputs (its flags of an output kind, as parsed into ``args``)
+    on one path: the second would meet the first's file after all the work, and be refused as if another process
+    had written it, or replace it. Two folders may share one: a run's folder can hold the data it reads."""
+    named = []
+    for action in parser._actions:
+        kind, value = getattr(action.type, "kind", None), getattr(args, action.dest, None)
+        if kind in (OUTPUT_FILE, OUTPUT_DIR, OUTPUT_PATH) and value is not None:
+            flag = action.option_strings[-1] if action.option_strings else str(action.metavar or action.dest)
+            named += [(flag, kind, path) for path in (value if isinstance(value, list) else [value])]
+    for index, (flag, kind, path) in enumerate(named):
+        for other_flag, other_kind, other in named[index + 1 :]:
+            if not kind == other_kind == OUTPUT_DIR and same_file(path, other):
+                parser.error(f"{flag} and {other_flag} both name {path}: give each output a path of its own")

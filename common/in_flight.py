@@ -69,13 +69,20 @@ def gathered_units(
 
 
 def in_flight_bytes(
-    strategy: str, units: GatheredUnits, precision: str, *, weight_copies: float | None = None, gradients: bool = False
+    strategy: str,
+    units: GatheredUnits,
+    precision: str,
+    *,
+    weight_copies: float | None = None,
+    gradients: bool = False,
+    alone: str | None = None,
 ) -> float:
     """Bytes gathered during backward, where a step peaks, on top of the sharded state (the module docstring).
 
     ``weight_copies``: DDP's autocast copies as measured (default: every weight, 2 bytes each).
     ``gradients``: add one Block's fp32 gradients, unsharded until reduce-scatter, where no backward was
-    measured to hold them.
+    measured to hold them. ``alone``: the layout ("dim0", "flat") of a shard group of one rank, where
+    ``ahead_of_time`` says what is gathered.
     """
     compute = COMPUTE_BYTES[precision]
     model = units.root + units.blocks * units.block
@@ -84,11 +91,21 @@ def in_flight_bytes(
             return 0.0
         return compute * model if weight_copies is None else weight_copies
     unsharded_gradients = FP32 * units.block if gradients else 0.0
+    if alone == "flat" and precision == "fp32":
+        return unsharded_gradients  # torch runs FSDP1 at one rank as no_shard, whose units are the parameters
     if strategy in ("full_shard", "hybrid_shard"):
-        return compute * (units.root + PREFETCHED_UNITS * units.block) + unsharded_gradients
+        blocks = PREFETCHED_UNITS if ahead_of_time(alone) else 1
+        return compute * (units.root + blocks * units.block) + unsharded_gradients
     if strategy == "shard_grad_op":
         return compute * model + unsharded_gradients
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+def ahead_of_time(alone: str | None) -> bool:
+    """Whether the Block before the one computing its backward is gathered already: not in FSDP2's shard groups of
+    one, whose "all-gather" (torch 2.14: ``FSDPParamGroup.unshard``) is a copy of the shard made only when the unit
+    waits for it, to run; by then the Block after it has been freed."""
+    return alone != "dim0"
 
 
 def reduce_scatter_bytes(
@@ -115,7 +132,7 @@ def reduce_scatter_bytes(
     else:
         last = len(activations.unit_peaks) - 1
         at = [
-            peak + FP32 * reduced + done * shard - (compute * units.block if done == last else 0)
+            peak + FP32 * reduced + done * shard - (compute * units.block if done == last and shard_group > 1 else 0)
             for done, peak in enumerate(activations.unit_peaks)
             if done
         ]

@@ -9,7 +9,8 @@ still going has none yet: it is drawn as far as it got and labelled "running". A
 restarts (its "resume" records) are dotted vertical lines at the step it continued from, and where it
 continued at another world size the label names each. The records hold no clock, so the time axis is
 training time: each logged interval's step_ms times its steps, without evaluation and saving. A line
-that is not a whole record (a run killed mid-write, or writing it now) is left out, and said so.
+that is not a whole record (a run killed mid-write, or writing it now) is left out, and said so; one that
+holds a number no float holds (an edit, or damage) is refused, naming its line.
 A panel is drawn where any run has its values; runs with no value in common are refused.
 
 --out's suffix picks the format, .png or .svg. matplotlib draws with its Agg backend, so no display is
@@ -31,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 from common.cli import HelpFormatter
 from common.flags import existing_dir, output_file
 from common.models import GPTConfig, gpt_parameter_count
-from common.outputs import OutputExists, add_overwrite_flag, check_output_path, write_by_name
+from common.outputs import OutputExists, add_overwrite_flag, check_output_path, same_file, write_by_name
 from common.processes import exit_code_of
-from common.run_dir import METRICS_FILE
+from common.run_dir import METRICS_FILE, UnreadableRecord, load_line
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -102,7 +103,7 @@ def read_history(run_dir: Path) -> RunHistory:
         raise PlotError(f"cannot read {path}: {err.strerror or err}") from None
     history = RunHistory(run_dir)
     for number, line in enumerate(text.splitlines(), 1):
-        record = whole_record(line)
+        record = whole_record(line, path, number)
         if record is None:
             history.torn_lines.append(number)
         elif record["event"] == "train" and is_number(record.get("step")):
@@ -116,12 +117,15 @@ def read_history(run_dir: Path) -> RunHistory:
     return history
 
 
-def whole_record(line: str) -> dict[str, Any] | None:
-    """The record a line holds, or None where it is cut short or is not a metrics record at all."""
+def whole_record(line: str, path: Path, number: int) -> dict[str, Any] | None:
+    """The record on line ``number`` of ``path``, or None where it is cut short or is not a metrics record at all;
+    ``PlotError`` naming the line where it holds a number no float does."""
     try:
-        record = json.loads(line)
+        record = load_line(line, path, number)
     except json.JSONDecodeError:
         return None
+    except UnreadableRecord as err:
+        raise PlotError(str(err)) from None
     return record if isinstance(record, dict) and isinstance(record.get("event"), str) else None
 
 
@@ -147,15 +151,17 @@ def seconds_at(step: float, train: Sequence[dict[str, Any]], seconds: Sequence[f
 
 
 def run_label(history: RunHistory, name: str) -> str:
-    """``NAME: STRATEGY, N ranks``; a restart at another world size lists each size in turn."""
+    """``NAME: STRATEGY, N ranks``; a restart at another world size lists each size in turn (``4→2 ranks``): a
+    resume record holds the world size that saved its checkpoint and the one that continued from it."""
     if history.final is None:
         last = max((r["step"] for r in [*history.train, *history.evals]), default=0)
         return f"{name}: running, at step {last}"
     sizes: list[object] = []
-    for size in [*(r.get("world_size") for r in history.restarts), history.final.get("world_size")]:
+    segments = [size for r in history.restarts for size in (r.get("checkpoint_world_size"), r.get("world_size"))]
+    for size in [*segments, history.final.get("world_size")]:
         if size is not None and (not sizes or sizes[-1] != size):
             sizes.append(size)
-    ranks = " then ".join(map(str, sizes)) or "?"
+    ranks = "→".join(map(str, sizes)) or "?"
     return f"{name}: {history.final.get('strategy', '?')}, {ranks} rank{'' if sizes == [1] else 's'}"
 
 
@@ -175,6 +181,20 @@ def panels_for(histories: Sequence[RunHistory], names: Sequence[str]) -> list[Pa
         each = "; ".join(f"{name}: {', '.join(sorted(values))}" for name, values in zip(names, held, strict=True))
         raise PlotError(f"the runs have no value in common to draw ({each}); draw them apart")
     return [panel for panel in PANELS if any(set(panel.values) & values for values in held)]
+
+
+MAX_RUNS = 60  # a colour each: tab20's (its first 10 are matplotlib's default cycle), tab20b's and tab20c's
+
+
+def run_colours(count: int) -> list[Any]:
+    """``count`` colours, no two alike: matplotlib's 10, then tab20's lighter shades of them, then tab20b's and
+    tab20c's; the default cycle repeats after 10, and gave an 11th run the first one's colour."""
+    colormaps = pyplot().colormaps
+    tab20 = colormaps["tab20"].colors
+    palette = [*tab20[0::2], *tab20[1::2], *colormaps["tab20b"].colors, *colormaps["tab20c"].colors]
+    if count > len(palette):
+        raise PlotError(f"{count} runs in one figure: at most {len(palette)}, a colour each; draw them in groups")
+    return palette[:count]
 
 
 def pyplot() -> Any:
@@ -197,9 +217,8 @@ def draw_runs(histories: Sequence[RunHistory], names: Sequence[str] | None = Non
     rows = math.ceil(len(panels) / 2)
     figure, grid = plt.subplots(rows, 2, figsize=(FIGURE_WIDTH, PANEL_HEIGHT * rows + 0.8), squeeze=False)
     axes_list = list(grid.flat)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for index, (history, name) in enumerate(zip(histories, names, strict=True)):
-        colour = colours[index % len(colours)]
+    colours = run_colours(len(histories))
+    for history, name, colour in zip(histories, names, colours, strict=True):
         for panel, axes in zip(panels, axes_list, strict=False):
             draw_panel(axes, panel, history, run_label(history, name), colour)
     for panel, axes in zip(panels, axes_list, strict=False):
@@ -244,26 +263,29 @@ def draw_panel(axes: Axes, panel: Panel, history: RunHistory, label: str, colour
 
 
 STATE_KINDS = ("params_bytes", "grads_bytes", "optimizer_bytes")
+PARAMETER_COUNTS = ("parameter_count", "trained_parameter_count")  # a simulated job's P and T (adapters included)
 MIB = 2**20
 
 
 def draw_scale(results: Sequence[dict[str, Any]]) -> Figure:
     """common.simulate's jobs: per-rank model state by world size on log axes, one line per model and strategy,
-    and per model a dotted line falling as 1/N from the state one rank would hold alone (16 bytes a parameter)."""
+    and per model a dotted line falling as 1/N from the state one rank would hold alone: 16 bytes a parameter, or
+    fine-tuned, 4 a parameter and 12 more one that trains (4P + 12T)."""
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(FIGURE_WIDTH, 4.5))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for result in results:
         state = sum(result[kind] for kind in STATE_KINDS) / MIB
         lines.setdefault((result["model"], result["strategy"]), []).append((result["world_size"], state))
-    for index, ((model, strategy), points) in enumerate(sorted(lines.items())):
+    for ((model, strategy), points), colour in zip(sorted(lines.items()), run_colours(len(lines)), strict=True):
         sizes, states = zip(*sorted(points), strict=True)
-        axes.plot(sizes, states, "o-", color=colours[index % len(colours)], label=f"{model} {strategy}", gid=TRAIN)
+        axes.plot(sizes, states, "o-", color=colour, label=f"{model} {strategy}", gid=TRAIN)
     for model in sorted({result["model"] for result in results}):
         sizes = sorted({result["world_size"] for result in results if result["model"] == model})
-        alone = 16 * parameter_count(next(r for r in results if r["model"] == model)["model_config"]) / MIB
-        axes.plot(sizes, [alone / n for n in sizes], ":", color="grey", label=f"{model} 16P/N", gid=IDEAL)
+        held, trained = (next(r for r in results if r["model"] == model)[key] for key in PARAMETER_COUNTS)
+        alone = (4 * held + 12 * trained) / MIB  # fp32 weights; gradients and Adam's two moments where they train
+        label = f"{model} 16P/N" if held == trained else f"{model} (4P+12T)/N"
+        axes.plot(sizes, [alone / n for n in sizes], ":", color="grey", label=label, gid=IDEAL)
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xlabel("ranks")
@@ -297,8 +319,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=output_file, required=True, help="the figure to write: FILE.png or FILE.svg")
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    for run_dir in args.run_dirs:
+    for index, run_dir in enumerate(args.run_dirs):
         check_run_dir(parser, run_dir)
+        again = next((earlier for earlier in args.run_dirs[:index] if same_file(earlier, run_dir)), None)
+        if again is not None:
+            parser.error(
+                f"{run_dir} is {again} again: the same run twice would be two lines of one label; give it once"
+            )
+    if len(args.run_dirs) > MAX_RUNS:
+        parser.error(f"{len(args.run_dirs)} runs: at most {MAX_RUNS} in one figure, a colour each; draw them in groups")
     inputs = [run_dir / METRICS_FILE for run_dir in args.run_dirs]
     check_figure_path(parser, args.out, "--out", args.overwrite, inputs)
     return args

@@ -24,6 +24,8 @@ import json
 import math
 import os
 import runpy
+import sys
+import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -31,15 +33,15 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_leaves
 
 from common import comm_model, estimate_memory
-from common.activations import LiveStorages, gpt_activations
+from common.activations import gpt_activations
 from common.cli import HelpFormatter, add_fine_tuning_flags
-from common.communication import CollectiveRecorder, Traffic, measured_step
+from common.communication import Traffic, measured_step
 from common.distributed import DistContext, local_state_bytes
-from common.fake_world import all_reduced_bucket, fake_world
+from common.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
 from common.fine_tuning import (
+    ParameterShapes,
     add_adapters,
     estimator_shapes,
     fine_tune,
@@ -47,8 +49,23 @@ from common.fine_tuning import (
     freeze,
 )
 from common.flag_checks import ONE_RANK_SHARD_GROUPS
-from common.flags import int_in_range, non_negative_int, output_file, positive_int
-from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config, gpt_parameter_count
+from common.flags import (
+    INTEGER,
+    flag_kind,
+    non_negative_int,
+    output_file,
+    positive_int,
+    refuse_outputs_on_one_path,
+    shown,
+)
+from common.models import (
+    COMPUTE_DTYPES,
+    GPT,
+    GPT_PRESETS,
+    GPTConfig,
+    gpt_config,
+    gpt_step_overflow,
+)
 from common.outputs import add_overwrite_flag, check_output_path, write_text
 from common.plot import check_figure_path, draw_scale, save_figure_or_exit
 
@@ -85,8 +102,46 @@ def warm_up(
     optimizer.zero_grad(set_to_none=True)
 
 
-# Far beyond any job this repository's scripts were run at; each rank is simulated alone, so only time grows.
-world_size_type = int_in_range(1, 2**20, name="world_size")
+# fully_shard cuts each fake parameter into N pieces, so a job's time grows with N, its memory hardly: the tiny
+# preset took 92 CPU-s at 16,384 ranks (23 at 4,096), gpt2 27 at 1,024 (docs/memory.md); 65,536 would take gpt2
+# about 25 minutes. The estimators answer for any size at once.
+MAX_RANKS = 2**14
+
+
+@flag_kind(INTEGER)
+def world_size_type(text: str) -> int:
+    ranks = positive_int(text)
+    if ranks > MAX_RANKS:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_RANKS:,} ranks, got {shown(text)}: a simulation's time grows with its ranks (gpt2 "
+            "takes minutes at 16,384); common.estimate_memory and common.estimate_communication answer for any size"
+        )
+    return ranks
+
+
+class Progress:
+    """A job's progress on stderr (the table goes to stdout): a line as it starts, one as it ends with each phase's
+    time. fully_shard cutting gpt2 into thousands of pieces takes minutes, with nothing else to show for it."""
+
+    def __init__(self, index: int, count: int, job: argparse.Namespace) -> None:
+        self.name = f"simulate: job {index}/{count}"
+        self.times: dict[str, float] = {}
+        self.last = self.started = time.perf_counter()
+        self.say(
+            f"{self.name}, {job.model} {job.strategy} at {job.world_size:,} ranks: wrapping the model, then stepping"
+        )
+
+    def phase(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[name], self.last = now - self.last, now
+
+    def done(self) -> None:
+        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.times.items())
+        self.say(f"{self.name} done in {time.perf_counter() - self.started:.1f} s ({phases})")
+
+    @staticmethod
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -129,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--png", type=output_file, help="draw state per rank by world size here (.png or .svg)")
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    refuse_outputs_on_one_path(parser, args)
     if args.out is not None:
         check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
     if args.png is not None:
@@ -138,7 +194,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     for model in args.model:  # a --freeze or --lora-targets that the scripts would refuse, refused here
-        estimator_shapes(parser, args, GPTConfig(vocab_size=args.vocab_size, **GPT_PRESETS[model]))
+        config = GPTConfig(vocab_size=args.vocab_size, **GPT_PRESETS[model])
+        overflow = gpt_step_overflow(config, args.batch_size or estimate_memory.DEFAULT_BATCH["gpt"], args.lora_rank)
+        if overflow is not None:
+            parser.error(overflow)
+        estimator_shapes(parser, args, config)
     return args
 
 
@@ -197,31 +257,6 @@ def record_strategy(args: argparse.Namespace) -> str:
     return "ddp" if args.strategy == "ddp" else "fsdp2"  # HSDP of one replica (8 ranks or fewer by default) is FSDP2
 
 
-class StepRecorder(CollectiveRecorder):
-    """The collectives of a step, and the peak of the bytes of every storage alive during it: each from the
-    first operator that shows it (or from the start, for the state held then) until it is freed."""
-
-    def __init__(self, held: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.live = LiveStorages()
-        self.live.see(held)
-        self.peak = self.live.nbytes()
-
-    def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
-        result = super().__torch_dispatch__(func, types, args, kwargs)
-        if result is not NotImplemented:
-            self.live.see(tree_leaves((args, kwargs, result)))
-            self.peak = max(self.peak, self.live.nbytes())
-        return result
-
-
-def held_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors
-
-
 def training_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -247,7 +282,7 @@ def training_step(
     optimizer.step()
 
 
-def simulate(args: argparse.Namespace) -> dict[str, Any]:
+def simulate(args: argparse.Namespace, progress: Progress | None = None) -> dict[str, Any]:
     """The figures of one rank: measured (its own state, peak and collectives) and the estimators'."""
     script = runpy.run_path(str(REPO / SCRIPTS[args.strategy]))
     wrap_model = script["wrap_model"]
@@ -277,6 +312,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         add_adapters(model, script_args.lora_rank, script_args.lora_alpha, script_args.lora_targets, script_args.seed)
         freeze(model, script_args.freeze)
         model = wrap_model(model, script_args, ctx)
+        if progress is not None:
+            progress.phase("wrap")
         if args.strategy == "ddp":
             model.register_comm_hook(None, all_reduced_bucket)
         optimizer = torch.optim.AdamW(model.parameters(), lr=script_args.lr, weight_decay=script_args.weight_decay)
@@ -287,9 +324,12 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         with recorder:
             training_step(model, optimizer, args, ctx, batch)
         state = local_state_bytes(model, optimizer)
+    if progress is not None:
+        progress.phase("steps")
+    tuned = fine_tuned_shapes(config, **args.fine_tuning)
     collectives = [(c.kind, c.message_bytes, c.group_size) for c in recorder.collectives]
     traffic = Traffic.of(collectives)
-    return {
+    result = {
         "strategy": record_strategy(args),
         "world_size": args.world_size,
         "rank": args.rank,
@@ -306,13 +346,19 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         **traffic.as_record(),
         "collectives": collectives,
         **{key: value for key, value in args.fine_tuning.items() if value},
-        "estimate": estimate(args, config, script_args.batch_size),
+        "estimate": estimate(args, config, script_args.batch_size, tuned),
+        # P, the values a rank's copy holds (adapters included), and T, those that train: 4P + 12T bytes unsharded
+        "parameter_count": tuned.numel,
+        "trained_parameter_count": tuned.trainable_numel,
     }
+    if progress is not None:
+        progress.phase("estimate")
+        progress.done()
+    return result
 
 
-def estimate(args: argparse.Namespace, config: Any, batch_size: int) -> dict[str, float]:
+def estimate(args: argparse.Namespace, config: Any, batch_size: int, tuned: ParameterShapes) -> dict[str, float]:
     """What common.estimate_memory and common.estimate_communication (common.comm_model) say of the same job."""
-    tuned = fine_tuned_shapes(config, **args.fine_tuning)
     shapes, trainable, prepare = tuned.shapes, tuned.trainable, functools.partial(fine_tune, **args.fine_tuning)
     strategy = record_strategy(args)
     group = 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree
@@ -359,22 +405,22 @@ def report(result: dict[str, Any]) -> str:
 
 
 def scale_table(results: list[dict[str, Any]]) -> str:
-    """Per-rank model state and bytes sent per step, one row per job, against 16P/N and the estimators."""
+    """Per-rank model state and bytes sent per step, one row per job, against (4P + 12T) / N (16P / N in full
+    training: P values held, T of them trained) and the estimators."""
     lines = [
-        "| model | ranks | strategy | ranks per copy | state per rank MiB | x 16P / ranks per copy "
+        "| model | ranks | strategy | ranks per copy | state per rank MiB | x (4P + 12T) / ranks per copy "
         "| estimated / simulated | sent per step MiB | estimated / simulated | peak MiB | estimated / simulated |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for result in results:
-        config = GPTConfig(**result["model_config"])
-        params = gpt_parameter_count(config)
+        held, trained = result["parameter_count"], result["trained_parameter_count"]
         group = result["world_size"] // result["replicate_degree"] if result["strategy"] != "ddp" else 1
         state = sum(result[f"{kind}_bytes"] for kind in ("params", "grads", "optimizer"))
         estimated = sum(result["estimate"][f"{kind}_bytes"] for kind in ("params", "grads", "optimizer"))
         sent, sent_estimated = result["sent_bytes_per_step"], result["estimate"]["sent_bytes_per_step"]
         lines.append(
             f"| {result['model']} | {result['world_size']:,} | {result['strategy']} | {group:,} | {state / MIB:,.2f} "
-            f"| {state / (16 * params / group):.3f} | {estimated / state:.4f} | {sent / MIB:,.1f} "
+            f"| {state / ((4 * held + 12 * trained) / group):.3f} | {estimated / state:.4f} | {sent / MIB:,.1f} "
             f"| {ratio(sent_estimated, sent)} | {result['peak_bytes'] / MIB:,.1f} "
             f"| {ratio(result['estimate']['peak_bytes'], result['peak_bytes'])} |"
         )
@@ -383,7 +429,7 @@ def scale_table(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    results = [simulate(one) for one in args.jobs]
+    results = [simulate(job, Progress(index, len(args.jobs), job)) for index, job in enumerate(args.jobs, 1)]
     print(report(results[0]) if len(results) == 1 else scale_table(results))
     if args.out is not None:
         written = results[0] if len(results) == 1 else results

@@ -180,6 +180,7 @@ def train(args, ctx: DistContext) -> None:
             "resume",
             step=resumed.step,
             checkpoint=str(resumed.path),
+            checkpoint_world_size=resumed.world_size,  # a resume at another world size shows as a change
             world_size=ctx.world_size,
             changed=resumed.changed,  # each training setting that differs from the checkpoint's: [old, new]
         )

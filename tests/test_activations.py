@@ -191,6 +191,10 @@ REFUSALS = [
     (["--model", "mnist", "--mixed-precision", "bf16"], "the MNIST scripts have neither"),
     (["--model", "mnist", "--block-size", "64"], "describe the GPT, not MNIST"),
     (["--model", "tiny", "--n-head", "3"], "must be divisible by --n-head 3"),
+    # Each below 2**63, and so a flag's value, but their product is a tensor's size no 64-bit count holds.
+    (["--model", "tiny", "--batch-size", str(2**62)], "logits (4611686018427387904 x 64 x 16 values)"),
+    (["--model", "tiny", "--lora-rank", str(2**62)], "more bytes than torch can count"),
+    (["--model", "mnist", "--batch-size", str(2**62)], "second convolution's output"),
     ([], "give --params"),
 ]
 

@@ -539,8 +539,11 @@ def test_compare_runs_names_a_model_it_cannot_read(tmp_path: Path, capsys: pytes
         ("5", "line 3: not a record of a run"),
         ('{"event": "train", "loss": 1.0, "grad_norm": 1.0}', "a train record without step, loss and grad_norm"),
         ('{"event": "train", "step": 3, "loss": "low", "grad_norm": 1.0}', "a train record without step, loss"),
+        # JSON's integers have no size limit; Python reads up to 4,300 digits, a float holds up to 309.
+        (f'{{"event": "train", "step": 3, "loss": {10**400}, "grad_norm": 1.0}}', "line 3: loss is a number of 401"),
+        (f'{{"event": "train", "step": 3, "loss": 1.0, "grad_norm": {"9" * 5000}}}', "line 3: grad_norm is a number"),
     ],
-    ids=["a number", "no step", "a word for a loss"],
+    ids=["a number", "no step", "a word for a loss", "401 digits", "5000 digits"],
 )
 def test_compare_runs_names_a_record_it_cannot_read(
     line: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -4,10 +4,12 @@ Generated from the parsers, not from a list: the scripts are ddp/*.py and fsdp/*
 the common/ modules with a ``__main__`` block (found as tests/test_layout.py finds them). Each has a
 ``parse_args(argv)`` that parses and runs the module's checks, and does no work. The test catches the
 parser it builds, walks ``parser._actions``, and tries on each flag the hostile values of its kind,
-which the flag's type declares (``common.flags``): for a number nan, inf, 0, -1, 1e999 and a word; for
+which the flag's type declares (``common.flags``): for a number nan, inf, 0, -1, 1e999 and a word, and for
+a whole number also integers past 64 bits (2**63, and a 401-digit one as a typo or a script makes); for
 an input a missing path and the wrong kind of path; for an output a folder or a file where the other
-goes, a place below a file (unwritable, even for root), and an input of the same command. A flag with
-choices gets a word that is none of them. Each try must end in exactly one ``error:`` line naming the
+goes, a place below a file (unwritable, even for root), and an input of the same command; two outputs of
+one command get one path (a file and a file, or a file and a folder). A flag with choices gets a word that
+is none of them. Each try must end in exactly one ``error:`` line naming the
 flag, exit code 2 and no traceback, within seconds, all in this one process.
 
 A flag whose type declares no kind fails the test, unless FREE_TEXT says why it takes any text; a
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import itertools
 import json
 import os
 import runpy
@@ -44,8 +47,13 @@ COMMANDS = sorted(f"common.{path.stem}" for path in (REPO / "common").glob("*.py
 
 # Values a flag of that kind must refuse; an output flag is also tried with an input of its command.
 ANY_PATH = ["", "{too_long}"]  # an empty path; a name longer than a file system takes (ENAMETOOLONG)
+NUMBERS = ["nan", "inf", "0", "-1", "1e999", "many"]
+# Python reads any integer, torch and numpy no larger than 2**63 - 1: these once reached a tensor's shape
+# (common.simulate --batch-size, a traceback from torch.randint).
+HUGE_INTEGERS = [str(2**63), str(10**400)]
 HOSTILE = {
-    flags.NUMBER: ["nan", "inf", "0", "-1", "1e999", "many"],
+    flags.NUMBER: NUMBERS,
+    flags.INTEGER: [*NUMBERS, *HUGE_INTEGERS],
     flags.EXISTING_FILE: ["{missing}", "{folder}", *ANY_PATH],
     flags.EXISTING_DIR: ["{missing}", "{file}", *ANY_PATH],
     flags.EXISTING_PATH: ["{missing}", "{below_file}", *ANY_PATH],
@@ -95,6 +103,7 @@ class Places:
             "file": str(self.root / "a-file.txt"),
             "below_file": str(self.root / "a-file.txt" / "inside"),
             "too_long": str(self.root / ("x" * 300) / "out"),
+            "shared": str(self.root / "one-path-for-two.png"),  # a name every output takes (.png for a picture)
             "text": str(self.root / "a-file.txt"),
             "out": str(self.root / "outputs" / "out.json"),
             "runs": str(self.root / "runs"),
@@ -217,6 +226,18 @@ def cases(program: str, parser: argparse.ArgumentParser, places: dict[str, str])
                 yield Case(program, name_of(action), value.format(**places), argv, True, shown_as(action))
 
 
+def shared_outputs(program: str, parser: argparse.ArgumentParser, places: dict[str, str]) -> Iterator[Case]:
+    """Each two outputs of the command on one path; two folders may share one (a run's folder can hold its data)."""
+    kinds = (flags.OUTPUT_FILE, flags.OUTPUT_DIR, flags.OUTPUT_PATH)
+    outputs = [a for a in filter(takes_values, parser._actions) if getattr(a.type, "kind", None) in kinds]
+    for first, second in itertools.combinations(outputs, 2):
+        if first.type.kind == second.type.kind == flags.OUTPUT_DIR:
+            continue
+        argv = command_line(program, parser, {first: "{shared}", second: "{shared}"}, places)
+        flag = f"{name_of(first)} and {name_of(second)}"
+        yield Case(program, flag, places["shared"], argv, must_fail=True, shown=shown_as(second))
+
+
 def unchecked(program: str, parser: argparse.ArgumentParser) -> list[str]:
     """Flags that take a value nobody checks: no kind, no choices, and no reason in FREE_TEXT."""
     return [
@@ -281,7 +302,7 @@ def test_every_flag_refuses_what_broke_one(tmp_path: Path, capsys: pytest.Captur
             failures.append(f"{program} {' '.join(base)}: the base command line fails: {problem}")
             continue
         flags_seen += sum(1 for _ in filter(takes_values, parser._actions))
-        for case in cases(program, parser, places.values):
+        for case in [*cases(program, parser, places.values), *shared_outputs(program, parser, places.values)]:
             tried += 1
             declared_valid += not case.must_fail
             problem = outcome(parse_args, case, capsys)

@@ -3,8 +3,8 @@ through matplotlib's own objects (lines, labels, data points against the records
 that neither training nor the library imports matplotlib.
 
 The runs are made once for the file, laid out as a comparison's --out-dir (STRATEGY-WORLDSIZE), so that
-common.plot and compare_strategies --from-runs draw the same runs: DDP at 1 rank (stopped at step 4 and
-resumed to step 8), DDP at 2 ranks and FSDP1 at 2 ranks (6 steps each).
+common.plot and compare_strategies --from-runs draw the same runs: DDP stopped at step 4 at 2 ranks and
+resumed to step 8 at 1 (its folder named by where it finished), DDP at 2 ranks and FSDP1 at 2 ranks (6 steps each).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """The comparison folder's runs by folder name; ``ddp-1`` was stopped at step 4 and resumed to step 8."""
+    """The comparison folder's runs by folder name; ``ddp-1`` was stopped at step 4 at 2 ranks and resumed to step 8
+    at 1."""
     out = tmp_path_factory.mktemp("comparison")
     stopped = [*TINY, "--checkpoint-interval", "4", "--max-steps", "4"]
-    run_script("ddp/train_transformer.py", stopped, out / "ddp-1").check()
+    run_script("ddp/train_transformer.py", stopped, out / "ddp-1", nproc=2).check()
     resumed = [*TINY, "--checkpoint-interval", "4", "--max-steps", "8", "--resume"]
     made = {"ddp-1": run_script("ddp/train_transformer.py", resumed, out / "ddp-1").check()}
     for name, script in [("ddp-2", "ddp/train_transformer.py"), ("fsdp1_full_shard-2", "fsdp/train_transformer.py")]:
@@ -67,7 +68,8 @@ def test_each_run_is_drawn_from_its_records_with_its_restart(runs: dict[str, Run
         ]
     )
     labels = [line.get_label() for line in lines(panels["loss by step"], plot.TRAIN)]
-    assert labels == ["ddp-1: ddp, 1 rank", "ddp-2: ddp, 2 ranks", "fsdp1_full_shard-2: fsdp1_full_shard, 2 ranks"]
+    # A resumed run's label names each world size it ran at: the resume record holds the checkpoint's.
+    assert labels == ["ddp-1: ddp, 2→1 ranks", "ddp-2: ddp, 2 ranks", "fsdp1_full_shard-2: fsdp1_full_shard, 2 ranks"]
     for field, title in [
         ("loss", "loss by step"),
         ("lr", "learning rate"),
@@ -169,6 +171,58 @@ def test_bad_input_is_one_message(runs: dict[str, Run], tmp_path: Path, capsys: 
     code, _ = refusal([str(final_only), "--out", str(tmp_path / "a.png")], capsys)
     assert str(code).startswith("error: nothing to draw for final-only")
     assert not list(tmp_path.glob("*.png")), "a refusal writes nothing"
+
+
+@pytest.mark.parametrize("digits", [401, 5000], ids=["past a float", "past what Python reads"])
+def test_a_number_no_float_holds_is_named_with_its_file_and_line(
+    digits: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A metrics.jsonl edited or damaged by hand: one message naming the file, the line and the field, not an
+    OverflowError (401 digits) or Python's integer-reading limit (more than 4,300) as a traceback."""
+    run = tmp_path / "edited"
+    run.mkdir()
+    records = [{"event": "train", "step": 2, "loss": 2.0, "lr": 0.01}, {"event": "train", "step": 4, "loss": 1.0}]
+    lines = [json.dumps(record) for record in records]
+    lines[1] = lines[1].replace("1.0", "9" * digits)
+    (run / METRICS_FILE).write_text("\n".join(lines) + "\n")
+    code, err = refusal([str(run), "--out", str(tmp_path / "a.png")], capsys)
+    assert str(code).startswith(f"error: {run / METRICS_FILE}, line 2: loss is a number of {digits} digits"), code
+    assert not (tmp_path / "a.png").exists()
+
+
+def write_finished_run(run_dir: Path, loss: float) -> Path:
+    """A finished run's metrics.jsonl, as a run writes it, with two train records."""
+    run_dir.mkdir(parents=True)
+    records = [
+        {"event": "train", "step": 2, "loss": loss, "lr": 0.01, "step_ms": 5.0},
+        {"event": "train", "step": 4, "loss": loss / 2, "lr": 0.01, "step_ms": 5.0},
+        {"event": "final", "strategy": "ddp", "world_size": 2},
+    ]
+    (run_dir / METRICS_FILE).write_text("".join(json.dumps(record) + "\n" for record in records))
+    return run_dir
+
+
+def test_two_dozen_runs_get_a_colour_and_a_label_each(tmp_path: Path) -> None:
+    """Matplotlib's default cycle has 10 colours: the 11th run took the first's. Runs of one folder name in two
+    places are told apart by their paths."""
+    run_dirs = [
+        write_finished_run(tmp_path / f"sweep-{index // 12}" / f"lr-{index % 12}", 1.0 + index) for index in range(24)
+    ]
+    figure, panels = figure_of(*run_dirs)
+    drawn = lines(panels["loss by step"], plot.TRAIN)
+    assert len(drawn) == 24
+    assert len({line.get_color() for line in drawn}) == 24, [line.get_color() for line in drawn]
+    labels = [line.get_label() for line in drawn]
+    assert len(set(labels)) == 24 and labels[0] == f"{run_dirs[0]}: ddp, 2 ranks", labels[:2]
+    plot.pyplot().close(figure)
+
+
+def test_one_run_given_twice_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same folder twice, under two spellings, drew two lines of one label: one message instead."""
+    run = write_finished_run(tmp_path / "run", 1.0)
+    code, err = refusal([str(run), f"{tmp_path}/./run/", "--out", str(tmp_path / "a.png")], capsys)
+    assert code == 2 and err.count("error:") == 1 and "the same run twice" in err, err
+    assert not (tmp_path / "a.png").exists()
 
 
 def test_compare_strategies_draws_a_saved_comparison_without_training(
