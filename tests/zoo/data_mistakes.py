@@ -111,6 +111,24 @@ SAMPLER = [
     ),
 ]
 
+WINDOWS = [
+    Mistake(
+        name="token-file-target-two-tokens-on",
+        path="common/tokens.py",
+        edits={
+            "wanted = (self.block_size + 1) * TOKEN_BYTES": "wanted = (self.block_size + 2) * TOKEN_BYTES",
+            "window = torch.from_numpy(ids.astype(np.int64))\n        return window[:-1], window[1:]": (
+                "window = torch.from_numpy(ids.astype(np.int64))\n        return window[:-2], window[2:]"
+            ),
+        },
+        test="tests/test_token_files.py::test_every_windows_targets_are_its_inputs_one_token_on",
+        reason=r"targets not the inputs one token on: token file, train window 0",
+        harm="each window of a token file reads one token more and pairs every input with the token after next: "
+        "the model learns to skip a token, at the same shapes and speed",
+        notice="nothing fails: the loss on a token file stays above what the same text reaches through --text-file",
+    ),
+]
+
 ACCUMULATION = [
     Mistake(
         name="tokens-counted-on-this-rank-only",
@@ -274,4 +292,4 @@ SCHEDULES = [
     ),
 ]
 
-MISTAKES: list[Mistake] = [*SAMPLER, *ACCUMULATION, *EVALUATION, *SCHEDULES]
+MISTAKES: list[Mistake] = [*SAMPLER, *WINDOWS, *ACCUMULATION, *EVALUATION, *SCHEDULES]
