@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.zoo import data_mistakes, state_mistakes, wrap_mistakes
+from tests.zoo import data_mistakes, fine_tuning_mistakes, state_mistakes, wrap_mistakes
 from tests.zoo.mistake import Mistake
 
 # The equivalence tests' verdict when a run leaves the noise band of one process.
@@ -43,4 +43,5 @@ MISTAKES: list[Mistake] = [
     *data_mistakes.MISTAKES,
     *wrap_mistakes.MISTAKES,
     *state_mistakes.MISTAKES,
+    *fine_tuning_mistakes.MISTAKES,
 ]
