@@ -141,6 +141,21 @@ ACCUMULATION = [
         notice="the logged loss and grad norm grow with the number of GPUs",
     ),
     Mistake(
+        name="padding-counted-as-tokens",
+        path="common/training.py",
+        edits={
+            "local = sum((targets != IGNORE_INDEX).sum() for _, targets in micro_batches)": (
+                "local = sum(torch.tensor(targets.numel()) for _, targets in micro_batches)"
+            )
+        },
+        test=f"{EQUIVALENCE}::test_the_training_loss_is_a_mean_over_the_real_tokens",
+        reason=r"the training loss of step 1 is [\d.]+ where the model as it starts scores [\d.]+ held out",
+        harm="the step's token count takes in padded (ignored) targets: on padded data every step's loss and "
+        "gradient are divided by too many tokens, by a factor that changes with the batch's lengths",
+        notice="on padded data the logged training loss is far below the held-out loss from the first step "
+        "(1.5 against 2.8), while the held-out loss looks normal",
+    ),
+    Mistake(
         name="ddp-never-syncs",
         path="ddp/train_transformer.py",
         edits={LAST_MICRO_STEP: "last_micro_step = micro_step == args.grad_accum_steps"},
