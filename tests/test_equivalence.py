@@ -36,6 +36,7 @@ from tests.harness.noise_floor import (
     TRANSFORMER_ARGS,
     TRANSFORMER_STEPS,
     VARIABLE_LENGTH_ARGS,
+    VARIABLE_LENGTH_CLIP,
     NoiseRuns,
     assert_same_training,
 )
@@ -286,9 +287,10 @@ def test_broken_copies_leave_the_band_a_hundredfold(
 
 
 # --variable-length: every token weighs the same only if a step's loss is divided by the tokens of the
-# whole global batch. (id, script, processes, accumulation steps): 2 and 3 ranks, with accumulation.
+# whole global batch. (id, script, processes, accumulation steps): 2 and 3 ranks, with accumulation, and
+# the clip acting at every step: it must clip the step's whole gradient, once, not a micro-step's part.
 VARIABLE_LENGTH_CASES = [
-    ("ddp-3x2-accum", "ddp/train_transformer.py", 3, 2),
+    ("ddp-3x4-accum", "ddp/train_transformer.py", 3, 4),
     ("fsdp1-2x3-accum", "fsdp/train_transformer.py", 2, 3),
     ("fsdp2-3x2-accum", "fsdp/train_transformer_fsdp2.py", 3, 2),
 ]
@@ -298,6 +300,12 @@ VARIABLE_LENGTH_CASES = [
 def test_variable_lengths_match_one_process(
     case: str, script: str, nproc: int, accumulation: int, variable_length_noise: NoiseRuns, tmp_path: Path
 ) -> None:
+    # The logged norm is the one before clipping: above the limit, the step was clipped.
+    reference = [
+        json.loads(line) for line in (variable_length_noise.reference / "metrics.jsonl").read_text().splitlines()
+    ]
+    clipped = [r["step"] for r in reference if r["event"] == "train" and r["grad_norm"] > VARIABLE_LENGTH_CLIP]
+    assert len(clipped) >= 0.75 * TRANSFORMER_STEPS, f"the reference clipped at steps {clipped} alone"
     flags = [*VARIABLE_LENGTH_ARGS, "--grad-accum-steps", str(accumulation)]
     run = run_script(script, flags, tmp_path, nproc=nproc).check()
     assert_same_training(variable_length_noise, tmp_path, run.describe(), TRANSFORMER_STEPS)
