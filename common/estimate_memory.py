@@ -305,7 +305,8 @@ def gpt_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTC
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     config = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
-    overflow = gpt_step_overflow(config, args.batch_size, args.lora_rank)
+    # common.estimate_communication shares this and has no batch: what a step sends does not depend on it.
+    overflow = gpt_step_overflow(config, getattr(args, "batch_size", 1), getattr(args, "lora_rank", None))
     if overflow is not None:
         parser.error(overflow)
     return config

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from common import prepare_tokens, sample
 from common.distributed import distributed
 from common.run_dir import CHECKPOINTS
-from common.tokens import TokenData, markov_data, text_data, token_file_data
+from common.tokens import IGNORE_INDEX, TokenData, markov_data, text_data, token_file_data
 from common.training import TokenCount, global_token_count
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
 
@@ -230,6 +230,30 @@ def test_text_windows_are_the_texts_characters_in_code_point_order(
             expected = stream[index * block : index * block + block + 1]
             assert inputs.dtype == torch.int64 and torch.equal(inputs, expected[:-1])
             assert torch.equal(targets, expected[1:])
+
+
+def test_every_windows_targets_are_its_inputs_one_token_on(token_file: Path, tmp_path: Path) -> None:
+    """Next-token prediction in every kind of data: a window's target at t is its input at t + 1, over
+    block_size tokens (a padded one's over its real tokens). A target two tokens on, read from one token more,
+    keeps the window's length and trains a model to predict the token after next: only the targets show it."""
+    block = 16
+    datasets = {
+        "synthetic": markov_data(block, 40, 8),
+        "synthetic, variable length": markov_data(block, 40, 8, variable_length=True),
+        "text": text_data(write_text(tmp_path / "text.txt", 5_000), block),
+        "token file": token_file_data(token_file, block, 20),
+    }
+    not_one_on = []
+    for name, data in datasets.items():
+        for split, windows in (("train", data.train), ("held-out", data.heldout)):
+            for index in range(len(windows)):
+                inputs, targets = windows[index]
+                real = int((targets != IGNORE_INDEX).sum())
+                if len(inputs) != block or not torch.equal(targets[: real - 1], inputs[1:real]):
+                    seen = f"inputs {inputs[:6].tolist()}..., targets {targets[:6].tolist()}..."
+                    not_one_on.append(f"{name}, {split} window {index}: {seen}")
+                    break
+    assert not not_one_on, "targets not the inputs one token on: " + "; ".join(not_one_on)
 
 
 def test_prepare_tokens_never_imports_torch() -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from tests.zoo import data_mistakes, state_mistakes, wrap_mistakes
+from tests.zoo import data_mistakes, fine_tuning_mistakes, state_mistakes, wrap_mistakes
 from tests.zoo.mistake import Mistake
 
 # The equivalence tests' verdict when a run leaves the noise band of one process.
 TRAINS_DIFFERENTLY = r"DIFFERENT"
+DDP_CLIP = "            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)\n"
 
 CLIPPING = [
     Mistake(
@@ -22,6 +23,24 @@ CLIPPING = [
         harm="each rank clips its shard by its own shard's norm: the global norm is never computed, the "
         "logged norm is one rank's, and clipping scales every shard differently",
         notice="the logged grad norm is about 1/sqrt(N) of a one-GPU run's, and falls further as you add GPUs",
+    ),
+    Mistake(
+        name="ddp-clip-inside-the-micro-steps",
+        path="ddp/train_transformer.py",
+        edits={
+            DDP_CLIP: "",
+            "                step_loss += loss.detach()\n": "                step_loss += loss.detach()\n    "
+            + DDP_CLIP,
+        },
+        test="tests/test_equivalence.py::test_variable_lengths_match_one_process[ddp-3x4-accum]",
+        # The one-process twins accumulate too: they clip their partial gradients as the candidate does, and
+        # the band they make is wide enough for any candidate. At step 1 they are not the reference's step.
+        reason=r"the twins are not the reference's training: at step 1, one process in K micro-steps computed",
+        harm="the gradient is clipped after every micro-step's backward, while it is still a part of the step's: "
+        "the micro-steps that come first are scaled down more than the later ones, and the step's gradient is "
+        "not the one a single batch gives",
+        notice="with --grad-accum-steps above 1 and a clip that acts, the run trains differently from one without "
+        "accumulation at the same global batch, and logs a smaller grad norm",
     ),
 ]
 
@@ -43,4 +62,5 @@ MISTAKES: list[Mistake] = [
     *data_mistakes.MISTAKES,
     *wrap_mistakes.MISTAKES,
     *state_mistakes.MISTAKES,
+    *fine_tuning_mistakes.MISTAKES,
 ]
