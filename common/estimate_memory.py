@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 from common.activations import ActivationBytes, gpt_activations, mnist_activations
 from common.cli import HelpFormatter
 from common.fine_tuning import add_estimator_flags, estimator_shapes, fine_tune
-from common.flags import float_in_range, int_in_range, positive_float, positive_int
+from common.flags import INTEGER, flag_kind, float_in_range, int_in_range, positive_float, positive_int
 from common.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from common.models import (
     GPT_PRESETS,
@@ -238,7 +238,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         choices=[MNIST, *GPT_PRESETS],
         help="the scripts' model: a GPT preset (its parameters replace --params, its Blocks --layers) or the MNIST net",
     )
-    group.add_argument("--n-layer", type=positive_int, help="override the preset's number of Blocks")
+    group.add_argument("--n-layer", type=block_count, help="override the preset's number of Blocks")
     group.add_argument("--n-head", type=positive_int, help="override the preset's attention heads")
     group.add_argument("--d-model", type=positive_int, help="override the preset's width")
     group.add_argument("--block-size", type=positive_int, help="override the preset's context length (tokens)")
@@ -293,6 +293,24 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
             parser.error(overflow)
         return None
     return gpt_shape(parser, args)
+
+
+# --model's activations come from one fake step of the GPT (common.activations), whose time grows faster
+# than its Blocks: the tiny preset took 14 s at 12 and 24 Blocks, 31 s at 48, 154 s (142 CPU-s) at 128, and was
+# stopped after 10 minutes at 1,000, with another process on the second core. 128 is past the deepest
+# published models (Llama 3.1 405B: 126 Blocks); --params with --layers answers for any depth at once.
+MAX_BLOCKS = 128
+
+
+@flag_kind(INTEGER)
+def block_count(text: str) -> int:
+    blocks = positive_int(text)
+    if blocks > MAX_BLOCKS:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_BLOCKS} Blocks, got {text}: the fake step that measures the activations takes "
+            "minutes at 128; --params N --layers L (no --model) estimates the model state of any depth at once"
+        )
+    return blocks
 
 
 def gpt_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConfig:

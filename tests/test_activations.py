@@ -195,6 +195,8 @@ REFUSALS = [
     (["--model", "tiny", "--batch-size", str(2**62)], "logits (4611686018427387904 x 64 x 16 values)"),
     (["--model", "tiny", "--lora-rank", str(2**62)], "more bytes than torch can count"),
     (["--model", "mnist", "--batch-size", str(2**62)], "second convolution's output"),
+    # A fake step over 10**9 Blocks never ended (10 minutes at 1,000): refused past 128, with the way that is fast.
+    (["--model", "tiny", "--n-layer", "129"], "must be at most 128 Blocks, got 129"),
     ([], "give --params"),
 ]
 
