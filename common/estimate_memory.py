@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 from common.activations import ActivationBytes, gpt_activations, mnist_activations
 from common.cli import HelpFormatter
 from common.fine_tuning import add_estimator_flags, estimator_shapes, fine_tune
-from common.flags import INTEGER, flag_kind, float_in_range, int_in_range, positive_float, positive_int
+from common.flags import float_in_range, int_in_range, positive_float, positive_int, positive_int_up_to
 from common.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from common.models import (
     GPT_PRESETS,
@@ -302,15 +302,13 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
 MAX_BLOCKS = 128
 
 
-@flag_kind(INTEGER)
-def block_count(text: str) -> int:
-    blocks = positive_int(text)
-    if blocks > MAX_BLOCKS:
-        raise argparse.ArgumentTypeError(
-            f"must be at most {MAX_BLOCKS} Blocks, got {text}: the fake step that measures the activations takes "
-            "minutes at 128; --params N --layers L (no --model) estimates the model state of any depth at once"
-        )
-    return blocks
+block_count = positive_int_up_to(
+    MAX_BLOCKS,
+    "Blocks",
+    "the fake step that measures the activations takes minutes at 128; --params N --layers L (no --model) "
+    "estimates the model state of any depth at once",
+    name="n_layer",
+)
 
 
 def gpt_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConfig:

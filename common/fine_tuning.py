@@ -20,11 +20,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from common.cli import add_fine_tuning_flags
 from common.distributed import FatalError, print0
-from common.models import GPT, GPTConfig, init_parameters, plain_name, tied_parameters
+from common.models import GPT, GPTConfig, init_parameters, plain_name, tied_parameters, unwrapped
 
 
 def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
@@ -223,7 +222,7 @@ def trained_parameters(model: nn.Module) -> list[str] | None:
     """What a checkpoint records of --freeze and --lora-targets: the plain names of the parameters that train,
     None when all of them do (as before this was recorded). Another set of patterns or targets over the same
     number of layers trains other parameters, and a resume under it failed in torch's optimizer state dict."""
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    inner = unwrapped(model)
     names = [plain_name(name) for name, parameter in inner.named_parameters() if parameter.requires_grad]
     if len(names) == sum(1 for _ in inner.parameters()):
         return None

@@ -128,6 +128,22 @@ def _float_range_text(low: float, high: float | None, above_low: bool, unit: str
 
 
 positive_int = int_in_range(1, name="positive_int")
+
+
+def positive_int_up_to(limit: int, unit: str, why: str, *, name: str) -> Callable[[str], int]:
+    """Whole numbers from 1 to ``limit``, where a larger one is a job too long to run; the refusal says ``why``."""
+
+    @flag_kind(INTEGER)
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"must be at most {limit:,} {unit}, got {shown(text)}: {why}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
 non_negative_int = int_in_range(0, name="non_negative_int")
 positive_float = float_in_range(0, above_low=True, name="positive_float")
 non_negative_float = float_in_range(0, name="non_negative_float")

@@ -216,6 +216,11 @@ def plain_name(name: str) -> str:
     return name
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model DDP wraps (its parameter names without ``module.``); FSDP keeps the model itself."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def tied_parameters(model: nn.Module) -> dict[str, str]:
     """Names that are another parameter under a second name, each with the first name it has: GPT-2's
     ``{"lm_head.weight": "transformer.wte.weight"}``, its output head tied to its token embedding.
@@ -223,7 +228,7 @@ def tied_parameters(model: nn.Module) -> dict[str, str]:
     One tensor, so one gradient and one optimizer state; a file of the weights holds it once, under the
     first name (as a Hugging Face folder does). ``model`` may be wrapped (DDP, FSDP1, FSDP2).
     """
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    inner = unwrapped(model)
     first: dict[int, str] = {}
     tied = {}
     for name, parameter in inner.named_parameters(remove_duplicate=False):

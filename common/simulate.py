@@ -50,13 +50,11 @@ from common.fine_tuning import (
 )
 from common.flag_checks import ONE_RANK_SHARD_GROUPS
 from common.flags import (
-    INTEGER,
-    flag_kind,
     non_negative_int,
     output_file,
     positive_int,
+    positive_int_up_to,
     refuse_outputs_on_one_path,
-    shown,
 )
 from common.models import (
     COMPUTE_DTYPES,
@@ -108,15 +106,13 @@ def warm_up(
 MAX_RANKS = 2**14
 
 
-@flag_kind(INTEGER)
-def world_size_type(text: str) -> int:
-    ranks = positive_int(text)
-    if ranks > MAX_RANKS:
-        raise argparse.ArgumentTypeError(
-            f"must be at most {MAX_RANKS:,} ranks, got {shown(text)}: a simulation's time grows with its ranks (gpt2 "
-            "takes minutes at 16,384); common.estimate_memory and common.estimate_communication answer for any size"
-        )
-    return ranks
+world_size_type = positive_int_up_to(
+    MAX_RANKS,
+    "ranks",
+    "a simulation's time grows with its ranks (gpt2 takes minutes at 16,384); common.estimate_memory and "
+    "common.estimate_communication answer for any size",
+    name="world_size",
+)
 
 
 class Progress:
