@@ -222,7 +222,7 @@ def add_transformer_flags(parser: Parser) -> None:
         "--token-file",
         type=existing_file,
         metavar="TOKENS",
-        help="train on a file of token ids that python -m common.prepare_tokens wrote, read a window at a time: a "
+        help="train on a file of token ids that python -m tools.runs.prepare_tokens wrote, read a window at a time: a "
         "corpus of any size; its last 10%% is held out",
     )
     group.add_argument(
@@ -381,7 +381,7 @@ def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
         type=existing_path,
         metavar="PATH",
         help="start from these weights: a state dict of this model (a run's model.pt, or python -m "
-        "common.export_checkpoint's output), at step 0 with a fresh optimizer; with --resume, a checkpoint "
+        "tools.runs.export_checkpoint's output), at step 0 with a fresh optimizer; with --resume, a checkpoint "
         "in --run-dir comes first",
     )
     if sharded:
@@ -396,7 +396,7 @@ def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
 
 
 def add_trust_flag(group: argparse._ActionsContainer) -> None:
-    """--trust-checkpoint, for the training scripts and common.export_checkpoint alike."""
+    """--trust-checkpoint, for the training scripts and tools.runs.export_checkpoint alike."""
     group.add_argument(
         "--trust-checkpoint",
         action="store_true",

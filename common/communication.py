@@ -218,7 +218,7 @@ class CollectiveRecorder(TorchDispatchMode):
     def before_collective(
         self, func: torch._ops.OpOverload, kind: str, group: dist.ProcessGroup, args: tuple, kwargs: dict
     ) -> None:
-        """Called before a collective is issued; subclasses check it here (common/lockstep.py)."""
+        """Called before a collective is issued; subclasses check it here (tools/checks/lockstep.py)."""
 
 
 def _is_dispatching_subclass(cls: type) -> bool:

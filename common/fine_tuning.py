@@ -167,7 +167,7 @@ def merge_adapters(state: dict[str, torch.Tensor], rank: int | None, alpha: floa
     return merged_with_scale(state, adapter_scale(rank, alpha))
 
 
-# The one entry of an adapters file (common.export_checkpoint --adapters-only) that is not an adapter: the
+# The one entry of an adapters file (tools.runs.export_checkpoint --adapters-only) that is not an adapter: the
 # update's scale, alpha / rank, without which B A cannot be added to the weights it was trained for.
 ADAPTERS_SCALE = "lora_scale"
 
@@ -182,7 +182,7 @@ def apply_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tens
     """The plain model's state dict from its base weights and an adapters file: each adapted weight
     ``W + scale * B A``, as the run's model.pt holds it. ValueError, saying why, if the two do not fit."""
     if ADAPTERS_SCALE not in adapters:
-        raise ValueError(f"it has no {ADAPTERS_SCALE!r}: not written by common.export_checkpoint --adapters-only")
+        raise ValueError(f"it has no {ADAPTERS_SCALE!r}: not written by tools.runs.export_checkpoint --adapters-only")
     layers = [name.removesuffix(".adapter.a") for name in adapters if name.endswith(".adapter.a")]
     for layer in layers:
         weight = base.get(f"{layer}.weight")
@@ -299,7 +299,7 @@ def fine_tune(
 
 
 def add_estimator_flags(parser: argparse.ArgumentParser) -> None:
-    """--freeze, --lora-rank and --lora-targets for common.estimate_memory and common.estimate_communication,
+    """--freeze, --lora-rank and --lora-targets for the estimators (tools/estimates/),
     as the training scripts take them (--lora-alpha changes no byte, so the estimators do without it)."""
     add_fine_tuning_flags(
         parser, title="fine-tuning: train part of a GPT (needs --model with a GPT preset)", alpha=False

@@ -160,7 +160,7 @@ def check_init_from(parser: Parser, path: Path) -> None:
     if path.is_dir() and (path / ".metadata").exists():
         parser.error(
             f"--init-from {path} is a sharded checkpoint; "
-            f"python -m common.export_checkpoint {path} weights.pt makes a state dict of one"
+            f"python -m tools.runs.export_checkpoint {path} weights.pt makes a state dict of one"
         )
     if path.is_dir():
         try:

@@ -8,7 +8,7 @@ argparse prints the refusal once as ``PROG: error: argument --FLAG: ...`` and ex
 
 Each type carries ``kind`` (INTEGER, NUMBER, EXISTING_FILE, ...): tests/test_every_flag.py reads it to
 choose the hostile values it tries on the flag, and fails on a flag whose type has none.
-No torch here: common.preflight parses its flags without importing it.
+No torch here: tools.checks.preflight parses its flags without importing it.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def check_text_file(parser: argparse.ArgumentParser, path: Path, block_size: int
     if distinct > MAX_VOCAB_SIZE:
         parser.error(
             f"--text-file {path} holds {distinct:,} distinct characters; a character-level vocabulary holds at most "
-            f"{MAX_VOCAB_SIZE:,} (uint16 ids). Prepare it as bytes with python -m common.prepare_tokens and give "
+            f"{MAX_VOCAB_SIZE:,} (uint16 ids). Prepare it as bytes with python -m tools.runs.prepare_tokens and give "
             "--token-file"
         )
     # Every process holds a uint16 id for each character; a --token-file is read a window at a time instead.
@@ -77,7 +77,7 @@ def check_text_file(parser: argparse.ArgumentParser, path: Path, block_size: int
         parser.error(
             f"--text-file {path} has {characters:,} characters: their ids would take {held / 2**30:,.1f} GiB per "
             f"process, more than this machine's {machine_memory() / 2**30:,.1f} GiB. Prepare it with python -m "
-            "common.prepare_tokens and give --token-file, which is read a window at a time"
+            "tools.runs.prepare_tokens and give --token-file, which is read a window at a time"
         )
 
 
@@ -113,5 +113,5 @@ def check_token_file(parser: argparse.ArgumentParser, path: Path, block_size: in
         parser.error(
             f"--token-file {path} holds id {token} (token {position:,}), but {token_metadata_path(path).name} says "
             f"vocab_size {metadata.vocab_size}: the model would have no row for it. Was either file changed after "
-            "common.prepare_tokens wrote them?"
+            "tools.runs.prepare_tokens wrote them?"
         )

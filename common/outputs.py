@@ -34,7 +34,9 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
-from common.processes import STOPPING_SIGNALS
+# What ends a command or a run early; a write in progress holds them off until it is whole.
+STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 
 OVERWRITE_FLAG = "--overwrite"
 TEMPORARY_PREFIX = ".tmp-"  # checkpoint pruning deletes what starts with it: leftovers of killed writes

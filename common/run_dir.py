@@ -269,7 +269,7 @@ class RunDirLock:
     def __enter__(self) -> RunDirLock:
         holder = self._acquire() if self.ctx.is_main else None
         # Imported here, not above: the lock alone needs torch, and the commands that only read a run's
-        # layout (common.preflight's launching process) start without it.
+        # layout (tools.checks.preflight's launching process) start without it.
         from common.distributed import FatalError, all_ranks_agree
 
         if not all_ranks_agree(holder is None, self.ctx):

@@ -49,7 +49,7 @@ def load_file(path: Path) -> Any:
 
 
 def start_from_weights(model: torch.nn.Module, path: Path, ctx: DistContext) -> None:
-    """--init-from: the weights of a plain state dict (a run's model.pt, common.export_checkpoint's
+    """--init-from: the weights of a plain state dict (a run's model.pt, tools.runs.export_checkpoint's
     output, any state dict of this model) in the wrapped ``model``, for a new run from step 0. A
     Hugging Face folder or a ``.safetensors`` file goes to ``start_from_safetensors``.
 
@@ -91,7 +91,7 @@ def weights_mismatch(state: Any, expected: Header, tied: dict[str, str]) -> str 
     if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
         return (
             "is not a state dict (tensors by name). A checkpoint of a run resumes with --resume-from; "
-            "python -m common.export_checkpoint turns one into a state dict"
+            "python -m tools.runs.export_checkpoint turns one into a state dict"
         )
     found = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
     return weights_problem(found, expected, tied) or untied_problem(state, tied)

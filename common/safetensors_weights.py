@@ -9,7 +9,7 @@ raw tensor bytes: nothing in it is unpickled, so nothing in it runs.
 Back out, ``write_pretrained`` writes a whole state dict as a folder ``from_pretrained`` loads
 (``config.json`` beside ``model.safetensors``), the tied names once (the file keeps the first name).
 A run of a Hugging Face model writes its final model so (docs/hugging-face.md), and
-``common.export_checkpoint --hf-config`` writes a checkpoint so.
+``tools.runs.export_checkpoint --hf-config`` writes a checkpoint so.
 """
 
 from __future__ import annotations

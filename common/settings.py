@@ -160,7 +160,7 @@ def identity_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | Non
         elif key == "lora" and value is None:
             differences.append(
                 f"lora is {theirs[key]!r} there, None here (to go on without adapters, merge them: python -m "
-                "common.export_checkpoint CHECKPOINT model.pt, then start a new run with --init-from model.pt)"
+                "tools.runs.export_checkpoint CHECKPOINT model.pt, then start a new run with --init-from model.pt)"
             )
         else:
             differences.append(f"{key} is {theirs.get(key)!r} there, {value!r} here")

@@ -1,4 +1,4 @@
-"""What a token file is on disk, for the command that writes it (common.prepare_tokens) and the data
+"""What a token file is on disk, for the command that writes it (tools.runs.prepare_tokens) and the data
 that reads it (common.tokens): one definition, importable without torch."""
 
 from __future__ import annotations
@@ -12,5 +12,5 @@ MAX_VOCAB_SIZE = 1 << 16
 
 
 def token_metadata_path(tokens: Path) -> Path:
-    """TOKENS.json: what common.prepare_tokens writes beside a token file about it."""
+    """TOKENS.json: what tools.runs.prepare_tokens writes beside a token file about it."""
     return tokens.with_name(tokens.name + ".json")

@@ -4,7 +4,7 @@ By default the tokens come from a fixed random Markov source. Because we know
 its transition probabilities, we know the lowest loss any model can reach on
 it, and a run can say how close it got. ``--text-file`` trains character-level
 on any text instead, held in memory; ``--token-file`` trains on a file of token
-ids (common.prepare_tokens) of any size, read a window at a time.
+ids (tools.runs.prepare_tokens) of any size, read a window at a time.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class TokenData:
     vocab_size: int
     entropy_floor: float | None  # nats per token; None for real text
     description: str
-    # How common.sample turns ids back into text: {"characters": "..."} or {"tokenizer": "bytes"}; {} for ids only.
+    # How tools.runs.sample turns ids back into text: {"characters": "..."} or {"tokenizer": "bytes"}; {} for ids only.
     decoding: dict[str, Any] = field(default_factory=dict)
     # Whether a target can be IGNORE_INDEX. Only data that never pads lets a step know its token count in
     # advance (common.training.TokenCount); yours is counted, step by step, unless you say otherwise.
@@ -293,14 +293,15 @@ class TokenWindows(Dataset):
             raise ValueError(
                 f"{self.path} changed under the run: it ends at token {os.fstat(self._fd).st_size // TOKEN_BYTES:,}, "
                 f"before the window of tokens {start:,} to {start + self.block_size:,}. Check the file, or prepare it "
-                "again with common.prepare_tokens"
+                "again with tools.runs.prepare_tokens"
             )
         ids = np.frombuffer(data, dtype=TOKEN_DTYPE)
         if ids.max() >= self.vocab_size:  # numpy's max on the uint16 ids: a few microseconds a window
             offset = int(np.argmax(ids >= self.vocab_size))
             raise ValueError(
                 f"{self.path} changed under the run: token {start + offset:,} is id {int(ids[offset])}, outside "
-                f"its vocabulary of {self.vocab_size}. Check the file, or prepare it again with common.prepare_tokens"
+                f"its vocabulary of {self.vocab_size}. Check the file, or prepare it again with "
+                "tools.runs.prepare_tokens"
             )
         window = torch.from_numpy(ids.astype(np.int64))
         return window[:-1], window[1:]
@@ -318,7 +319,7 @@ class BadTokenFile(ValueError):
 
 @dataclass(frozen=True)
 class TokenFileInfo:
-    """What TOKENS.json says, each field checked for what common.prepare_tokens writes."""
+    """What TOKENS.json says, each field checked for what tools.runs.prepare_tokens writes."""
 
     tokens: int
     vocab_size: int
@@ -327,12 +328,12 @@ class TokenFileInfo:
 
 def read_token_metadata(path: Path) -> TokenFileInfo:
     """The TOKENS.json beside ``path``; BadTokenFile if it is missing, not JSON, or a field is not what
-    common.prepare_tokens writes (a vocab_size of 0, of a trillion, a word)."""
+    tools.runs.prepare_tokens writes (a vocab_size of 0, of a trillion, a word)."""
     described = token_metadata_path(path)
     try:
         metadata = json.loads(described.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise BadTokenFile(f"no {described.name} beside it; common.prepare_tokens writes both") from None
+        raise BadTokenFile(f"no {described.name} beside it; tools.runs.prepare_tokens writes both") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BadTokenFile(f"{described} cannot be read as JSON ({type(err).__name__}: {err})") from None
     if not isinstance(metadata, dict):
@@ -351,7 +352,7 @@ def read_token_metadata(path: Path) -> TokenFileInfo:
 
 def whole_number(metadata: dict[str, Any], key: str, described: Path, low: int, high: int | None) -> int:
     if key not in metadata:
-        raise BadTokenFile(f"{described} has no {key}; common.prepare_tokens writes it")
+        raise BadTokenFile(f"{described} has no {key}; tools.runs.prepare_tokens writes it")
     value = metadata[key]
     # bool is an int to Python, but true is no count.
     if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):

@@ -277,7 +277,7 @@ def train(args, ctx: DistContext) -> None:
         eval_loss=result["loss"],
         eval_samples=result["samples"],
         entropy_floor=data.entropy_floor,
-        model_config=config.shape(),  # with decoding, what common.sample needs to rebuild the model and read it
+        model_config=config.shape(),  # with decoding, what tools.runs.sample needs to rebuild the model and read it
         decoding=data.decoding,
         wall_s=time.perf_counter() - start,
         **observer.record(),

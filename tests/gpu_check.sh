@@ -10,8 +10,8 @@ cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| GPUs:', torch.cuda.device_count())"
 # bf16, fp16 with the gradient scaler, CPU offload, torch.compile, resuming with the CUDA random state, and
-# common.estimate_memory's peak per rank against torch.cuda.max_memory_allocated (tests/test_activations.py).
+# tools.estimates.estimate_memory's peak per rank against torch.cuda.max_memory_allocated (tests/test_activations.py).
 python -m pytest -m cuda -v -p no:cacheprovider
-python -m common.benchmark --out runs/benchmark/gpu.json --overwrite  # a second check replaces the first
+python -m tools.benchmarks.benchmark --out runs/benchmark/gpu.json --overwrite  # a second check replaces the first
 # What the harness costs a step where steps are short: the tiny preset, the script beside a bare loop.
-python -m common.benchmark --overhead --model tiny --out runs/benchmark/gpu-overhead.json --overwrite
+python -m tools.benchmarks.benchmark --overhead --model tiny --out runs/benchmark/gpu-overhead.json --overwrite

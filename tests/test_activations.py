@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.activations import FORWARDS, ActivationBytes, gpt_activations, mnist_activations
-from common.estimate_memory import GIB, MIB, estimate_model, forward_of, main
 from common.fine_tuning import fine_tune
 from common.models import GPT_PRESETS, GPTConfig, gpt_parameter_shapes
 from tests.harness.runs import run_script
+from tools.estimates.activations import FORWARDS, ActivationBytes, gpt_activations, mnist_activations
+from tools.estimates.estimate_memory import GIB, MIB, estimate_model, forward_of, main
 
 TINY = GPTConfig(vocab_size=16, **GPT_PRESETS["tiny"])
 # Widths in bytes, by how a script computes: (the residual stream and the layer norms' inputs, what a

@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import check_equivalence, compare_strategies, sample
 from common.cli import Parser
 from common.flag_checks import check_launch_environment
 from common.models import GPT, GPTConfig
 from tests.harness.mnist_fixture import write_fake_mnist
 from tests.harness.runs import REPO, clean_env, run_script
+from tools.benchmarks import compare_strategies
+from tools.checks import check_equivalence
+from tools.runs import sample
 
 FSDP1, FSDP2 = "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"
 CASES = [
@@ -231,7 +233,7 @@ def test_export_never_writes_over_a_checkpoint(output: str, tmp_path: Path, caps
     checkpoints.mkdir(parents=True)
     for step in (5, 10):
         (checkpoints / f"step-{step}.pt").write_bytes(f"training checkpoint {step}".encode())
-    export = importlib.import_module("common.export_checkpoint").main
+    export = importlib.import_module("tools.runs.export_checkpoint").main
     with pytest.raises(SystemExit) as exit_info:
         export([str(checkpoints / "step-5.pt"), str(tmp_path / "run" / output)])
     error = capsys.readouterr().err
@@ -311,7 +313,7 @@ def test_check_equivalence_reads_the_counts_it_divides_by(
 
 
 def finished_run(run_dir: Path, decoding: dict[str, str]) -> Path:
-    """What common.sample reads of a transformer run: model.pt, and a final record with its shape."""
+    """What tools.runs.sample reads of a transformer run: model.pt, and a final record with its shape."""
     config = GPTConfig(vocab_size=50, block_size=8, n_layer=1, n_head=1, d_model=8)
     run_dir.mkdir()
     torch.save(GPT(config, seed=0).state_dict(), run_dir / "model.pt")

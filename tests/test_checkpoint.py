@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from common import export_checkpoint
 from common.models import GPT, GPTConfig
 from common.run_dir import LOCK_FILE, checkpoint_step, complete_checkpoints
 from common.settings import NOT_TRAINING_SETTINGS, changed_settings
@@ -33,6 +32,7 @@ from tests.harness.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
 from tests.harness.record_reads import assert_trained_once, trained_steps
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
 from tests.harness.wrappers import INJECT_FAULT, RECORD_READS
+from tools.runs import export_checkpoint
 
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
 SCRIPTS = ["ddp/train_mnist.py", "ddp/train_transformer.py", "fsdp/train_mnist.py", "fsdp/train_transformer.py", FSDP2]

@@ -1,4 +1,4 @@
-"""common.comm_check at 2 ranks on the CPU, and common.estimate_communication reading what it measured.
+"""tools.checks.comm_check at 2 ranks on the CPU, and tools.estimates.estimate_communication reading what it measured.
 
 The check runs through the warm launcher (tests/harness/launcher.py), as torchrun would start it, on a few
 small messages: its figures are noise on this shared machine, but the relations between them, and
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.comm_check import parse_args
-from common.comm_measured import CommCheck
-from common.estimate_communication import main
 from tests.harness.runs import run_warm
+from tools.checks.comm_check import parse_args
+from tools.estimates.comm_measured import CommCheck
+from tools.estimates.estimate_communication import main
 
 MIB = 2**20
 SIZES = [MIB, 2 * MIB, 4 * MIB]
@@ -28,7 +28,7 @@ TABLE_HEADER = "| collective | size (B) | count (elements) | time (us) | algbw (
 
 
 def comm_check(out: Path, *flags: str) -> list[str]:
-    return ["common/comm_check.py", "--device", "cpu", "--dist-timeout", "60", "--out", str(out), *flags]
+    return ["tools/checks/comm_check.py", "--device", "cpu", "--dist-timeout", "60", "--out", str(out), *flags]
 
 
 @pytest.fixture(scope="module")

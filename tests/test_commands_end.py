@@ -1,5 +1,5 @@
 """Every command that starts processes ends them: stopped mid-run, nothing it started survives, no temporary
-folder stays, and it says so in one line (common.processes).
+folder stays, and it says so in one line (tools.processes).
 
 Each case runs the real command in an interpreter of its own. What it starts is cheap, a
 ``sitecustomize`` on the PYTHONPATH sees to it:
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from common import processes
 from common.outputs import TEMPORARY_PREFIX
 from tests.harness.runs import REPO, clean_env, kill_all, start
+from tools import processes
 
 MARKER, FAKE_TORCHRUN = "TEST_COMMANDS_END_FIFO", "TEST_COMMANDS_END_STAND_IN_TORCHRUN"
 STAND_IN = f"""
@@ -63,20 +63,20 @@ PREFLIGHT_TIMEOUT_S = 4  # --timeout: the stand-ins start well within it
 # Each: the case, the command's arguments (DIR: the test's folder), the signal (None: its own timeout),
 # whether torchrun is real, the exit code and the line it must end with.
 CASES = [
-    ("preflight-sigterm", ["common.preflight", "--nproc", "1", "DIR/script.py"], signal.SIGTERM, True,
-     128 + signal.SIGTERM, "python -m common.preflight: stopped by SIGTERM"),
-    ("preflight-timeout", ["common.preflight", "--nproc", "1", "--timeout", str(PREFLIGHT_TIMEOUT_S),
+    ("preflight-sigterm", ["tools.checks.preflight", "--nproc", "1", "DIR/script.py"], signal.SIGTERM, True,
+     128 + signal.SIGTERM, "python -m tools.checks.preflight: stopped by SIGTERM"),
+    ("preflight-timeout", ["tools.checks.preflight", "--nproc", "1", "--timeout", str(PREFLIGHT_TIMEOUT_S),
                            "DIR/script.py"], None, False,
      1, f"pre-flight: no result within --timeout {PREFLIGHT_TIMEOUT_S} s"),
-    ("check_equivalence-sigint", ["common.check_equivalence", "--nproc", "2", "--runs-dir", "DIR/runs",
+    ("check_equivalence-sigint", ["tools.checks.check_equivalence", "--nproc", "2", "--runs-dir", "DIR/runs",
                                   "DIR/script.py", "--global-batch-size", "4"], signal.SIGINT, False,
-     128 + signal.SIGINT, "python -m common.check_equivalence: stopped by SIGINT"),
-    ("benchmark-sigterm", ["common.benchmark", "--nproc", "1", "--warmup", "1", "--steps", "1", "--batch-size",
-                           "1", "--out", "DIR/out/benchmark.json"], signal.SIGTERM, False,
-     128 + signal.SIGTERM, "python -m common.benchmark: stopped by SIGTERM"),
-    ("compare_strategies-sigint", ["common.compare_strategies", "--world-sizes", "1", "--strategies", "ddp",
+     128 + signal.SIGINT, "python -m tools.checks.check_equivalence: stopped by SIGINT"),
+    ("benchmark-sigterm", ["tools.benchmarks.benchmark", "--nproc", "1", "--warmup", "1", "--steps", "1",
+                           "--batch-size", "1", "--out", "DIR/out/benchmark.json"], signal.SIGTERM, False,
+     128 + signal.SIGTERM, "python -m tools.benchmarks.benchmark: stopped by SIGTERM"),
+    ("compare_strategies-sigint", ["tools.benchmarks.compare_strategies", "--world-sizes", "1", "--strategies", "ddp",
                                    "--steps", "1", "--device", "cpu", "--out-dir", "DIR/out"], signal.SIGINT, False,
-     128 + signal.SIGINT, "python -m common.compare_strategies: stopped by SIGINT"),
+     128 + signal.SIGINT, "python -m tools.benchmarks.compare_strategies: stopped by SIGINT"),
 ]  # fmt: skip
 
 

@@ -16,7 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from common.comm_model import (
+from common.communication import CollectiveRecorder, StepObserver, measured_step, ring_link_bytes
+from common.compat import COMPILED_UNDER_DISPATCH_MODE, all_gather_single, reduce_scatter_single, torch_at_least
+from common.distributed import DistContext, teardown_distributed
+from common.models import GPT, GPTConfig, MnistNet
+from tools.benchmarks.compare_strategies import markdown_table, micro_steps
+from tools.estimates.comm_model import (
     FsdpBehaviour,
     Unit,
     current_behaviour,
@@ -25,13 +30,8 @@ from common.comm_model import (
     fsdp_step,
     run_estimate,
 )
-from common.communication import CollectiveRecorder, StepObserver, measured_step, ring_link_bytes
-from common.compare_strategies import markdown_table, micro_steps
-from common.compat import COMPILED_UNDER_DISPATCH_MODE, all_gather_single, reduce_scatter_single, torch_at_least
-from common.distributed import DistContext, teardown_distributed
-from common.estimate_communication import main
-from common.models import GPT, GPTConfig, MnistNet
-from common.shard_sizes import fsdp1_flat_elements, fsdp2_padded_elements, fsdp_units
+from tools.estimates.estimate_communication import main
+from tools.estimates.shard_sizes import fsdp1_flat_elements, fsdp2_padded_elements, fsdp_units
 
 TINY = GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64)
 MIB = 2**20

@@ -10,7 +10,7 @@ different order than one process does (and FSDP reduce-scatters flat shards),
 and float addition is not associative. How far rounding alone moves this
 training is measured in the same session: twins, one process in K micro-steps
 (tests/harness/noise_floor.py). A run is the same training when it stays within
-common.compare_runs' factor of the twins' drift, quantity by quantity, on any
+tools.runs.compare_runs' factor of the twins' drift, quantity by quantity, on any
 CPU kernel and torch release; a broken copy leaves that band a hundredfold.
 """
 
@@ -22,12 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import check_equivalence
-from common.comm_model import run_estimate
 from common.communication import KIND_OF_OP
-from common.compare_runs import main as compare_runs_main
-from common.estimate_memory import LAYOUTS
-from common.shard_sizes import between_steps
 from tests.harness.cases import cases
 from tests.harness.noise_floor import (
     BROKEN_MARGIN,
@@ -41,6 +36,11 @@ from tests.harness.noise_floor import (
     assert_same_training,
 )
 from tests.harness.runs import run_script
+from tools.checks import check_equivalence
+from tools.estimates.comm_model import run_estimate
+from tools.estimates.estimate_memory import LAYOUTS
+from tools.estimates.shard_sizes import between_steps
+from tools.runs.compare_runs import main as compare_runs_main
 
 # (id, script, processes, extra flags); each is compared with one process of the same family.
 # DDP at 2 processes and with accumulation run on the transformer below; the CNN's
@@ -92,7 +92,7 @@ TRANSFORMER_FLOOR = {
 # an even split; FSDP2 cuts every parameter by rows, and uneven rows (64 rows in
 # 3) leave the first rank up to 2% more.
 SHARE_RTOL = 0.05
-ESTIMATE_RTOL = 0.02  # common.estimate_memory against the measured bytes, each kind
+ESTIMATE_RTOL = 0.02  # tools.estimates.estimate_memory against the measured bytes, each kind
 
 
 def final_record(run_dir: Path) -> dict:
@@ -151,7 +151,7 @@ def test_transformer_matches_one_process(
 
 
 def assert_state_as_predicted(final: dict, reference: dict, per_copy: int, model_file: Path) -> None:
-    """Each rank holds DDP's model state / ranks per copy, as common.estimate_memory predicts."""
+    """Each rank holds DDP's model state / ranks per copy, as tools.estimates.estimate_memory predicts."""
     assert final["shard_group_size"] == per_copy, final
     held, full = final["local_state_bytes"], reference["local_state_bytes"]
     assert sum(held.values()) == pytest.approx(sum(full.values()) / per_copy, rel=SHARE_RTOL), (held, full)
@@ -167,7 +167,7 @@ def micro_steps(extra: list[str]) -> int:
 def assert_communication_as_predicted(
     final: dict, model_file: Path, extra: list[str], unit_prefixes: list[str] | None = None
 ) -> None:
-    """What one step's collectives moved, by kind, is exactly what common.estimate_communication says.
+    """What one step's collectives moved, by kind, is exactly what tools.estimates.estimate_communication says.
 
     Exactly, padding included: FSDP2 at 3 ranks pads 64 rows to 66 in every all-gather and
     reduce-scatter (1.8% more bytes), and the formula pads as FSDP does.

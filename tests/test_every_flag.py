@@ -1,7 +1,7 @@
 """Every flag of every script and command, tried with the values that broke one before.
 
 Generated from the parsers, not from a list: the scripts are ddp/*.py and fsdp/*.py, the commands
-the common/ modules with a ``__main__`` block (found as tests/test_layout.py finds them). Each has a
+the tools/ modules with a ``__main__`` block (found as tests/test_layout.py finds them). Each has a
 ``parse_args(argv)`` that parses and runs the module's checks, and does no work. The test catches the
 parser it builds, walks ``parser._actions``, and tries on each flag the hostile values of its kind,
 which the flag's type declares (``common.flags``): for a number nan, inf, 0, -1, 1e999 and a word, and for
@@ -43,13 +43,17 @@ def is_command(path: Path) -> bool:
     return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in module.body)
 
 
-COMMANDS = sorted(f"common.{path.stem}" for path in (REPO / "common").glob("*.py") if is_command(path))
+COMMANDS = sorted(
+    ".".join(path.relative_to(REPO).with_suffix("").parts)
+    for path in (REPO / "tools").rglob("*.py")
+    if is_command(path)
+)
 
 # Values a flag of that kind must refuse; an output flag is also tried with an input of its command.
 ANY_PATH = ["", "{too_long}"]  # an empty path; a name longer than a file system takes (ENAMETOOLONG)
 NUMBERS = ["nan", "inf", "0", "-1", "1e999", "many"]
 # Python reads any integer, torch and numpy no larger than 2**63 - 1: these once reached a tensor's shape
-# (common.simulate --batch-size, a traceback from torch.randint).
+# (tools.estimates.simulate --batch-size, a traceback from torch.randint).
 HUGE_INTEGERS = [str(2**63), str(10**400)]
 HOSTILE = {
     flags.NUMBER: NUMBERS,
@@ -71,7 +75,7 @@ VALID = {
     ("--checkpoint-interval", "0"): "0: a checkpoint only when the run is asked to stop",
     ("--grad-clip", "0"): "0 turns clipping off",
     ("--seed", "0"): "seeds start at 0",
-    ("--rank", "0"): "ranks start at 0 (common.simulate's rank)",
+    ("--rank", "0"): "ranks start at 0 (tools.estimates.simulate's rank)",
     ("--warmup-steps", "0"): "no warm-up: the schedule starts at the peak",
     ("--min-lr-ratio", "0"): "the cosine schedule ends at 0",
     ("--weight-decay", "0"): "no weight decay",
@@ -83,9 +87,9 @@ VALID = {
 
 # (program, flag or positional's dest): why it takes any text. Everything else needs a kind or choices.
 FREE_TEXT = {
-    ("common.sample", "--prompt"): "text, or ids; check_args refuses what the run's vocabulary cannot say",
-    ("common.check_equivalence", "flags"): "the script's own flags, passed on to the script, which checks them",
-    ("common.preflight", "flags"): "the script's own flags, passed on to the script, which checks them",
+    ("tools.runs.sample", "--prompt"): "text, or ids; check_args refuses what the run's vocabulary cannot say",
+    ("tools.checks.check_equivalence", "flags"): "the script's own flags, passed on to the script, which checks them",
+    ("tools.checks.preflight", "flags"): "the script's own flags, passed on to the script, which checks them",
 }
 
 
@@ -120,7 +124,7 @@ class Places:
         (self.root / "a-file.txt").write_text("some text, as a user's file holds\n")
         (self.root / "old-run" / "checkpoints" / "step-2.pt").write_bytes(b"a checkpoint")
         config = {"vocab_size": 50, "block_size": 8, "n_layer": 1, "n_head": 1, "d_model": 8}
-        final = {"event": "final", "model_config": config}  # what common.sample checks before it loads model.pt
+        final = {"event": "final", "model_config": config}  # what tools.runs.sample checks before it loads model.pt
         (self.root / "finished-run" / "metrics.jsonl").write_text(json.dumps(final) + "\n")
         (self.root / "finished-run" / "model.pt").write_bytes(b"weights")
 
@@ -128,19 +132,19 @@ class Places:
 # Each program's command line that parses: (options, positionals by dest). A hostile value replaces one.
 SCRIPT_BASE = (["--device", "cpu", "--run-dir", "{runs}"], {})
 BASE: dict[str, tuple[list[str], dict[str, list[str]]]] = {
-    "common.benchmark": (["--out", "{out}"], {}),
-    "common.check_equivalence": (["--nproc", "2", "--runs-dir", "{runs}"], {"script": ["{script}"]}),
-    "common.comm_check": (["--device", "cpu", "--out", "{out}"], {}),
-    "common.compare_runs": ([], {"run_a": ["{run_a}"], "run_b": ["{run_b}"]}),
-    "common.compare_strategies": (["--device", "cpu", "--out-dir", "{runs}"], {}),
-    "common.estimate_communication": (["--params", "7e9", "--world-size", "8"], {}),
-    "common.estimate_memory": (["--params", "7e9", "--world-size", "8", "--gpu-memory", "80"], {}),
-    "common.export_checkpoint": ([], {"checkpoint": ["{checkpoint}"], "output": ["{out}"]}),
-    "common.plot": (["--out", "{out}.png"], {"run_dirs": ["{finished_run}"]}),
-    "common.preflight": (["--nproc", "2"], {"script": ["{script}"]}),
-    "common.prepare_tokens": (["--output", "{out}"], {"sources": ["{text}"]}),
-    "common.sample": (["--prompt", "3 14 15"], {"run_dir": ["{finished_run}"]}),
-    "common.simulate": (["--world-size", "8", "--strategy", "fsdp2"], {}),
+    "tools.benchmarks.benchmark": (["--out", "{out}"], {}),
+    "tools.checks.check_equivalence": (["--nproc", "2", "--runs-dir", "{runs}"], {"script": ["{script}"]}),
+    "tools.checks.comm_check": (["--device", "cpu", "--out", "{out}"], {}),
+    "tools.runs.compare_runs": ([], {"run_a": ["{run_a}"], "run_b": ["{run_b}"]}),
+    "tools.benchmarks.compare_strategies": (["--device", "cpu", "--out-dir", "{runs}"], {}),
+    "tools.estimates.estimate_communication": (["--params", "7e9", "--world-size", "8"], {}),
+    "tools.estimates.estimate_memory": (["--params", "7e9", "--world-size", "8", "--gpu-memory", "80"], {}),
+    "tools.runs.export_checkpoint": ([], {"checkpoint": ["{checkpoint}"], "output": ["{out}"]}),
+    "tools.runs.plot": (["--out", "{out}.png"], {"run_dirs": ["{finished_run}"]}),
+    "tools.checks.preflight": (["--nproc", "2"], {"script": ["{script}"]}),
+    "tools.runs.prepare_tokens": (["--output", "{out}"], {"sources": ["{text}"]}),
+    "tools.runs.sample": (["--prompt", "3 14 15"], {"run_dir": ["{finished_run}"]}),
+    "tools.estimates.simulate": (["--world-size", "8", "--strategy", "fsdp2"], {}),
 }
 
 
@@ -283,7 +287,9 @@ def single_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_program_is_found() -> None:
     """The discovery sees what test_layout.py and README.md count: 5 scripts, 11 commands."""
     assert len(SCRIPTS) == 5, SCRIPTS
-    assert {"common.sample", "common.preflight", "common.comm_check"} <= set(COMMANDS) and len(COMMANDS) >= 11
+    assert {"tools.runs.sample", "tools.checks.preflight", "tools.checks.comm_check"} <= set(COMMANDS) and len(
+        COMMANDS
+    ) >= 11
     assert set(COMMANDS) == set(BASE), "give a new command its base command line in BASE"
 
 
@@ -316,5 +322,5 @@ def test_every_flag_refuses_what_broke_one(tmp_path: Path, capsys: pytest.Captur
 
 @pytest.mark.parametrize("program", COMMANDS)
 def test_a_command_names_itself_as_the_user_typed_it(program: str) -> None:
-    """An error line starts with what the user typed, ``python -m common.NAME``, not the module's file name."""
+    """An error line starts with what the user typed, ``python -m tools.GROUP.NAME``, not the module's file name."""
     assert parser_of(entry_point(program)).prog == f"python -m {program}"

@@ -2,8 +2,8 @@
 
 A frozen parameter must end the run exactly as it started (its --init-from value), every other one
 must train, and what a rank holds and sends must scale with what trains: DDP all-reduces no bucket
-of frozen gradients, and no rank keeps gradients or optimizer state for them. common.estimate_memory
-and common.estimate_communication, told the same flags, must say what those runs recorded.
+of frozen gradients, and no rank keeps gradients or optimizer state for them. tools.estimates.estimate_memory
+and tools.estimates.estimate_communication, told the same flags, must say what those runs recorded.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import estimate_communication, estimate_memory, export_checkpoint
 from common.communication import Traffic
 from common.fine_tuning import DEFAULT_LORA_TARGETS, LowRankUpdate, add_adapters, apply_adapters, merge_adapters
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.model_files import assert_same_parameters
 from tests.harness.runs import REPO, run_script
+from tools.estimates import estimate_communication, estimate_memory
+from tools.runs import export_checkpoint
 
 SMALL = ["--block-size", "32", "--train-sequences", "320", "--heldout-sequences", "40"]
 # The token embedding (in the root unit, beside trainable parameters) and the first Block (a unit of its own).
@@ -54,8 +55,8 @@ def frozen(name: str) -> bool:
 
 
 def assert_the_estimators_say_what_the_run_recorded(final: dict, fine_tuning: list[str]) -> None:
-    """Told the run's model, world size and fine-tuning flags, common.estimate_memory and
-    common.estimate_communication give its final record exactly: the bytes of parameters, gradients and
+    """Told the run's model, world size and fine-tuning flags, tools.estimates.estimate_memory and
+    tools.estimates.estimate_communication give its final record exactly: the bytes of parameters, gradients and
     optimizer state of the rank that holds the most, and one step's collectives, bytes and count by kind."""
     model = ["--model", "tiny", "--world-size", str(final["world_size"]), *fine_tuning]
     model += [f"--{name.replace('_', '-')}={value}" for name, value in final["model_config"].items()]

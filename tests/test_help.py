@@ -8,31 +8,25 @@ from collections.abc import Callable
 
 import pytest
 
-from common import (
-    benchmark,
-    check_equivalence,
-    comm_check,
-    compare_runs,
-    compare_strategies,
-    estimate_communication,
-    estimate_memory,
-    export_checkpoint,
-)
 from tests.harness.runs import REPO
+from tools.benchmarks import benchmark, compare_strategies
+from tools.checks import check_equivalence, comm_check
+from tools.estimates import estimate_communication, estimate_memory
+from tools.runs import compare_runs, export_checkpoint
 
 SCRIPTS = ["ddp/train_mnist.py", "ddp/train_transformer.py", "fsdp/train_mnist.py", "fsdp/train_transformer.py"]
 SCRIPTS += ["fsdp/train_transformer_fsdp2.py"]
 COMMANDS: dict[str, Callable[[list[str]], object]] = {
-    "common.benchmark": benchmark.main,
-    "common.check_equivalence": check_equivalence.main,
-    "common.comm_check": comm_check.main,
-    "common.compare_runs": compare_runs.main,
-    "common.compare_strategies": compare_strategies.main,
-    "common.estimate_communication": estimate_communication.main,
-    "common.estimate_memory": estimate_memory.main,
-    "common.export_checkpoint": export_checkpoint.main,
-    "common.simulate": __import__("common.simulate", fromlist=["main"]).main,
-    "common.plot": __import__("common.plot", fromlist=["main"]).main,
+    "tools.benchmarks.benchmark": benchmark.main,
+    "tools.checks.check_equivalence": check_equivalence.main,
+    "tools.checks.comm_check": comm_check.main,
+    "tools.runs.compare_runs": compare_runs.main,
+    "tools.benchmarks.compare_strategies": compare_strategies.main,
+    "tools.estimates.estimate_communication": estimate_communication.main,
+    "tools.estimates.estimate_memory": estimate_memory.main,
+    "tools.runs.export_checkpoint": export_checkpoint.main,
+    "tools.estimates.simulate": __import__("tools.estimates.simulate", fromlist=["main"]).main,
+    "tools.runs.plot": __import__("tools.runs.plot", fromlist=["main"]).main,
 }
 
 

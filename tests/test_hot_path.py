@@ -18,8 +18,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from common import benchmark
-from common.compare_strategies import Strategy
 from common.data import CompactDistributedSampler, _open_mnist, normalize_images, train_loader
 from common.distributed import DistContext, set_cpu_threads
 from common.models import GPT, GPT_PRESETS, GPTConfig, count_parameters
@@ -28,6 +26,8 @@ from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.per_image_mnist import per_image_mnist
 from tests.harness.runs import Run, run_script
 from tests.harness.wrappers import OBSERVE, PER_IMAGE_MNIST
+from tools.benchmarks import benchmark
+from tools.benchmarks.compare_strategies import Strategy
 
 TRANSFORMERS = ["ddp/train_transformer.py", "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"]
 SCRIPTS = ["ddp/train_mnist.py", "fsdp/train_mnist.py", *TRANSFORMERS]
@@ -194,7 +194,8 @@ def test_the_benchmark_compares_ddp_fsdp1_and_fsdp2_in_bf16(
 def test_the_overhead_benchmark_times_the_script_beside_a_bare_loop_of_the_same_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`python -m common.benchmark --overhead`, in this process, with its runs as subprocesses: a round of each,
+    """`python -m tools.benchmarks.benchmark --overhead`, in this process, with its runs as subprocesses: a round
+    of each,
     the same model's bytes trained by both (the bare loop builds the script's own preset), and the ratio of
     their medians. The times themselves are a benchmark's, not a test's (docs/performance.md)."""
     out = tmp_path / "overhead.json"

@@ -23,7 +23,6 @@ transformers = pytest.importorskip("transformers")  # in requirements.txt; the f
 
 from safetensors.torch import load_file, save_file  # noqa: E402 - transformers brings it
 
-from common import check_equivalence, export_checkpoint, preflight  # noqa: E402
 from common.distributed import FatalError  # noqa: E402
 from common.fine_tuning import add_adapters, freeze  # noqa: E402
 from common.tokens import IGNORE_INDEX, markov_data  # noqa: E402
@@ -33,6 +32,8 @@ from tests.harness.copies import check_warm, copy_common, project_env, run_copy 
 from tests.harness.doc_edits import apply_edits, edits_by_script  # noqa: E402
 from tests.harness.model_files import assert_same_parameters  # noqa: E402
 from tests.harness.runs import REPO  # noqa: E402
+from tools.checks import check_equivalence, preflight  # noqa: E402
+from tools.runs import export_checkpoint  # noqa: E402
 
 COPIES = {
     "ddp": "ddp/train_transformer.py",

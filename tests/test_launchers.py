@@ -99,7 +99,8 @@ def test_training_processes_stop_when_their_torchrun_is_killed(tmp_path: Path) -
 # and FAIL_COMM_CHECK is set. The launcher's own logic runs for real, in bash, without a cluster.
 FAKE_SLURM_COMMAND = """#!/bin/bash
 echo "$(basename "$0") $*" >> "$CALLS"
-if [[ $(basename "$0") == srun && " $* " == *" -m common.comm_check "* && -n ${FAIL_COMM_CHECK:-} ]]; then exit 3; fi
+if [[ $(basename "$0") == srun && " $* " == *" -m tools.checks.comm_check "* && -n ${FAIL_COMM_CHECK:-} ]]
+then exit 3; fi
 """
 
 
@@ -123,7 +124,7 @@ def run_launcher_with_fake_slurm(launcher: str, tmp_path: Path, **env: str) -> t
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_comm_check_runs_before_training_and_its_failure_stops_the_job(launcher: str, tmp_path: Path) -> None:
-    check = f"-m common.comm_check --out {tmp_path}/run/comm_check.json --overwrite --max-bytes 1M"
+    check = f"-m tools.checks.comm_check --out {tmp_path}/run/comm_check.json --overwrite --max-bytes 1M"
     flags = {"COMM_CHECK": "1", "COMM_CHECK_FLAGS": "--max-bytes 1M"}
     result, calls = run_launcher_with_fake_slurm(launcher, tmp_path, **flags)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -138,7 +139,7 @@ def test_comm_check_runs_before_training_and_its_failure_stops_the_job(launcher:
     assert len(calls) == 1 and calls[0].endswith(check), calls  # no training, no requeue
 
     result, calls = run_launcher_with_fake_slurm(launcher, tmp_path)  # COMM_CHECK unset: no check
-    assert result.returncode == 0 and "-m common.comm_check" not in " ".join(calls), calls
+    assert result.returncode == 0 and "-m tools.checks.comm_check" not in " ".join(calls), calls
     assert calls[0].startswith("srun") and "--max-restarts=1" in calls[0], calls
     # Given no script, each launcher trains its own default, with that script's defaults.
     default = {"slurm/ddp.sbatch": "ddp/train_mnist.py", "slurm/fsdp.sbatch": "fsdp/train_transformer.py"}[launcher]

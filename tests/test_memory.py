@@ -11,9 +11,11 @@ import math
 import pytest
 import torch
 
-from common.compare_strategies import STRATEGIES, markdown_table, parse_args
 from common.distributed import local_state_bytes
-from common.estimate_memory import (
+from common.metrics import model_flops_utilization, peak_flops, transformer_flops_per_token
+from common.models import GPT, GPTConfig
+from tools.benchmarks.compare_strategies import STRATEGIES, markdown_table, parse_args
+from tools.estimates.estimate_memory import (
     GIB,
     between_steps,
     count_label,
@@ -21,10 +23,8 @@ from common.estimate_memory import (
     estimate_table,
     main,
 )
-from common.in_flight import GatheredUnits, gathered_units, in_flight_bytes
-from common.metrics import model_flops_utilization, peak_flops, transformer_flops_per_token
-from common.models import GPT, GPTConfig
-from common.shard_sizes import largest_shard_numel
+from tools.estimates.in_flight import GatheredUnits, gathered_units, in_flight_bytes
+from tools.estimates.shard_sizes import largest_shard_numel
 
 TINY = GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64)
 
@@ -86,7 +86,7 @@ def test_in_flight_terms() -> None:
     units = GatheredUnits(root=0, block=unit, blocks=layers, reduced=unit, trained=unit)  # --params alone: no root
     assert in_flight_bytes("ddp", units, "fp32") == 0
     assert in_flight_bytes("ddp", units, "bf16") == 2 * params  # autocast's bf16 copy of every weight
-    assert in_flight_bytes("ddp", units, "bf16", weight_copies=123) == 123  # or as common.activations measured
+    assert in_flight_bytes("ddp", units, "bf16", weight_copies=123) == 123  # or as tools.estimates.activations measured
     # Two Blocks gathered (computing + prefetched) in the compute dtype, and one unit's fp32 gradient where no
     # backward was measured.
     assert in_flight_bytes("full_shard", units, "bf16") == pytest.approx(2 * 2 * unit)

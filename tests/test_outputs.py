@@ -22,10 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import benchmark, comm_check, compare_strategies, export_checkpoint, prepare_tokens, processes
-from common.processes import exit_code_of
 from common.run_dir import LOCK_FILE
 from tests.harness.runs import REPO
+from tools import processes
+from tools.benchmarks import benchmark, compare_strategies
+from tools.checks import comm_check
+from tools.processes import exit_code_of
+from tools.runs import export_checkpoint, prepare_tokens
 
 SCANNED = ("common", "ddp", "fsdp")
 HELPER = "common/outputs.py"
@@ -270,10 +273,10 @@ def fake_training_run(strategy, world_size: int, run_dir: Path, flags: list[str]
 
 
 def gpu_check_benchmark_flags() -> list[str]:
-    """The flags tests/gpu_check.sh gives common.benchmark."""
+    """The flags tests/gpu_check.sh gives tools.benchmarks.benchmark."""
     lines = (REPO / "tests/gpu_check.sh").read_text().splitlines()
-    (line,) = [line for line in lines if "-m common.benchmark" in line and "--overhead" not in line]
-    return line.split("#", 1)[0].split("-m common.benchmark", 1)[1].split()
+    (line,) = [line for line in lines if "-m tools.benchmarks.benchmark" in line and "--overhead" not in line]
+    return line.split("#", 1)[0].split("-m tools.benchmarks.benchmark", 1)[1].split()
 
 
 def test_a_second_gpu_check_benchmark_replaces_the_first(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -421,7 +424,7 @@ def test_export_stopped_or_full_mid_write_says_so_and_leaves_nothing(
 
     monkeypatch.setattr(Path, "open", open_then_meet_the_event_at_the_second_write)
     argv = [str(run / "checkpoints" / "step-2.pt"), str(tmp_path / "out.pt")]
-    got = exit_code_of(lambda: export_checkpoint.main(argv), "python -m common.export_checkpoint")
+    got = exit_code_of(lambda: export_checkpoint.main(argv), "python -m tools.runs.export_checkpoint")
     err = capsys.readouterr().err
     assert got == code and says in err and "Traceback" not in err and "enforce fail" not in err, err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]
@@ -439,7 +442,7 @@ def test_a_stop_as_a_command_ends_is_no_traceback(tmp_path: Path, capsys, monkey
 
     monkeypatch.setattr(processes.signal, "signal", signal_arriving_while_put_back)
     argv = [str(tmp_path / "a.txt"), "--output", str(tmp_path / "t.tokens")]
-    code = exit_code_of(lambda: prepare_tokens.main(argv), "python -m common.prepare_tokens")
+    code = exit_code_of(lambda: prepare_tokens.main(argv), "python -m tools.runs.prepare_tokens")
     assert code == 0 and (tmp_path / "t.tokens").read_bytes() == "text\n".encode("utf-16-le")
 
 

@@ -1,9 +1,9 @@
-"""The pictures: ``common.plot`` and ``compare_strategies --png`` drawn with Agg from real short runs, checked
+"""The pictures: ``tools.runs.plot`` and ``compare_strategies --png`` drawn with Agg from real short runs, checked
 through matplotlib's own objects (lines, labels, data points against the records); their refusals; and
 that neither training nor the library imports matplotlib.
 
 The runs are made once for the file, laid out as a comparison's --out-dir (STRATEGY-WORLDSIZE), so that
-common.plot and compare_strategies --from-runs draw the same runs: DDP stopped at step 4 at 2 ranks and
+tools.runs.plot and compare_strategies --from-runs draw the same runs: DDP stopped at step 4 at 2 ranks and
 resumed to step 8 at 1 (its folder named by where it finished), DDP at 2 ranks and FSDP1 at 2 ranks (6 steps each).
 """
 
@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from common import compare_strategies, plot, simulate
-from common.compare_strategies import MIB, comparison_figure, saved_runs
 from common.run_dir import METRICS_FILE
 from tests.harness.runs import REPO, Run, clean_env, run_script
+from tools.benchmarks import compare_strategies
+from tools.benchmarks.compare_strategies import MIB, comparison_figure, saved_runs
+from tools.estimates import simulate
+from tools.runs import plot
 
 TINY = [
     *("--n-layer", "2", "--d-model", "32", "--n-head", "2", "--block-size", "16", "--global-batch-size", "8"),
@@ -42,7 +44,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
 
 
 def figure_of(*run_dirs: Path) -> tuple[object, dict[str, object]]:
-    """The figure common.plot draws for ``run_dirs`` and its panels by title (time's own title kept apart)."""
+    """The figure tools.runs.plot draws for ``run_dirs`` and its panels by title (time's own title kept apart)."""
     figure = plot.draw_runs([plot.read_history(run_dir) for run_dir in run_dirs])
     panels = {}
     for axes in figure.axes:
@@ -309,7 +311,8 @@ def test_the_estimated_peak_is_the_state_plus_what_a_step_gathers() -> None:
 def test_simulate_draws_state_per_rank_by_world_size_beside_the_1_over_n_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """common.simulate --png: one line per model and strategy through the simulated jobs' state per rank, and the
+    """tools.estimates.simulate --png: one line per model and strategy through the simulated jobs' state per rank,
+    and the
     16P/N line of what one rank would hold alone, divided; an existing --out or --png is kept without --overwrite."""
     out, png = tmp_path / "jobs.json", tmp_path / "scale.png"
     flags = ["--model", "tiny", "--world-size", "2", "8", "--strategy", "ddp", "fsdp2", "--out", str(out)]

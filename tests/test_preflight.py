@@ -1,4 +1,4 @@
-"""common.preflight: the five scripts pass; broken copies are named at their line, quickly, and nothing hangs.
+"""tools.checks.preflight: the five scripts pass; broken copies are named at their line, quickly, and nothing hangs.
 
 The ranks start from the warm launcher (tests/harness/launcher.py) and the verdict is read in process with
 ``preflight.judge``; one test runs the real command, torchrun and all, on a broken copy.
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from common import lockstep, preflight
 from tests.harness import launcher
 from tests.harness.cases import FSDP2_SCRIPT, cases
 from tests.harness.runs import REPO, clean_env, run_command
+from tools.checks import lockstep, preflight
 
 TINY = ["--model", "tiny", "--train-sequences", "200", "--heldout-sequences", "40", "--eval-batch-size", "20"]
 MNIST = ["--batch-size", "16"]
@@ -37,7 +37,7 @@ def run_preflight(script: str, flags: list[str], root: Path) -> tuple[preflight.
     nproc = 2
     planned = preflight.plan(script, flags, root, WAIT_S)
     started = time.monotonic()
-    finished = launcher.launch(str(REPO / "common/preflight.py"), planned.rank_argv, clean_env(), nproc, 120)
+    finished = launcher.launch(str(REPO / "tools/checks/preflight.py"), planned.rank_argv, clean_env(), nproc, 120)
     elapsed = time.monotonic() - started
     assert not finished.timed_out, finished.output
     verdict = preflight.judge(planned.report_dir, planned.run_dir, nproc, finished.returncode, finished.output, script)
@@ -160,7 +160,7 @@ def test_real_command_names_the_line_and_leaves_nothing_running(tmp_path: Path, 
     shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
     copy, line = broken_copy(script, find, replace, project / "train")
     env = clean_env() | {"PYTHONPATH": str(project)}  # the copy's common/, never this repository's
-    command = [sys.executable, "-m", "common.preflight", "--nproc", "2", "--wait", str(WAIT_S),
+    command = [sys.executable, "-m", "tools.checks.preflight", "--nproc", "2", "--wait", str(WAIT_S),
                str(copy.relative_to(project)), *data_flags(script, tiny_mnist_dir)]  # fmt: skip
     started = time.monotonic()
     run = run_command(command, tmp_path, timeout=120, env=env, cwd=project)
@@ -213,7 +213,7 @@ def test_the_launching_process_never_imports_torch(tmp_path: Path) -> None:
     for nothing (its ranks import it). The run directory's names come from common.run_dir, whose lock
     alone needs torch."""
     probe = (
-        "import sys, common.preflight; "
+        "import sys, tools.checks.preflight; "
         "print(found := [name for name in sys.modules if name[:5] == 'torch'][:3]); sys.exit(bool(found))"
     )
     imported = run_command([sys.executable, "-c", probe], tmp_path, timeout=60)

@@ -1,4 +1,5 @@
-"""python -m common.simulate: one rank of an N-rank job on the fake process group holds and sends what a real rank does.
+"""python -m tools.estimates.simulate: one rank of an N-rank job on the fake process group holds and sends
+what a real rank does.
 
 At 2, 3 and 4 ranks a real gloo run of the tiny preset and the simulation of the same job agree on
 every byte of parameters, gradients and optimizer state (the run's busiest rank) and of each kind of
@@ -14,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import plot, simulate
 from common.communication import Traffic
 from common.fine_tuning import fine_tuned_shapes
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, cases
 from tests.harness.runs import run_script
+from tools.estimates import simulate
+from tools.runs import plot
 
 BATCH = ["--batch-size", "4"]
 # Three steps: the runs measure their third. It is the run's last, which logs, so it also checks the

@@ -2,7 +2,7 @@
 
 Each test copies a script and common/ into a new folder outside the repository, puts a model
 that is not this repository's at the places the script marks (YOUR MODEL, YOUR LAYERS, YOUR
-CHECKPOINT IDENTITY), checks with common.check_equivalence that two processes train the copy as
+CHECKPOINT IDENTITY), checks with tools.checks.check_equivalence that two processes train the copy as
 one does, at the copy's natural settings, and loads model.pt into the new model.
 
 The copies run from their own folder and must stand alone: nothing of this repository may be
@@ -97,10 +97,19 @@ def put_in(train_py: Path, model_source: str, edits: dict[str, str]) -> None:
 
 
 def check_the_copy(project: Path, args: list[str]) -> Run:
-    """Step 3: ``python -m common.check_equivalence --nproc 2 train/train.py FLAGS`` from the copy's folder:
+    """Step 3: ``python -m tools.checks.check_equivalence --nproc 2 train/train.py FLAGS`` from the copy's folder:
     one process, its twins and two processes, each started by python or torchrun itself. Returns the
     two-process run, once the check has given its verdict (SAME or DIFFERENT)."""
-    command = [sys.executable, "-m", "common.check_equivalence", "--nproc", "2", "train/train.py", "--device", "cpu"]
+    command = [
+        sys.executable,
+        "-m",
+        "tools.checks.check_equivalence",
+        "--nproc",
+        "2",
+        "train/train.py",
+        "--device",
+        "cpu",
+    ]
     check = run_command([*command, *args], project / "runs" / "equivalence" / "train-2" / "candidate", 600,
                         project_env(project), project)  # fmt: skip
     verdict = check.output.splitlines()[-1] if check.output else ""

@@ -1,7 +1,7 @@
-"""Your own text: common.prepare_tokens, --token-file (read a window at a time) and common.sample.
+"""Your own text: tools.runs.prepare_tokens, --token-file (read a window at a time) and tools.runs.sample.
 
 The corpora are generated here: random letters, spaces and newlines, 4 and 40 MB of them, written
-as byte tokens by common.prepare_tokens itself.
+as byte tokens by tools.runs.prepare_tokens itself.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from common import prepare_tokens, sample
 from common.distributed import distributed
 from common.run_dir import CHECKPOINTS
 from common.tokens import IGNORE_INDEX, TokenData, markov_data, text_data, token_file_data
 from common.training import TokenCount, global_token_count
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
+from tools.runs import prepare_tokens, sample
 
 ALPHABET = b"etaoinshrdlu cmfwypvbgkjqxz\n"
 SMALL = ["--block-size", "32", "--heldout-sequences", "20"]
@@ -258,7 +258,7 @@ def test_every_windows_targets_are_its_inputs_one_token_on(token_file: Path, tmp
 
 def test_prepare_tokens_never_imports_torch() -> None:
     """torch's import alone is 530 MiB of a 640 MiB peak on a 1 GB text: the command streams without it."""
-    probe = "import sys, common.prepare_tokens; print([name for name in sys.modules if name.startswith('torch')])"
+    probe = "import sys, tools.runs.prepare_tokens; print([name for name in sys.modules if name.startswith('torch')])"
     imported = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert imported.stdout.strip() == "[]", imported.stdout
 
@@ -284,7 +284,7 @@ def test_a_text_larger_than_memory_allows_is_refused_with_the_way_to_train_on_it
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--text-file holds 2 bytes a character in every process; a text that cannot fit is pointed to
-    common.prepare_tokens, which streams it, and --token-file, which reads a window at a time."""
+    tools.runs.prepare_tokens, which streams it, and --token-file, which reads a window at a time."""
     text = write_text(tmp_path / "text.txt", 60_000)
     monkeypatch.setattr("common.input_checks.machine_memory", lambda: 100_000)
     parse_args = runpy.run_path(str(REPO / "ddp/train_transformer.py"))["parse_args"]
@@ -292,7 +292,7 @@ def test_a_text_larger_than_memory_allows_is_refused_with_the_way_to_train_on_it
         parse_args(["--text-file", str(text), "--run-dir", str(tmp_path / "run"), *SMALL])
     error = capsys.readouterr().err
     assert refused.value.code == 2 and error.count("error:") == 1, error
-    assert "60,000 characters: their ids would take" in error and "common.prepare_tokens" in error, error
+    assert "60,000 characters: their ids would take" in error and "tools.runs.prepare_tokens" in error, error
 
 
 def test_a_step_knows_its_token_count_only_for_data_that_never_pads(token_file: Path, tmp_path: Path) -> None:

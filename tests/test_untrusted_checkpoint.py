@@ -23,11 +23,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from filelock import FileLock
 
-from common import export_checkpoint
 from common.safe_loading import UntrustedCheckpoint, read_dcp_metadata, root_failure, sharded_reader
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU
 from tests.harness.model_files import assert_same_parameters
 from tests.harness.runs import run_script
+from tools.runs import export_checkpoint
 
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
 # Every case starts from an FSDP2 checkpoint.
@@ -85,7 +85,7 @@ def craft_metadata(checkpoint: Path, marker: Path) -> None:
 
 
 def export(args: list[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """``python -m common.export_checkpoint ARGS``, in this process: exit code and everything printed."""
+    """``python -m tools.runs.export_checkpoint ARGS``, in this process: exit code and everything printed."""
     try:
         code = export_checkpoint.main([str(arg) for arg in args])
     except SystemExit as exit_info:  # argparse's own refusals

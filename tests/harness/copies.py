@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from common import check_equivalence
 from tests.harness import launcher
 from tests.harness.runs import REPO, Run, clean_env, launcher_prefix
+from tools.checks import check_equivalence
 
 
 def copy_common(project: Path) -> Path:
@@ -84,14 +84,14 @@ def check_warm(
     reference_script: str | None = None,
     made: dict[tuple, Path] | None = None,
 ) -> Run:
-    """``python -m common.check_equivalence --nproc 2 [--reference-script R] SCRIPT FLAGS`` from the copy's
+    """``python -m tools.checks.check_equivalence --nproc 2 [--reference-script R] SCRIPT FLAGS`` from the copy's
     folder, its runs forked warm; fails the test unless it says SAME. Returns the two-process run."""
     runner = warm_runner(project, made)
     code = check_equivalence.check(
         script, ["--device", "cpu", *flags], 2, runs_dir, runner, reference_script=reference_script
     )
     output = capsys.readouterr()
-    command = [sys.executable, "-m", "common.check_equivalence", "--nproc", "2", script, *flags]
+    command = [sys.executable, "-m", "tools.checks.check_equivalence", "--nproc", "2", script, *flags]
     check = Run(command, code, output.out + output.err, runs_dir / "candidate", warm=True)
     assert code == check_equivalence.SAME, check.describe()
     assert output.out.splitlines()[-1].startswith("SAME:"), check.describe()

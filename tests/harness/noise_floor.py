@@ -1,8 +1,8 @@
 """The settings every test that compares trainings shares, and the noise floor it is judged against.
 
 A candidate run is the same training as the one-process reference when it drifts from it no more
-than common.compare_runs' factor times the twins do: one-process runs of the same training in K
-micro-steps, the K that common.check_equivalence picks. Made once per session by
+than tools.runs.compare_runs' factor times the twins do: one-process runs of the same training in K
+micro-steps, the K that tools.checks.check_equivalence picks. Made once per session by
 ``shared_noise_runs``, for conftest's ``transformer_noise``, ``variable_length_noise`` and
 ``mnist_noise`` fixtures.
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from common.check_equivalence import plan
-from common.compare_runs import NoiseVerdict, compare_with_noise, noise_report, train_records
 from tests.harness.runs import run_script
 from tests.harness.wrappers import RECORD_READS
+from tools.checks.check_equivalence import plan
+from tools.runs.compare_runs import NoiseVerdict, compare_with_noise, noise_report, train_records
 
 GLOBAL_BATCH = 24
 COMMON = ["--deterministic", "--global-batch-size", str(GLOBAL_BATCH), "--log-interval", "1"]
@@ -90,7 +90,7 @@ class NoiseRuns:
 
 
 def planned_noise_runs(flags: list[str]) -> list[tuple[str, list[str]]]:
-    """The reference and the twins common.check_equivalence would run: (folder name, flags)."""
+    """The reference and the twins tools.checks.check_equivalence would run: (folder name, flags)."""
     return [(run.name, run.flags) for run in plan(flags, nproc=2) if run.name != "candidate"]
 
 

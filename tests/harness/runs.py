@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from common.processes import descendants
 from tests.harness import launcher
+from tools.processes import descendants
 
 REPO = Path(__file__).resolve().parents[2]
 

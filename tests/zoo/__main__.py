@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.processes import exit_code_of, run_tree
 from tests.zoo.catalogue import MISTAKES
 from tests.zoo.mistake import Mistake
+from tools.processes import exit_code_of, run_tree
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_TIMEOUT_S = 600
@@ -117,7 +117,7 @@ patch is in. `python -m tests.zoo` puts each into a fresh copy of the repository
 test catches it, for the reason named here; `python -m tests.zoo NAME` runs one.
 
 On a copy of a script in your own project, the mistakes that change training are the ones
-`python -m common.check_equivalence --nproc 2 YOUR_SCRIPT.py` finds: it trains your script at 2
+`python -m tools.checks.check_equivalence --nproc 2 YOUR_SCRIPT.py` finds: it trains your script at 2
 processes and at 1 and says DIFFERENT when they leave the noise band
 ([your-own-project.md](your-own-project.md)). The others need the test named, in a clone of this
 repository with your change in its script.

@@ -1,8 +1,8 @@
 """Does N processes train what one does? One command for any script, this repository's or your copy.
 
-    python -m common.check_equivalence --nproc 3 ddp/train_transformer.py --global-batch-size 24
-    python -m common.check_equivalence --nproc 2 train/train.py --global-batch-size 24 --max-steps 12
-    python -m common.check_equivalence --nproc 2 --reference-script ddp/train_transformer.py \
+    python -m tools.checks.check_equivalence --nproc 3 ddp/train_transformer.py --global-batch-size 24
+    python -m tools.checks.check_equivalence --nproc 2 train/train.py --global-batch-size 24 --max-steps 12
+    python -m tools.checks.check_equivalence --nproc 2 --reference-script ddp/train_transformer.py \
         fsdp/train_transformer.py --lora-rank 4 --global-batch-size 24
 
 It runs the script, with its flags, three ways, each into a run directory of its own under
@@ -11,7 +11,7 @@ It runs the script, with its flags, three ways, each into a run directory of its
   twin-K      one process in K micro-steps (--grad-accum-steps K): the same training summed in
               another order, for several K, whose drift from the reference is the noise floor;
   candidate   torchrun --standalone --nproc_per_node=N, with the flags as given.
-Then it compares them with common.compare_runs --noise and prints the verdict: exit 0 for SAME,
+Then it compares them with tools.runs.compare_runs --noise and prints the verdict: exit 0 for SAME,
 1 for DIFFERENT, 2 when a run failed or the flags cannot give a fair comparison.
 
 Every run gets --deterministic and, unless the flags say otherwise, --log-interval 1 and
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cli import HelpFormatter
-from common.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
 from common.flags import existing_file, output_dir, positive_float, positive_int
 from common.outputs import write_text
-from common.processes import exit_code_of, output_of
 from common.torchrun_env import outside_any_job
+from tools.processes import exit_code_of, output_of
+from tools.runs.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
 
 DEFAULT_STEPS = 20
 MAX_TWINS = 6
@@ -144,7 +144,7 @@ def run_in_subprocess(script: str, flags: list[str], nproc: int | None, run_dir:
     # One thread per process in every run, torchrun's own default for its workers: on the CPU two
     # threads add a layer's partial sums in another order than one, which the twins would not share.
     env.setdefault("OMP_NUM_THREADS", "1")
-    # In a process tree that ends with this command, stopped or not (common.processes).
+    # In a process tree that ends with this command, stopped or not (tools.processes).
     return output_of([*launcher, script, *flags, "--run-dir", str(run_dir)], env=env)
 
 
@@ -194,7 +194,7 @@ def check(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m common.check_equivalence", description=__doc__, formatter_class=HelpFormatter
+        prog="python -m tools.checks.check_equivalence", description=__doc__, formatter_class=HelpFormatter
     )
     parser.add_argument("--nproc", type=positive_int, required=True, help="processes of the candidate run")
     parser.add_argument(
@@ -245,4 +245,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(exit_code_of(main, "python -m common.check_equivalence"))
+    sys.exit(exit_code_of(main, "python -m tools.checks.check_equivalence"))

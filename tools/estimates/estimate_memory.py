@@ -1,9 +1,10 @@
 """How much memory each rank needs, under DDP and each FSDP strategy: model state, and a model's activations.
 
-    python -m common.estimate_memory --params 7e9 --world-size 8 --gpu-memory 80
-    python -m common.estimate_memory --params 1e9 7e9 70e9 --world-size 16 --shard-group-size 8 --precision bf16
-    python -m common.estimate_memory --model gpt2 --vocab-size 50257 --batch-size 8 --world-size 8 --gpu-memory 80 \
-        --mixed-precision bf16 --activation-checkpointing
+    python -m tools.estimates.estimate_memory --params 7e9 --world-size 8 --gpu-memory 80
+    python -m tools.estimates.estimate_memory --params 1e9 7e9 70e9 --world-size 16 --shard-group-size 8 \\
+        --precision bf16
+    python -m tools.estimates.estimate_memory --model gpt2 --vocab-size 50257 --batch-size 8 --world-size 8 \
+        --gpu-memory 80 --mixed-precision bf16 --activation-checkpointing
 
 The optimizer is AdamW, as in every transformer script here. Per parameter, in bytes:
 
@@ -16,14 +17,14 @@ The optimizer is AdamW, as in every transformer script here. Per parameter, in b
 
 bf16 mixed precision changes none of these: the scripts keep fp32 master weights, reduce gradients
 in fp32 (``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``) and keep Adam's moments in fp32;
-only the copies gathered for computing are bf16. Those are the second term, "in flight" (common.in_flight):
+only the copies gathered for computing are bf16. Those are the second term, "in flight" (tools.estimates.in_flight):
 during backward, where a step peaks, FSDP holds c x (root unit + 2 Blocks) gathered (c x P under
 shard_grad_op), c = 2 bytes for bf16 and 4 for fp32, padding included; DDP nothing, but under bf16
 autocast the bf16 copies of the weights forward saved. The FSDP scripts hold no sharded gradients
 during a step (zero_grad sets them to None); DDP's are its buckets (gradient_as_bucket_view), kept.
 
 Activations, with --model: what a training step of that model holds beyond its weights, measured by
-common.activations (one fake forward and backward on the CPU, with the scripts' dtype and checkpointing;
+tools.estimates.activations (one fake forward and backward on the CPU, with the scripts' dtype and checkpointing;
 DDP rows under autocast, FSDP rows with bf16 parameters) at --batch-size and --block-size: what forward
 keeps for backward, and the most the backward adds at once (activations' gradients, logits' included;
 under checkpointing, one Block rebuilt; under FSDP, a unit's unsharded gradients until its
@@ -35,7 +36,7 @@ Without --model there is nothing to measure: FSDP's in flight then adds one unit
 (P / layers each, no root), and the table says what is left of the GPU for activations. Not counted
 anywhere: the caching allocator's rounding and fragmentation, cuBLAS workspaces, NCCL's buffers, the
 CUDA context, and AdamW's temporaries in its step (after the activations are freed).
-common.simulate measures one rank of a job of any size (fake process group, fake tensors); this
+tools.estimates.simulate measures one rank of a job of any size (fake process group, fake tensors); this
 estimate is within 0.1% of it for DDP, FSDP1, FSDP2 and HSDP at 8 to 1,024 ranks.
 
 The paper's ZeRO-2 (4P + 12P/N in fp32 terms) keeps whole parameters between steps; PyTorch's
@@ -51,11 +52,9 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from common.activations import ActivationBytes, gpt_activations, mnist_activations
 from common.cli import HelpFormatter
 from common.fine_tuning import add_estimator_flags, estimator_shapes, fine_tune
 from common.flags import float_in_range, int_in_range, positive_float, positive_int, positive_int_up_to
-from common.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from common.models import (
     GPT_PRESETS,
     GPTConfig,
@@ -65,7 +64,9 @@ from common.models import (
     gpt_step_overflow,
     mnist_step_overflow,
 )
-from common.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
+from tools.estimates.activations import ActivationBytes, gpt_activations, mnist_activations
+from tools.estimates.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
+from tools.estimates.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
 
 GIB = 2**30
 MIB = 2**20
@@ -202,7 +203,7 @@ layer_count = int_in_range(1, 10_000, name="layer_count")
 
 
 def add_job_flags(parser: argparse.ArgumentParser, *, params_required: bool = True) -> None:
-    """The model and the job, as this estimator and common.estimate_communication both take them."""
+    """The model and the job, as this estimator and tools.estimates.estimate_communication both take them."""
     parser.add_argument(
         "--params",
         type=parameter_count,
@@ -260,7 +261,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m common.estimate_memory", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+        prog="python -m tools.estimates.estimate_memory",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
     )
     add_job_flags(parser, params_required=False)
     parser.add_argument("--gpu-memory", type=positive_float, required=True, help="memory of one GPU in GiB, e.g. 80")
@@ -295,7 +298,7 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
     return gpt_shape(parser, args)
 
 
-# --model's activations come from one fake step of the GPT (common.activations), whose time grows faster
+# --model's activations come from one fake step of the GPT (tools.estimates.activations), whose time grows faster
 # than its Blocks: the tiny preset took 14 s at 12 and 24 Blocks, 31 s at 48, 154 s (142 CPU-s) at 128, and was
 # stopped after 10 minutes at 1,000, with another process on the second core. 128 is past the deepest
 # published models (Llama 3.1 405B: 126 Blocks); --params with --layers answers for any depth at once.
@@ -321,7 +324,7 @@ def gpt_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTC
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     config = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
-    # common.estimate_communication shares this and has no batch: what a step sends does not depend on it.
+    # tools.estimates.estimate_communication shares this and has no batch: what a step sends does not depend on it.
     overflow = gpt_step_overflow(config, getattr(args, "batch_size", 1), getattr(args, "lora_rank", None))
     if overflow is not None:
         parser.error(overflow)
@@ -350,7 +353,7 @@ class MeasuredModel:
 
 
 def forward_of(strategy: str, precision: str) -> str:
-    """How a strategy's script computes in ``precision`` (see common.activations.FORWARDS)."""
+    """How a strategy's script computes in ``precision`` (see tools.estimates.activations.FORWARDS)."""
     if precision == "fp32":
         return "fp32"
     return "autocast" if strategy == "ddp" else "param_dtype"

@@ -1,11 +1,11 @@
 """Rank r of a world of any size on one CPU: torch's fake process group, whose collectives return at once,
-with what DDP, FSDP1 and FSDP2 need to wrap a model of fake tensors (common.simulate's world).
+with what DDP, FSDP1 and FSDP2 need to wrap a model of fake tensors (tools.estimates.simulate's world).
 
 What the fake world cannot do, these route around without changing the wrap: the device mesh
 is built outside the fake tensors (it reads its own ranks), so is DDP's parameter check, on their shapes;
 DDP's reducer gets its all-reduced bucket back from a hook (the fake group's futures carry nothing); FSDP1
 tells a freed flat parameter by its storage's size (fake storages have no address). (FSDP1's model comes
-as fake CPU tensors, not meta ones, which fake tensors cannot replace: common.simulate builds it so.)
+as fake CPU tensors, not meta ones, which fake tensors cannot replace: tools.estimates.simulate builds it so.)
 ``StepRecorder`` measures a step there: its collectives and the peak of its live storages.
 """
 
@@ -23,9 +23,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from common.activations import LiveStorages
 from common.communication import CollectiveRecorder
 from common.distributed import DistContext
+from tools.estimates.activations import LiveStorages
 
 
 def outside_fake(function: Callable) -> Callable:

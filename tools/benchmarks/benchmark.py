@@ -1,15 +1,15 @@
 """How fast DDP, FSDP1 and FSDP2 train the same transformer here: the first thing to run on GPUs.
 
-    python -m common.benchmark                         # every visible GPU; the gpt2 preset in bf16
-    python -m common.benchmark --nproc 2 --out b.json  # on CPU: the tiny preset, 2 processes
-    python -m common.benchmark --overhead --model tiny  # what the harness costs a step (common/overhead.py)
+    python -m tools.benchmarks.benchmark                         # every visible GPU; the gpt2 preset in bf16
+    python -m tools.benchmarks.benchmark --nproc 2 --out b.json  # on CPU: the tiny preset, 2 processes
+    python -m tools.benchmarks.benchmark --overhead --model tiny  # what the harness costs a step (overhead.py)
 
 Each strategy trains the same model, in bf16, on the same global batch, for --warmup steps
 that are not measured (the first collectives, allocations, compilation) and then --steps
 that are. The table gives what each run's final metrics.jsonl record says: tokens per second
 over all ranks, MFU (on GPUs whose peak is known), peak memory of the rank that needs most,
 and the mean step time, evaluation and checkpoints left out. The table also goes to --out as
-JSON. Every run goes through torchrun, like common.compare_strategies.
+JSON. Every run goes through torchrun, like tools.benchmarks.compare_strategies.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from common.cli import HelpFormatter
-from common.compare_strategies import STRATEGIES, launch
 from common.flags import output_file, positive_int
 from common.models import GPT_PRESETS
 from common.outputs import (
@@ -33,9 +32,10 @@ from common.outputs import (
     output_folder,
     write_text,
 )
-from common.overhead import measure, overhead_table
-from common.processes import exit_code_of
 from common.run_dir import check_run_folders, finished_run_in
+from tools.benchmarks.compare_strategies import STRATEGIES, launch
+from tools.benchmarks.overhead import measure, overhead_table
+from tools.processes import exit_code_of
 
 BENCHMARKED = ("ddp", "fsdp1_full_shard", "fsdp2")
 GIB = 2**30
@@ -44,7 +44,7 @@ GIB = 2**30
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     on_gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(
-        prog="python -m common.benchmark", description=__doc__, formatter_class=HelpFormatter
+        prog="python -m tools.benchmarks.benchmark", description=__doc__, formatter_class=HelpFormatter
     )
     parser.add_argument(
         "--nproc",
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--overhead",
         action="store_true",
         help="instead: the DDP transformer script's ms per step beside a bare loop of the same training, one "
-        "process each, in turns (common/overhead.py); --warmup, --steps and --rounds apply, the others not",
+        "process each, in turns (tools/benchmarks/overhead.py); --warmup, --steps and --rounds apply, the others not",
     )
     parser.add_argument(
         "--rounds", type=positive_int, default=3, help="--overhead: runs of each, interleaved (default: %(default)s)"
@@ -189,4 +189,4 @@ def print_and_write(shown: str, summary: dict[str, Any], args: argparse.Namespac
 
 
 if __name__ == "__main__":
-    sys.exit(exit_code_of(main, "python -m common.benchmark"))
+    sys.exit(exit_code_of(main, "python -m tools.benchmarks.benchmark"))

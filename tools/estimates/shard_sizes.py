@@ -107,7 +107,7 @@ def rank_shares(
 ) -> list[tuple[int, int, int]]:
     """Per rank of a shard group, summed over the model: elements held, trainable elements held, and
     trainable tensors with a part held (each one AdamW step count), for the scripts' GPT with ``layout``
-    ("replicated", "flat" for FSDP1, "dim0" for FSDP2; see common.estimate_memory.LAYOUTS)."""
+    ("replicated", "flat" for FSDP1, "dim0" for FSDP2; see tools.estimates.estimate_memory.LAYOUTS)."""
     trains = set(shapes) if trainable is None else set(trainable)
     if layout == "replicated" or shard_group == 1:
         tensors = [(math.prod(shape), name in trains) for name, shape in shapes.items()]

@@ -1,4 +1,4 @@
-"""What a rank holds gathered during a step, above its own shards: common.estimate_memory's "in flight" term.
+"""What a rank holds gathered during a step, above its own shards: tools.estimates.estimate_memory's "in flight" term.
 
 A step peaks early in backward, in the last Block's, while every activation is still alive. FSDP then
 holds gathered the root unit (embeddings, final norm, head) and the last Block, both kept from forward
@@ -14,8 +14,8 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from common.activations import ActivationBytes
-from common.shard_sizes import COMPUTE_BYTES, FP32, fsdp1_flat_elements, fsdp2_padded_elements, fsdp_unit_names
+from tools.estimates.activations import ActivationBytes
+from tools.estimates.shard_sizes import COMPUTE_BYTES, FP32, fsdp1_flat_elements, fsdp2_padded_elements, fsdp_unit_names
 
 PREFETCHED_UNITS = 2  # the Block computing its backward and the one gathered ahead of it
 STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
@@ -114,7 +114,7 @@ def reduce_scatter_bytes(
     """What a unit's reduce-scatter adds where it, not the start of backward, is the step's peak (a small
     batch: the gathered units and their gradients outweigh the activations), on top of ``activations``.
 
-    Measured against common.simulate's runs of the real wraps, unit by unit (``activations.unit_peaks``
+    Measured against tools.estimates.simulate's runs of the real wraps, unit by unit (``activations.unit_peaks``
     and ``unit_ends``, counted after ``done`` units were reduced, whose shards are the sharded gradients
     a step holds from then on):
     - FSDP1 ("flat") copies a unit's gradients into one flat gradient in the compute dtype; under bf16

@@ -1,10 +1,10 @@
 """Measure all-reduce, all-gather and reduce-scatter across the job's ranks, as nccl-tests reports them.
 
-    torchrun --standalone --nproc_per_node=8 -m common.comm_check                  # one node
+    torchrun --standalone --nproc_per_node=8 -m tools.checks.comm_check                  # one node
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
-        --rdzv-id=check -m common.comm_check --out comm_check.json                 # two (on each node)
+        --rdzv-id=check -m tools.checks.comm_check --out comm_check.json                 # two (on each node)
     COMM_CHECK=1 sbatch slurm/fsdp.sbatch                                          # on SLURM, before training
-    python -m common.estimate_communication --params 7e9 --world-size 16 --comm-check comm_check.json
+    python -m tools.estimates.estimate_communication --params 7e9 --world-size 16 --comm-check comm_check.json
 
 For each collective and each message size (doubling from --min-bytes to --max-bytes: 1 MiB to 1 GiB
 on GPUs, 64 KiB to 4 MiB on the CPU), --warmup untimed iterations, then --iters timed back to back;
@@ -17,7 +17,7 @@ what an all-gather assembles, what a reduce-scatter starts from:
 
 busbw does not depend on the number of ranks n: compare it with the slowest link's rate. The table
 goes to the console (rank 0) and, with the job's world size, nodes, backend, device and torch
-version, to --out as JSON, which common.estimate_communication reads.
+version, to --out as JSON, which tools.estimates.estimate_communication reads.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def message_sizes(low: int, high: int) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = Parser(description=__doc__, formatter_class=HelpFormatter, prog="python -m common.comm_check")
+    parser = Parser(description=__doc__, formatter_class=HelpFormatter, prog="python -m tools.checks.comm_check")
     add_device_flag(parser)
     parser.add_argument(
         "--min-bytes", type=byte_size, help="smallest message, e.g. 1M (default: 1M on GPUs, 64K on the CPU)"

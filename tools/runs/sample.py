@@ -1,9 +1,9 @@
 """Read what a transformer run learned: continue a prompt with its model.pt.
 
-    python -m common.sample runs/fsdp2_transformer --prompt "ROMEO:" --tokens 300
+    python -m tools.runs.sample runs/fsdp2_transformer --prompt "ROMEO:" --tokens 300
 
 The run's final record (metrics.jsonl) holds the model's shape and how its ids turn into text: the
-characters of a --text-file, or the bytes of a --token-file (common.prepare_tokens). The synthetic
+characters of a --text-file, or the bytes of a --token-file (tools.runs.prepare_tokens). The synthetic
 Markov tokens are not text, nor is a token file of your own tokenizer to this command: give the
 prompt as ids ("3 14 15") and read ids back. One process, on the CPU unless --device cuda; the
 model is rebuilt whole, as model.pt holds it.
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from common.compare_runs import read_records
 from common.flags import existing_dir, float_in_range, positive_int, seed_value
 from common.models import GPT, GPTConfig
 from common.run_dir import METRICS_FILE, MODEL_FILE
+from tools.runs.compare_runs import read_records
 
 
 def final_record(run_dir: Path) -> dict[str, Any] | None:
@@ -90,7 +90,7 @@ temperature = float_in_range(0.01, 100, name="temperature")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m common.sample", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tools.runs.sample", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("run_dir", type=existing_dir, help="a finished transformer run: its metrics.jsonl and model.pt")
     parser.add_argument("--prompt", required=True, help="the text to continue (ids, for synthetic tokens)")

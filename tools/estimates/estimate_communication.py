@@ -1,10 +1,11 @@
 """What each rank sends per optimizer step, under DDP and each FSDP strategy, and how long it takes.
 
-    python -m common.estimate_communication --params 1e9 7e9 70e9 --world-size 8 --precision bf16
-    python -m common.estimate_communication --params 7e9 --world-size 16 --shard-group-size 8 --grad-accum-steps 4
-    python -m common.estimate_communication --model small --world-size 2 --lora-rank 4
+    python -m tools.estimates.estimate_communication --params 1e9 7e9 70e9 --world-size 8 --precision bf16
+    python -m tools.estimates.estimate_communication --params 7e9 --world-size 16 --shard-group-size 8 \\
+        --grad-accum-steps 4
+    python -m tools.estimates.estimate_communication --model small --world-size 2 --lora-rank 4
 
-The formulas, and how FSDP pads its messages: common/comm_model.py. With --params the model is that many
+The formulas, and how FSDP pads its messages: tools/estimates/comm_model.py. With --params the model is that many
 parameters in --layers equal units; with --model it is the scripts' GPT, its Blocks the units, and each row is
 what that script's run records (``local_state_bytes``, ``comm_bytes_per_step``), --freeze and --lora-rank
 included.
@@ -15,10 +16,13 @@ from __future__ import annotations
 import argparse
 
 from common.cli import HelpFormatter
-from common.comm_measured import CommCheck
-from common.comm_model import model_collectives, run_collectives, step_seconds
 from common.communication import Traffic
-from common.estimate_memory import (
+from common.fine_tuning import ParameterShapes, add_estimator_flags, estimator_shapes, fine_tuned_shapes
+from common.flags import existing_file, int_in_range, positive_float, positive_int
+from common.models import GPT_PRESETS, GPTConfig
+from tools.estimates.comm_measured import CommCheck
+from tools.estimates.comm_model import model_collectives, run_collectives, step_seconds
+from tools.estimates.estimate_memory import (
     GIB,
     GPT_SHAPE_FLAGS,
     LAYOUTS,
@@ -32,10 +36,7 @@ from common.estimate_memory import (
     resolve_shard_group_size,
     shard_group_for,
 )
-from common.fine_tuning import ParameterShapes, add_estimator_flags, estimator_shapes, fine_tuned_shapes
-from common.flags import existing_file, int_in_range, positive_float, positive_int
-from common.in_flight import STRATEGIES
-from common.models import GPT_PRESETS, GPTConfig
+from tools.estimates.in_flight import STRATEGIES
 
 
 def estimate_table(args: argparse.Namespace, check: CommCheck | None = None) -> str:
@@ -172,7 +173,7 @@ def gpt_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConf
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m common.estimate_communication",
+        prog="python -m tools.estimates.estimate_communication",
         description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter,
     )
@@ -211,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--comm-check",
         type=existing_file,
         metavar="FILE",
-        help="a comm check's JSON (python -m common.comm_check --out FILE): adds each step's time at the bus "
+        help="a comm check's JSON (python -m tools.checks.comm_check --out FILE): adds each step's time at the bus "
         "bandwidths it measured",
     )
     args = parser.parse_args(argv)
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.shapes is None:
         print(estimate_table(args, args.check))
         print(
-            "\nheld: model state per rank between steps (common.estimate_memory). all-gather, reduce-scatter, "
+            "\nheld: model state per rank between steps (tools.estimates.estimate_memory). all-gather, reduce-scatter, "
             "all-reduce: message bytes per optimizer step."
         )
     else:

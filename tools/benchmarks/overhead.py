@@ -1,6 +1,6 @@
 """What the harness costs a step: the DDP transformer script against a bare loop of the same training.
 
-``python -m common.benchmark --overhead [--model PRESET]`` runs both, one process each, in turns
+``python -m tools.benchmarks.benchmark --overhead [--model PRESET]`` runs both, one process each, in turns
 (script, bare, script, bare...), so that a machine that slows down meanwhile slows both. The bare
 loop trains the same GPT (the script's own defaults for the preset), on the same synthetic Markov
 data, with the same batch, AdamW and gradient clipping, and nothing else: no wrapper, no schedule,
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from common.metrics import synchronize
-from common.processes import output_of, scratch_folder
 from common.run_dir import final_record
+from tools.processes import output_of, scratch_folder
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = "ddp/train_transformer.py"
@@ -89,7 +89,10 @@ def script_run(model: str, warmup: int, steps: int, run_dir: Path) -> dict[str, 
 def bare_run(model: str, warmup: int, steps: int, run_dir: Path) -> dict[str, float]:
     """``bare_loop`` in a process of its own, as the script has one."""
     call = f"bare_loop({model!r}, {warmup}, {steps}, Path({str(run_dir)!r}))"
-    code = f"import json; from pathlib import Path; from common.overhead import bare_loop; print(json.dumps({call}))"
+    code = (
+        "import json; from pathlib import Path; from tools.benchmarks.overhead import bare_loop; "
+        f"print(json.dumps({call}))"
+    )
     returncode, output = output_of([sys.executable, "-c", code], cwd=REPO)
     if returncode != 0:
         sys.exit(f"the bare loop failed (exit code {returncode}):\n{output}")

@@ -1,8 +1,8 @@
 """Draw runs from their metrics.jsonl: loss and held-out loss by step and by training time, the learning
 rate, the gradient norm and the throughput, one colour per run.
 
-    python -m common.plot runs/ddp_transformer runs/fsdp2_transformer --out curves.png
-    python -m common.plot runs/a runs/b runs/c --out curves.svg --overwrite
+    python -m tools.runs.plot runs/ddp_transformer runs/fsdp2_transformer --out curves.png
+    python -m tools.runs.plot runs/a runs/b runs/c --out curves.svg --overwrite
 
 Each run is labelled by its folder, its strategy and its world size, read from its final record. A run
 still going has none yet: it is drawn as far as it got and labelled "running". A resumed run's
@@ -33,8 +33,8 @@ from common.cli import HelpFormatter
 from common.flags import existing_dir, output_file
 from common.models import GPTConfig, gpt_parameter_count
 from common.outputs import OutputExists, add_overwrite_flag, check_output_path, same_file, write_by_name
-from common.processes import exit_code_of
 from common.run_dir import METRICS_FILE, UnreadableRecord, load_line
+from tools.processes import exit_code_of
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -268,7 +268,7 @@ MIB = 2**20
 
 
 def draw_scale(results: Sequence[dict[str, Any]]) -> Figure:
-    """common.simulate's jobs: per-rank model state by world size on log axes, one line per model and strategy,
+    """tools.estimates.simulate's jobs: per-rank model state by world size on log axes, one line per model and strategy,
     and per model a dotted line falling as 1/N from the state one rank would hold alone: 16 bytes a parameter, or
     fine-tuned, 4 a parameter and 12 more one that trains (4P + 12T)."""
     plt = pyplot()
@@ -290,7 +290,7 @@ def draw_scale(results: Sequence[dict[str, Any]]) -> Figure:
     axes.set_yscale("log")
     axes.set_xlabel("ranks")
     axes.set_ylabel("model state per rank (MiB)")
-    axes.set_title("one rank of each job, simulated (common.simulate)", fontsize=10)
+    axes.set_title("one rank of each job, simulated (tools.estimates.simulate)", fontsize=10)
     axes.grid(alpha=0.3, which="both")
     axes.legend(fontsize=8, ncol=2, frameon=False)
     figure.tight_layout()
@@ -312,7 +312,9 @@ def save_figure(figure: Figure, path: Path, overwrite: bool) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m common.plot", description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.runs.plot", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument(
         "run_dirs", type=existing_dir, nargs="+", metavar="RUN_DIR", help="run folders (a script's --run-dir)"
     )
@@ -387,4 +389,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(exit_code_of(main, "python -m common.plot"))
+    sys.exit(exit_code_of(main, "python -m tools.runs.plot"))

@@ -1,13 +1,13 @@
 """Compare runs step by step: did they train the same model?
 
-    python -m common.compare_runs REFERENCE CANDIDATE --noise TWIN [TWIN ...]
-    python -m common.compare_runs RUN_A RUN_B --loss-rtol 1e-5 --param-atol 1e-5
+    python -m tools.runs.compare_runs REFERENCE CANDIDATE --noise TWIN [TWIN ...]
+    python -m tools.runs.compare_runs RUN_A RUN_B --loss-rtol 1e-5 --param-atol 1e-5
 
 Reads each run directory's metrics.jsonl (the per-step training loss and global gradient norm, and
 the final evaluation) and model.pt (the final parameters).
 
 With --noise, the verdict is measured rather than chosen. Each TWIN is REFERENCE's training summed
-in another equally valid order: one process with --grad-accum-steps K (common.check_equivalence
+in another equally valid order: one process with --grad-accum-steps K (tools.checks.check_equivalence
 runs them for you). How far the twins drift from REFERENCE is the rounding noise of this model, at
 this learning rate, on this machine's kernels. CANDIDATE trains the same model when its own drift
 stays within --noise-factor times the twins' drift, quantity by quantity: each step's loss and
@@ -359,7 +359,7 @@ def tolerance_verdict(result: Comparison, args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m common.compare_runs", description=__doc__, formatter_class=HelpFormatter
+        prog="python -m tools.runs.compare_runs", description=__doc__, formatter_class=HelpFormatter
     )
     parser.add_argument("run_a", type=existing_dir, metavar="REFERENCE")
     parser.add_argument("run_b", type=existing_dir, metavar="CANDIDATE")

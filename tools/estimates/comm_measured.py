@@ -1,4 +1,4 @@
-"""A comm check's measurements read back (``python -m common.comm_check --out FILE``), and the time they give
+"""A comm check's measurements read back (``python -m tools.checks.comm_check --out FILE``), and the time they give
 a step's collectives on a group of any size.
 """
 
@@ -15,7 +15,7 @@ from common.communication import ring_link_bytes
 
 @dataclass(frozen=True)
 class CommCheck:
-    """What ``common.comm_check`` measured (its JSON): the slowest rank's seconds per collective kind and size.
+    """What ``tools.checks.comm_check`` measured (its JSON): the slowest rank's seconds per collective kind and size.
 
     A collective of S bytes takes the measured time at S when S was measured. Between two measured
     sizes the time is interpolated linearly in S: a collective costs about a latency plus S over a
@@ -43,7 +43,9 @@ class CommCheck:
             sorted_times = {kind: sorted(points) for kind, points in times.items()}
             check = cls(int(data["world_size"]), int(data["nodes"]), data["backend"], data["device_name"], sorted_times)
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"not a comm check's JSON (python -m common.comm_check --out FILE): {err!r}") from err
+            raise ValueError(
+                f"not a comm check's JSON (python -m tools.checks.comm_check --out FILE): {err!r}"
+            ) from err
         if check.world_size < 2:
             raise ValueError("it measured one rank: nothing crossed a link")
         if not times or any(seconds <= 0 for points in times.values() for _, seconds in points):

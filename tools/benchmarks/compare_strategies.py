@@ -1,14 +1,14 @@
 """Train the transformer under DDP and every FSDP mode, and show what each rank holds and sends.
 
-    python -m common.compare_strategies --model tiny --world-sizes 1 2 4
-    python -m common.compare_strategies --model small --world-sizes 2 4 --steps 50 --png memory.png
-    python -m common.compare_strategies --world-sizes 4 --strategies ddp fsdp2 -- --batch-size 8
-    python -m common.compare_strategies --from-runs runs/compare_strategies --png memory.svg
+    python -m tools.benchmarks.compare_strategies --model tiny --world-sizes 1 2 4
+    python -m tools.benchmarks.compare_strategies --model small --world-sizes 2 4 --steps 50 --png memory.png
+    python -m tools.benchmarks.compare_strategies --world-sizes 4 --strategies ddp fsdp2 -- --batch-size 8
+    python -m tools.benchmarks.compare_strategies --from-runs runs/compare_strategies --png memory.svg
 
 Each configuration runs through torchrun for a few steps; its final metrics.jsonl record gives the
 per-rank bytes of parameters, gradients and optimizer state (the rank holding the most), the peak
 memory, the throughput, and what one optimizer step's collectives moved, by kind. Beside each
-figure, in parentheses, is what ``common.estimate_memory`` and ``common.estimate_communication``
+figure, in parentheses, is what ``tools.estimates.estimate_memory`` and ``tools.estimates.estimate_communication``
 predict from the shapes in the run's model.pt. Hybrid modes need an
 even world size of at least 4 (2 replicas of at least 2 shards) and are skipped elsewhere.
 --png draws model state and peak memory per rank, measured (solid) beside estimated (dashed; the
@@ -37,10 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.cli import HelpFormatter
-from common.comm_model import run_estimate
-from common.estimate_memory import LAYOUTS, Estimate
 from common.flags import existing_dir, output_dir, output_file, positive_int, refuse_outputs_on_one_path
-from common.in_flight import gathered_units, in_flight_bytes
 from common.models import GPT_PRESETS
 from common.outputs import (
     OutputExists,
@@ -49,11 +46,14 @@ from common.outputs import (
     check_output_path,
     output_folder,
 )
-from common.plot import FORMATS as FIGURE_FORMATS
-from common.plot import PlotError, pyplot, save_figure_or_exit
-from common.processes import exit_code_of, output_of
 from common.run_dir import MODEL_FILE, check_run_folders, final_record, finished_run_in
-from common.shard_sizes import StateBytes, between_steps
+from tools.estimates.comm_model import run_estimate
+from tools.estimates.estimate_memory import LAYOUTS, Estimate
+from tools.estimates.in_flight import gathered_units, in_flight_bytes
+from tools.estimates.shard_sizes import StateBytes, between_steps
+from tools.processes import exit_code_of, output_of
+from tools.runs.plot import FORMATS as FIGURE_FORMATS
+from tools.runs.plot import PlotError, pyplot, save_figure_or_exit
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -169,7 +169,7 @@ def markdown_table(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], mic
 
 
 MARKERS = ("o", "s", "^", "v", "D", "P")
-IN_FLIGHT_STRATEGY = {  # common.estimate_memory's name for how each script's strategy gathers during a step
+IN_FLIGHT_STRATEGY = {  # tools.estimates.estimate_memory's name for how each script's strategy gathers during a step
     "ddp": "ddp",
     "fsdp1_no_shard": "ddp",
     "fsdp1_full_shard": "full_shard",
@@ -185,7 +185,7 @@ def estimated_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> StateB
 
 
 def estimated_peak_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> float:
-    """Model state at its peak in a step, as common.estimate_memory counts it without a model's activations:
+    """Model state at its peak in a step, as tools.estimates.estimate_memory counts it without a model's activations:
     held during the step plus the units gathered, and one unit's gradients. Activations and the runtime's
     own memory are not in it, so it is a floor of the peak."""
     precision = "bf16" if record.get("mixed_precision") in ("bf16", "fp16") else "fp32"  # 2 bytes either way
@@ -259,7 +259,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     passed_on = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
-        prog="python -m common.compare_strategies",
+        prog="python -m tools.benchmarks.compare_strategies",
         usage="%(prog)s [options] [-- FLAGS FOR EVERY TRAINING SCRIPT]",
         description=__doc__,
         formatter_class=HelpFormatter,
@@ -377,7 +377,7 @@ def check_saved_runs(parser: argparse.ArgumentParser, out_dir: Path, passed_on: 
     if not found:
         parser.error(
             f"--from-runs {out_dir} holds no finished run of a comparison (STRATEGY-WORLDSIZE folders with "
-            "metrics.jsonl): give the --out-dir of an earlier python -m common.compare_strategies"
+            "metrics.jsonl): give the --out-dir of an earlier python -m tools.benchmarks.compare_strategies"
         )
 
 
@@ -395,10 +395,10 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(runs, micro_steps(common_flags)))
     print(
         "\nmeasured (estimated): bytes held between steps by the rank that holds the most; the estimate is "
-        "common.estimate_memory's.\npeak memory: CUDA's peak allocation on a GPU; on CPU the process's peak "
+        "tools.estimates.estimate_memory's.\npeak memory: CUDA's peak allocation on a GPU; on CPU the process's peak "
         "resident set, Python and torch included.\nall-gather, reduce-scatter, all-reduce: message bytes of one "
         "optimizer step's collectives (rank 0's; the third step);\nsent per link: what a ring algorithm sends "
-        "from each rank for them. Estimates: common.estimate_communication's."
+        "from each rank for them. Estimates: tools.estimates.estimate_communication's."
     )
     if args.png is not None:
         try:
@@ -423,4 +423,4 @@ def train_runs(args: argparse.Namespace, common_flags: list[str]) -> list[tuple[
 
 
 if __name__ == "__main__":
-    sys.exit(exit_code_of(main, "python -m common.compare_strategies"))
+    sys.exit(exit_code_of(main, "python -m tools.benchmarks.compare_strategies"))

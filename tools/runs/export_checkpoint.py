@@ -1,7 +1,7 @@
 """Turn a training checkpoint into a plain ``model.pt`` for inference.
 
-    python -m common.export_checkpoint RUN_DIR/checkpoints/step-N model.pt     # sharded (FSDP)
-    python -m common.export_checkpoint RUN_DIR/checkpoints/step-N.pt model.pt  # full (DDP)
+    python -m tools.runs.export_checkpoint RUN_DIR/checkpoints/step-N model.pt     # sharded (FSDP)
+    python -m tools.runs.export_checkpoint RUN_DIR/checkpoints/step-N.pt model.pt  # full (DDP)
 
 The output is the model's state dict alone, under the original parameter
 names, as the training scripts' own ``model.pt``: it loads into the plain
@@ -18,7 +18,7 @@ the weights they adapt; --adapters-only writes the adapters alone.
 
 A run of a Hugging Face model (docs/hugging-face.md) exports as a folder ``from_pretrained`` loads:
 
-    python -m common.export_checkpoint RUN_DIR/checkpoints/step-N OUT_DIR --hf-config MODEL_DIR
+    python -m tools.runs.export_checkpoint RUN_DIR/checkpoints/step-N OUT_DIR --hf-config MODEL_DIR
 
 ``config.json`` comes from --hf-config (the folder the run started from, or the file itself), the
 weights go to ``model.safetensors``, a tied weight once, under its first name.
@@ -52,10 +52,10 @@ from common.outputs import (
     same_file,
     save_torch,
 )
-from common.processes import exit_code_of
 from common.run_dir import CHECKPOINTS, LOCK_FILE, METRICS_FILE, RUN_RESULTS, checkpoint_step
 from common.safe_loading import UntrustedCheckpoint, describe_failure, load_file, root_failure, sharded_reader
 from common.safetensors_weights import CONFIG_FILE, pretrained_folder, write_pretrained
+from tools.processes import exit_code_of
 
 MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
 
@@ -119,7 +119,7 @@ def read_sharded_model_state(folder: Path, trust: bool) -> dict[str, torch.Tenso
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m common.export_checkpoint", description=__doc__, formatter_class=HelpFormatter
+        prog="python -m tools.runs.export_checkpoint", description=__doc__, formatter_class=HelpFormatter
     )
     parser.add_argument("checkpoint", type=existing_path, help="RUN_DIR/checkpoints/step-N (a folder) or step-N.pt")
     parser.add_argument(
@@ -263,4 +263,4 @@ def fail(message: str) -> int:
 
 if __name__ == "__main__":
     # A SIGTERM unwinds as Ctrl-C does, so the output's temporary is removed rather than left behind.
-    sys.exit(exit_code_of(main, "python -m common.export_checkpoint"))
+    sys.exit(exit_code_of(main, "python -m tools.runs.export_checkpoint"))

@@ -1,7 +1,7 @@
 """One rank of an N-rank job, on one CPU: what it holds and sends, measured by running the scripts' own wrap.
 
-    python -m common.simulate --world-size 1024 --strategy fsdp2 --model gpt2 --out fsdp2-1024.json
-    python -m common.simulate --model medium gpt2 --world-size 8 64 256 1024 --strategy ddp fsdp1 fsdp2 hsdp
+    python -m tools.estimates.simulate --world-size 1024 --strategy fsdp2 --model gpt2 --out fsdp2-1024.json
+    python -m tools.estimates.simulate --model medium gpt2 --world-size 8 64 256 1024 --strategy ddp fsdp1 fsdp2 hsdp
 
 The transformer script of the strategy wraps its model with its own ``wrap_model`` (the real DDP,
 FSDP1 or fully_shard: their buckets, flat parameters and padding) on torch's fake process group,
@@ -9,11 +9,11 @@ whose collectives return at once, and fake tensors, which have shapes and sizes 
 steps run as the script runs them (zero_grad, forward, loss, backward, clipping, AdamW), and one is
 measured as the runs measure theirs (see ``warm_up``). For the rank: its parameter, gradient and
 optimizer bytes after the step, the peak of its live tensors' bytes during it, and each collective
-(common.communication's recorder), beside what common.estimate_memory and common.estimate_communication
+(common.communication's recorder), beside what estimate_memory and estimate_communication
 predict for the same job. Several values of --world-size, --strategy or --model: one job each, a table
 (and with --png, state per rank by world size, drawn). --freeze, --lora-rank: as the scripts fine-tune.
 
-What the fake world cannot do without help, common.fake_world provides, without changing the wrap.
+What the fake world cannot do without help, tools.estimates.fake_world provides, without changing the wrap.
 """
 
 from __future__ import annotations
@@ -34,12 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from common import comm_model, estimate_memory
-from common.activations import gpt_activations
 from common.cli import HelpFormatter, add_fine_tuning_flags
 from common.communication import Traffic, measured_step
 from common.distributed import DistContext, local_state_bytes
-from common.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
 from common.fine_tuning import (
     ParameterShapes,
     add_adapters,
@@ -65,7 +62,10 @@ from common.models import (
     gpt_step_overflow,
 )
 from common.outputs import add_overwrite_flag, check_output_path, write_text
-from common.plot import check_figure_path, draw_scale, save_figure_or_exit
+from tools.estimates import comm_model, estimate_memory
+from tools.estimates.activations import gpt_activations
+from tools.estimates.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
+from tools.runs.plot import check_figure_path, draw_scale, save_figure_or_exit
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {
@@ -109,8 +109,8 @@ MAX_RANKS = 2**14
 world_size_type = positive_int_up_to(
     MAX_RANKS,
     "ranks",
-    "a simulation's time grows with its ranks (gpt2 takes minutes at 16,384); common.estimate_memory and "
-    "common.estimate_communication answer for any size",
+    "a simulation's time grows with its ranks (gpt2 takes minutes at 16,384); tools.estimates.estimate_memory and "
+    "tools.estimates.estimate_communication answer for any size",
     name="world_size",
 )
 
@@ -142,7 +142,7 @@ class Progress:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m common.simulate", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+        prog="python -m tools.estimates.simulate", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
     )
     parser.add_argument(
         "--world-size",
@@ -354,7 +354,7 @@ def simulate(args: argparse.Namespace, progress: Progress | None = None) -> dict
 
 
 def estimate(args: argparse.Namespace, config: Any, batch_size: int, tuned: ParameterShapes) -> dict[str, float]:
-    """What common.estimate_memory and common.estimate_communication (common.comm_model) say of the same job."""
+    """What estimate_memory and estimate_communication (comm_model) say of the same job."""
     shapes, trainable, prepare = tuned.shapes, tuned.trainable, functools.partial(fine_tune, **args.fine_tuning)
     strategy = record_strategy(args)
     group = 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.communication import Traffic
-from common.shard_sizes import (
+from tools.estimates.shard_sizes import (
     COMPUTE_BYTES,
     fsdp1_flat_elements,
     fsdp2_padded_elements,

@@ -1,7 +1,7 @@
 """Pre-flight: run a script for a few steps on this machine and check that every rank issues the same collectives.
 
-    python -m common.preflight --nproc 2 train/train.py --global-batch-size 24
-    python -m common.preflight --nproc 4 fsdp/train_transformer_fsdp2.py --model tiny
+    python -m tools.checks.preflight --nproc 2 train/train.py --global-batch-size 24
+    python -m tools.checks.preflight --nproc 4 fsdp/train_transformer_fsdp2.py --model tiny
 
 A distributed script whose ranks disagree about which collective comes next does not fail: it
 hangs, on the cluster, until the process-group timeout, with nothing in its log. A rank that
@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.flags import existing_file, float_in_range, output_dir, positive_int, timeout_seconds
-from common.lockstep import read_reports, run_rank
 from common.outputs import open_log
-from common.processes import exit_code_of, run_tree, scratch_folder
 from common.run_dir import CHECKPOINTS, METRICS_FILE, MODEL_FILE
 from common.torchrun_env import outside_any_job
+from tools.checks.lockstep import read_reports, run_rank
+from tools.processes import exit_code_of, run_tree, scratch_folder
 
 STEPS = 3  # the third step is the one StepObserver measures: collectives_per_step needs it
 CHECKPOINT_INTERVAL = 2  # a checkpoint before step 3
@@ -78,7 +78,7 @@ class Plan:
 
     run_dir: Path
     report_dir: Path
-    rank_argv: list[str]  # what follows ``python -m common.preflight`` (or the test launcher's program)
+    rank_argv: list[str]  # what follows ``python -m tools.checks.preflight`` (or the test launcher's program)
 
 
 def plan(script: str, flags: list[str], root: Path, wait_s: float) -> Plan:
@@ -291,7 +291,7 @@ def preflight(script: str, flags: list[str], nproc: int, wait_s: float, timeout:
     with scratch_folder("preflight-") as root:
         planned = plan(script, flags, root, wait_s)
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        command = [*torchrun, "--max-restarts=0", "-m", "common.preflight", *planned.rank_argv]
+        command = [*torchrun, "--max-restarts=0", "-m", "tools.checks.preflight", *planned.rank_argv]
         launched = launch_ranks(command, env, timeout, planned.report_dir, nproc, root / "ranks.log")
         if launched.timed_out:
             reports = read_reports(planned.report_dir)
@@ -309,7 +309,7 @@ run_limit = float_in_range(1, 7 * 24 * 3600, unit=" seconds", name="run_limit")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # common.flags' types, not common.cli: that imports torch, which this process never needs (its ranks do).
-    parser = argparse.ArgumentParser(prog="python -m common.preflight", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.checks.preflight", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--nproc", type=positive_int, help="ranks to run, as torchrun's --nproc_per_node")
     # The script's --dist-timeout takes it, so it has that flag's range.
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         run_rank(args.script, args.flags, args.report_dir, args.wait)
         return OK
     # Not on the ranks: torchrun stops them with SIGTERM, and that must stay the script's own business.
-    return exit_code_of(lambda: report(args), "python -m common.preflight")
+    return exit_code_of(lambda: report(args), "python -m tools.checks.preflight")
 
 
 def report(args: argparse.Namespace) -> int:

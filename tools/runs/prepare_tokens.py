@@ -1,6 +1,6 @@
 """Turn text files into one flat file of token ids, for the transformer scripts' --token-file.
 
-    python -m common.prepare_tokens book1.txt book2.txt --output data/books.tokens
+    python -m tools.runs.prepare_tokens book1.txt book2.txt --output data/books.tokens
     torchrun --standalone --nproc_per_node=4 fsdp/train_transformer_fsdp2.py --token-file data/books.tokens
 
 The tokens are the text's bytes: every byte of the UTF-8 text is one token, a vocabulary of 256, so
@@ -30,11 +30,11 @@ import numpy as np
 
 from common.flags import existing_file, output_file
 from common.outputs import add_overwrite_flag, check_output_path, write_outputs
-from common.processes import exit_code_of
 from common.token_format import MAX_VOCAB_SIZE, TOKEN_DTYPE, token_metadata_path
+from tools.processes import exit_code_of
 
 VOCAB_SIZE = 256  # YOUR TOKENIZER: its vocabulary size
-TOKENIZER = "bytes"  # what common.sample decodes with: "bytes", or the name of yours
+TOKENIZER = "bytes"  # what tools.runs.sample decodes with: "bytes", or the name of yours
 CHUNK_BYTES = 1 << 22
 
 
@@ -124,7 +124,7 @@ def source_problem(source: Path) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m common.prepare_tokens",
+        prog="python -m tools.runs.prepare_tokens",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -165,4 +165,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # A SIGTERM unwinds as Ctrl-C does, so the output's temporary is removed rather than left behind.
-    sys.exit(exit_code_of(main, "python -m common.prepare_tokens"))
+    sys.exit(exit_code_of(main, "python -m tools.runs.prepare_tokens"))

@@ -7,7 +7,7 @@ up the storages autograd keeps for backward (``kept``):
 - every tensor an operation saves for its backward, each storage once (q, k and v are views of one
   buffer; a layer norm's input is also the previous residual sum);
 - not the parameters, nor their views or casts (``weight.t()``, autocast's bf16 copy of a weight):
-  those are model state, which ``common.estimate_memory`` counts in its own columns (DDP's cached
+  those are model state, which ``tools.estimates.estimate_memory`` counts in its own columns (DDP's cached
   bf16 weights and FSDP's gathered unit are its "in flight" term);
 - the logits, which the scripts hold in a variable until backward, though no operation saves them;
 - the input ids and targets, which the embedding and the loss save.

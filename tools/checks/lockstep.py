@@ -1,7 +1,7 @@
 """The rank side of the pre-flight: each collective's fingerprint, held back until every rank of its group
 agrees on it.
 
-Runs inside every rank that ``python -m common.preflight`` starts: it wraps the user's script in a collective
+Runs inside every rank that ``python -m tools.checks.preflight`` starts: it wraps the user's script in a collective
 recorder, publishes what each collective would be through the job's store, and waits (bounded) for the
 other ranks' own. A rank that sees a different collective, an ended peer or a peer that never came writes
 its report and stops without issuing it. Each rank's report is one JSON file in the report folder, which

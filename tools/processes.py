@@ -1,7 +1,7 @@
 """Child processes that end with the command that started them, whatever ends it.
 
-The commands that start torchrun (common.preflight, common.check_equivalence, common.benchmark,
-common.compare_strategies) start it with ``run_tree``: in a session of its own, every process below it
+The commands that start torchrun (tools.checks.preflight, tools.checks.check_equivalence, tools.benchmarks.benchmark,
+tools.benchmarks.compare_strategies) start it with ``run_tree``: in a session of its own, every process below it
 remembered as it appears, and all of them killed when it exits, when its time runs out, or when the
 command is stopped. torchrun starts each worker in a session of its own too, so neither a signal to
 the command's process group nor one to torchrun alone reaches the workers; a worker orphaned by
@@ -12,7 +12,7 @@ torchrun's end is no longer below anything this command can see, hence the remem
 children and remove the temporary folders, then the command prints one line and exits 128 + the
 signal's number, as a shell reports a process ended by that signal.
 
-Nothing here imports torch: common.preflight's parent process never does.
+Nothing here imports torch: tools.checks.preflight's parent process never does.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+from common.outputs import STOPPING_SIGNALS
+
 POLL_S = 0.1  # how often a running tree is looked at: new processes, the caller's done(), the clock
 
 

@@ -1,0 +1,1 @@
+"""What the strategies, and the harness around them, cost on real ranks."""

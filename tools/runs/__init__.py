@@ -1,0 +1,1 @@
+"""What to do with a finished run: compare, draw, sample, export; and token files for the next one."""
