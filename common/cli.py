@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
+from common.distributed import env_rank
 from common.flags import (
     existing_file,
     existing_path,
@@ -29,7 +30,6 @@ from common.flags import (
     timeout_seconds,
 )
 from common.models import GPT_PRESETS
-from common.torchrun_env import env_rank
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -233,3 +233,7 @@ def own_generator(seed: int) -> torch.Generator:
     run resumed mid-epoch (one ``iter`` fewer) would draw different dropout masks.
     """
     return torch.Generator().manual_seed(seed)
+
+
+# A target that counts for nothing (padding): F.cross_entropy's default ignore_index.
+IGNORE_INDEX = -100

@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common.compat import gloo_destroyed_without_gil
-from common.torchrun_env import env_rank, env_world_size
 
 
 class FatalError(Exception):
@@ -323,3 +322,22 @@ def shard_group_size(model: nn.Module) -> int:
             sizes = param.device_mesh.mesh.shape
             return math.prod(size for size, placement in zip(sizes, placements, strict=True) if placement.is_shard())
     return 1
+
+
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def env_rank() -> int:
+    """Global rank; 0 for a plain ``python script.py``."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_world_size() -> int:
+    """Processes in the job; 1 for a plain ``python script.py``."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def env_num_nodes() -> int:
+    """Machines in the job: one torchrun (LOCAL_WORLD_SIZE workers) per node."""
+    world_size = env_world_size()
+    return max(1, world_size // int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))

@@ -18,13 +18,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from common.cli import Parser
-from common.distributed import wants_cuda
+from common.distributed import LAUNCH_VARIABLES, env_num_nodes, env_world_size, wants_cuda
 from common.fine_tuning import DEFAULT_LORA_TARGETS
-from common.input_checks import check_model_size, check_synthetic_size, check_text_file, check_token_file
 from common.models import GPT_PRESETS
-from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step, checkpoint_to_resume
+from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step
 from common.safetensors_weights import holds_safetensors, safetensors_files
-from common.torchrun_env import LAUNCH_VARIABLES, env_num_nodes, env_world_size
 
 
 def check_launch_environment(parser: Parser) -> None:
@@ -78,7 +76,8 @@ def resolve_batch_size(parser: Parser, args: argparse.Namespace) -> None:
 
 
 def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
-    """Fill the model dimensions from the preset and refuse shapes that cannot work."""
+    """Fill the model dimensions from the preset and refuse shapes that cannot work; the data's flags are
+    common.tokens.check_data_flags' (the MNIST scripts, which share this module, read no token files)."""
     for name, value in GPT_PRESETS[args.model].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -86,18 +85,6 @@ def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("--deterministic needs --dropout 0: dropout masks differ with the world size")
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
-    if args.text_file is not None and args.token_file is not None:
-        parser.error("give --text-file or --token-file, not both")
-    if args.text_file is not None:
-        check_text_file(parser, args.text_file, args.block_size)
-    if args.token_file is not None:
-        # A requeued or restarted run read the whole file when it started: only a fresh start reads it again.
-        fresh = checkpoint_to_resume(args.run_dir, args.resume, args.resume_from) is None
-        check_token_file(parser, args.token_file, args.block_size, read_every_id=fresh)
-    if args.variable_length and (args.text_file or args.token_file):
-        parser.error("--variable-length cuts the synthetic sequences; the windows of a text or token file are whole")
-    if args.text_file is None and args.token_file is None:
-        check_synthetic_size(parser, args)
     check_model_size(parser, args)
     if args.lora_rank is None and (args.lora_alpha is not None or args.lora_targets):
         parser.error("--lora-alpha and --lora-targets shape the adapters that --lora-rank adds: give --lora-rank too")
@@ -191,3 +178,34 @@ def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
         if checkpoint_step(args.resume_from) is None:
             parser.error(f"--resume-from {args.resume_from}: not a checkpoint (those are named step-N or step-N.pt)")
     check_run_dir_allows(parser, args.run_dir, resume=args.resume, resume_from=args.resume_from)
+
+
+def machine_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_model_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A model whose fp32 weights alone exceed this machine's memory is refused now, not by the allocator.
+
+    Its Blocks' weights (12 d^2 each) and position embeddings are counted; the vocabulary's rows, which
+    depend on the data, are left out, so this refuses only what cannot be built.
+    """
+    weights = 4 * (12 * args.n_layer * args.d_model**2 + args.block_size * args.d_model)
+    if weights > machine_memory():
+        parser.error(
+            f"--n-layer {args.n_layer} --d-model {args.d_model} --block-size {args.block_size}: the weights alone "
+            f"would take {weights / 2**30:,.0f} GiB, more than this machine's {machine_memory() / 2**30:,.0f} GiB"
+        )
+
+
+def check_synthetic_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Synthetic sequences that could not fit in this machine's memory are refused now, not by the allocator."""
+    sequences = args.train_sequences + args.heldout_sequences
+    needed = sequences * (args.block_size + 1) * 8  # int64 ids, one more than the context for the targets
+    memory = machine_memory()
+    if needed > memory:
+        parser.error(
+            f"--train-sequences {args.train_sequences} and --heldout-sequences {args.heldout_sequences} at "
+            f"--block-size {args.block_size}: the synthetic data would take {needed / 2**30:,.0f} GiB per process, "
+            f"more than this machine's {memory / 2**30:,.0f} GiB"
+        )

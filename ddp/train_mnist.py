@@ -57,7 +57,6 @@ from common.distributed import (
     rendezvous_store,
     seed_everything,
 )
-from common.evaluation import evaluate_classifier
 from common.flag_checks import check_checkpoint_flags, check_training_flags
 from common.metrics import MetricsLog
 from common.models import MnistNet
@@ -66,7 +65,7 @@ from common.run_dir import MODEL_FILE, RunDirLock
 from common.safe_loading import start_from_weights
 from common.saving import save_model_file
 from common.settings import training_settings
-from common.training import FiniteLossCheck, ProgressReporter, finish_run, plan_total_steps
+from common.training import FiniteLossCheck, ProgressReporter, evaluate_classifier, finish_run, plan_total_steps
 
 
 def parse_args(argv: list[str] | None = None):

@@ -54,7 +54,6 @@ from common.distributed import (
     rendezvous_store,
     seed_everything,
 )
-from common.evaluation import evaluate_language_model
 from common.fine_tuning import add_adapters, freeze, merge_adapters
 from common.flag_checks import check_checkpoint_flags, check_training_flags, check_transformer_flags
 from common.metrics import MetricsLog
@@ -71,11 +70,12 @@ from common.run_dir import MODEL_FILE, RunDirLock
 from common.safe_loading import start_from_weights
 from common.saving import save_model_file
 from common.settings import training_settings
-from common.tokens import markov_data, text_data, token_file_data
+from common.tokens import check_data_flags, markov_data, text_data, token_file_data
 from common.training import (
     FiniteLossCheck,
     ProgressReporter,
     TokenCount,
+    evaluate_language_model,
     finish_run,
     plan_total_steps,
     warmup_cosine,
@@ -94,6 +94,7 @@ def parse_args(argv: list[str] | None = None):
     args.training_settings = training_settings(parser, args)  # as given: the checks below derive values
     check_training_flags(parser, args)
     check_transformer_flags(parser, args)
+    check_data_flags(parser, args)
     check_checkpoint_flags(parser, args)
     return args
 

@@ -62,7 +62,6 @@ from common.distributed import (
     seed_everything,
     wants_cuda,
 )
-from common.evaluation import evaluate_language_model
 from common.fine_tuning import add_adapters, freeze, merge_adapters
 from common.flag_checks import check_checkpoint_flags, check_fsdp_flags, check_training_flags, check_transformer_flags
 from common.metrics import MetricsLog
@@ -72,11 +71,12 @@ from common.run_dir import MODEL_FILE, RunDirLock
 from common.safe_loading import start_from_weights
 from common.saving import save_model_file
 from common.settings import training_settings
-from common.tokens import markov_data, text_data, token_file_data
+from common.tokens import check_data_flags, markov_data, text_data, token_file_data
 from common.training import (
     FiniteLossCheck,
     ProgressReporter,
     TokenCount,
+    evaluate_language_model,
     finish_run,
     plan_total_steps,
     warmup_cosine,
@@ -105,6 +105,7 @@ def parse_args(argv: list[str] | None = None):
     check_training_flags(parser, args)
     check_checkpoint_flags(parser, args)
     check_transformer_flags(parser, args)
+    check_data_flags(parser, args)
     if args.cpu_offload:
         require_torch(parser, FSDP2_CPU_OFFLOAD, "--cpu-offload with FSDP2")
     if not wants_cuda(args.device):

@@ -154,3 +154,12 @@ def test_the_scripts_and_common_never_import_transformers() -> None:
     }
     assert "transformers" in imported_packages(parsed(REPO / "examples" / "hf_model.py")), "the rule must see it"
     assert not [path for path, module in modules.items() if "transformers" in imported_packages(module)]
+
+
+def test_a_command_strips_every_variable_by_which_torchrun_places_a_process() -> None:
+    """tools/processes.py spells torchrun's variables itself (its process never imports torch); they must
+    cover what the scripts read, or a command's ranks would join the job the command runs in."""
+    from common.distributed import LAUNCH_VARIABLES
+    from tools.processes import TORCHRUN_VARIABLES
+
+    assert {*LAUNCH_VARIABLES, "MASTER_ADDR", "MASTER_PORT"} <= set(TORCHRUN_VARIABLES)

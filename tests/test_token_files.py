@@ -18,9 +18,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from common.data import IGNORE_INDEX
 from common.distributed import distributed
 from common.run_dir import CHECKPOINTS
-from common.tokens import IGNORE_INDEX, TokenData, markov_data, text_data, token_file_data
+from common.tokens import TokenData, markov_data, text_data, token_file_data
 from common.training import TokenCount, global_token_count
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
 from tools.runs import prepare_tokens, sample
@@ -286,7 +287,7 @@ def test_a_text_larger_than_memory_allows_is_refused_with_the_way_to_train_on_it
     """--text-file holds 2 bytes a character in every process; a text that cannot fit is pointed to
     tools.runs.prepare_tokens, which streams it, and --token-file, which reads a window at a time."""
     text = write_text(tmp_path / "text.txt", 60_000)
-    monkeypatch.setattr("common.input_checks.machine_memory", lambda: 100_000)
+    monkeypatch.setattr("common.tokens.machine_memory", lambda: 100_000)
     parse_args = runpy.run_path(str(REPO / "ddp/train_transformer.py"))["parse_args"]
     with pytest.raises(SystemExit) as refused:
         parse_args(["--text-file", str(text), "--run-dir", str(tmp_path / "run"), *SMALL])

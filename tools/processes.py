@@ -260,3 +260,15 @@ def output_of(command: list[str], env: dict[str, str] | None = None, cwd: Path |
         ended = run_tree(command, output, env=env, cwd=cwd)
         output.seek(0)
         return ended.returncode, output.read()
+
+
+# Where torchrun places a process: its rank and world (common.distributed.LAUNCH_VARIABLES) and where the
+# ranks meet. Spelled here too because a command's own process never imports torch (tests/test_layout.py
+# keeps the two lists in step).
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def outside_any_job() -> dict[str, str]:
+    """This process's environment without torchrun's variables: what a command passes to the ranks it
+    starts, which must make a job of their own, not join the one this command may run in."""
+    return {key: value for key, value in os.environ.items() if key not in TORCHRUN_VARIABLES}

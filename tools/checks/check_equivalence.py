@@ -34,8 +34,7 @@ from pathlib import Path
 from common.cli import HelpFormatter
 from common.flags import existing_file, output_dir, positive_float, positive_int
 from common.outputs import write_text
-from common.torchrun_env import outside_any_job
-from tools.processes import exit_code_of, output_of
+from tools.processes import exit_code_of, output_of, outside_any_job
 from tools.runs.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
 
 DEFAULT_STEPS = 20

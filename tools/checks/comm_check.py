@@ -42,6 +42,8 @@ from common.distributed import (
     DistContext,
     FatalError,
     distributed,
+    env_num_nodes,
+    env_world_size,
     max_over_ranks,
     print0,
     wants_cuda,
@@ -50,7 +52,6 @@ from common.flag_checks import check_launch_environment
 from common.flags import INTEGER, flag_kind, output_file, positive_int, shown, timeout_seconds
 from common.metrics import synchronize
 from common.outputs import add_overwrite_flag, check_output_path, write_text
-from common.torchrun_env import env_num_nodes, env_world_size
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

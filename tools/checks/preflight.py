@@ -37,9 +37,8 @@ from pathlib import Path
 from common.flags import existing_file, float_in_range, output_dir, positive_int, timeout_seconds
 from common.outputs import open_log
 from common.run_dir import CHECKPOINTS, METRICS_FILE, MODEL_FILE
-from common.torchrun_env import outside_any_job
 from tools.checks.lockstep import read_reports, run_rank
-from tools.processes import exit_code_of, run_tree, scratch_folder
+from tools.processes import exit_code_of, outside_any_job, run_tree, scratch_folder
 
 STEPS = 3  # the third step is the one StepObserver measures: collectives_per_step needs it
 CHECKPOINT_INTERVAL = 2  # a checkpoint before step 3
