@@ -51,15 +51,16 @@ from common.distributed import (
 from common.fine_tuning import adapter_identity, trained_parameters
 from common.models import tied_parameters
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
-from common.run_dir import CHECKPOINTS, checkpoint_step, checkpoint_to_resume, complete_checkpoints
+from common.run_dir import CHECKPOINTS, MODEL_FILE, checkpoint_step, checkpoint_to_resume, complete_checkpoints
 from common.safe_loading import (
     UntrustedCheckpoint,
     describe_failure,
     load_file,
     root_failure,
     sharded_reader,
+    start_from_weights,
 )
-from common.saving import save_atomic, then_resume, what_is_kept, write_failure
+from common.saving import save_atomic, save_model_file, then_resume, what_is_kept, write_failure
 from common.settings import Settings, changed_settings, describe_changes, identity_mismatch, with_strategy_change
 
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
@@ -285,8 +286,9 @@ class Checkpointer:
 
     # -- loading --------------------------------------------------------------
 
-    def resume(self, resume: bool, resume_from: Path | None) -> Resumed:
-        """Load the checkpoint asked for; a fresh start when ``--resume`` finds none.
+    def resume(self, resume: bool, resume_from: Path | None, init_from: Path | None = None) -> Resumed:
+        """Load the checkpoint asked for; a fresh start when ``--resume`` finds none, from ``init_from``'s
+        weights when given (--init-from: a checkpoint of this run, when there is one, comes first).
 
         A checkpoint that exists but cannot be loaded stops the run with a
         message: silently starting over would throw away the work it holds.
@@ -295,6 +297,8 @@ class Checkpointer:
         if path is None:
             if resume:
                 print0(f"--resume: no checkpoint in {self.folder}, starting from step 0")
+            if init_from is not None:
+                start_from_weights(self.model, init_from, self.ctx)
             return Resumed(0, None)
 
         settings = Settings.of(self.optimizer, self.extra)  # what this run's flags asked for
@@ -332,6 +336,11 @@ class Checkpointer:
                 f"{self.global_batch_size}; keep it (--global-batch-size) to continue exactly"
             )
         return Resumed(trainer["step"], path, changed, trainer["world_size"])
+
+    def save_model(self, state: dict[str, torch.Tensor] | None) -> None:
+        """model.pt, for inference and --init-from: the full state dict ``state``, written by rank 0 (the
+        other ranks' ``state`` is not read); every rank stops with one message if it cannot be written."""
+        save_model_file(state, self.folder.parent / MODEL_FILE, self.ctx)
 
     def _set_aside_newer_than(self, resumed: Path) -> None:
         """Resuming from an older checkpoint of this run starts another branch; the newer checkpoints

@@ -347,6 +347,17 @@ def add_fsdp1_flags(parser: Parser) -> None:
     )
 
 
+def add_fsdp2_flags(parser: Parser) -> None:
+    """The FSDP2 transformer script's own flag: whether a Block's gathered parameters wait for backward."""
+    parser.add_argument_group("FSDP2").add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="free each Block's gathered parameters after its forward and gather them again for backward; "
+        "--no-reshard-after-forward keeps them (ZeRO-2-like: more memory, one all-gather less per step)",
+    )
+
+
 def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
     """Checkpoint and resume flags; ``sharded`` adds --checkpoint-format (the FSDP scripts)."""
     group = parser.add_argument_group("checkpoints")

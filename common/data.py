@@ -12,95 +12,18 @@ GPU's whole training step; this gives the same numbers, bit for bit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
-from common.distributed import DistContext, FatalError, all_ranks_agree
-
-# Mean and standard deviation of MNIST's training pixels, as everyone normalises them.
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-SYNTHETIC_TRAIN_SIZE, SYNTHETIC_TEST_SIZE = 10_000, 2_000
-
-
-# What torchvision's MNIST reads from DATA_DIR/MNIST/raw/ (unpacked).
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-
-
-def _open_mnist(data_dir: Path, download: bool) -> tuple[TensorDataset, TensorDataset]:
-    # Imported here: torchvision takes seconds to import, and the transformer
-    # scripts, which share this module's loaders, never need it.
-    from torchvision import datasets
-
-    def images_and_labels(train: bool) -> TensorDataset:
-        mnist = datasets.MNIST(str(data_dir), train=train, download=download)
-        # .data: (N, 28, 28) uint8, as in the files; a channel dimension for the CNN, no copy.
-        return TensorDataset(mnist.data.unsqueeze(1), mnist.targets)
-
-    return images_and_labels(train=True), images_and_labels(train=False)
-
-
-def normalize_images(images: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels (a batch, on any device) to the CNN's input: what ToTensor and Normalize do per image,
-    with the same float32 operations, so the same bits. (torchvision's normalize checks its std on the
-    device, which on a GPU makes the host wait for every batch.)"""
-    return images.float().div(255).sub(MNIST_MEAN).div(MNIST_STD)
-
-
-def load_mnist(data_dir: Path, ctx: DistContext) -> tuple[TensorDataset, TensorDataset]:
-    """Open MNIST under ``data_dir``, downloading it once per node if it is missing.
-
-    Only local rank 0 downloads; the others wait at the barrier and then read
-    the files it wrote. A failure anywhere stops every rank with one message.
-    """
-    ok, failure = True, ""
-    raw = data_dir / "MNIST" / "raw"
-    if ctx.local_rank == 0:
-        created = [folder for folder in (data_dir, data_dir / "MNIST", raw) if not folder.exists()]
-        try:
-            _open_mnist(data_dir, download=True)
-        # torchvision checks a file's header with assert, and its size when it reads the data.
-        except (RuntimeError, OSError, AssertionError, ValueError) as err:
-            ok, failure = False, str(err) or type(err).__name__
-            # A failed download leaves empty folders that look like a data set; remove what it made.
-            for folder in reversed(created):
-                if folder.is_dir() and not any(folder.iterdir()):
-                    folder.rmdir()
-    if not all_ranks_agree(ok, ctx):
-        if all((raw / name).is_file() for name in MNIST_FILES):
-            raise FatalError(
-                f"MNIST is in --data-dir {data_dir}, but its files cannot be read ({failure}): damaged or cut "
-                f"short? Replace the four files in {raw}, or pass --synthetic to train on generated images."
-            )
-        raise FatalError(
-            f"MNIST is not in --data-dir {data_dir} and could not be downloaded. "
-            "Put the four MNIST files in DATA_DIR/MNIST/raw/, or pass --synthetic to train on generated images."
-        )
-    return _open_mnist(data_dir, download=False)
-
-
-def synthetic_mnist(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """Generated 28x28 uint8 images in 10 classes, learnable but not MNIST.
-
-    Each class is a fixed random pattern and each image adds noise to its
-    class's pattern, so a smoke test can see the loss fall. Every rank builds
-    the same tensors from the same seed, so nothing needs to be shared.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    patterns = torch.randn(10, 1, 28, 28, generator=generator)
-
-    def make(count: int) -> TensorDataset:
-        labels = torch.randint(0, 10, (count,), generator=generator)
-        noisy = patterns[labels] + 1.5 * torch.randn(count, 1, 28, 28, generator=generator)
-        # Pixels like MNIST's: 0..255, so both kinds of data go through normalize_images.
-        images = (noisy * 40 + 128).clamp(0, 255).to(torch.uint8)
-        return TensorDataset(images, labels)
-
-    return make(SYNTHETIC_TRAIN_SIZE), make(SYNTHETIC_TEST_SIZE)
-
+from common.distributed import DistContext
+from common.token_format import MAX_VOCAB_SIZE
 
 # Rounds of the shuffle's Feistel network: TensorFlow's random_index_shuffle uses 4; two more cost little.
 SHUFFLE_ROUNDS = 6
@@ -237,3 +160,242 @@ def own_generator(seed: int) -> torch.Generator:
 
 # A target that counts for nothing (padding): F.cross_entropy's default ignore_index.
 IGNORE_INDEX = -100
+
+
+# The source is part of the task, not of the run: a fixed seed keeps it the same
+# whatever --seed the training uses, so runs with different seeds are comparable.
+MARKOV_SEED = 1234
+
+
+@dataclass
+class TokenData:
+    train: Dataset  # (input, target) pairs of shape (block_size,)
+    heldout: Dataset
+    vocab_size: int
+    entropy_floor: float | None  # nats per token; None for real text
+    description: str
+    # How tools.runs.sample turns ids back into text: {"characters": "..."} or {"tokenizer": "bytes"}; {} for ids only.
+    decoding: dict[str, Any] = field(default_factory=dict)
+    # Whether a target can be IGNORE_INDEX. Only data that never pads lets a step know its token count in
+    # advance (common.training.TokenCount); yours is counted, step by step, unless you say otherwise.
+    padded: bool = True
+
+
+def _entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats along the last dimension, treating 0 log 0 as 0."""
+    return -(probs * probs.clamp_min(1e-300).log()).sum(-1)
+
+
+class MarkovSource:
+    """Tokens where each one depends on the ``order`` tokens before it.
+
+    A state is the tuple of the last ``order`` tokens, numbered in base
+    ``vocab_size``. Each state has its own next-token distribution: a softmax
+    of random logits, where a larger ``logit_scale`` makes the rows more
+    peaked, so the source is predictable but not trivially so.
+    """
+
+    def __init__(self, vocab_size: int = 16, order: int = 2, logit_scale: float = 3.0) -> None:
+        generator = torch.Generator().manual_seed(MARKOV_SEED)
+        self.vocab_size, self.order = vocab_size, order
+        self.num_states = vocab_size**order
+        logits = logit_scale * torch.randn(self.num_states, vocab_size, dtype=torch.float64, generator=generator)
+        self.transition = logits.softmax(-1)
+        self.stationary = self._stationary_distribution()
+
+    def _next_state(self, state: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        return (state % (self.num_states // self.vocab_size)) * self.vocab_size + token
+
+    def _stationary_distribution(self) -> torch.Tensor:
+        """Solve pi = pi T for the chain on states, exactly, as a linear system."""
+        states = torch.arange(self.num_states).repeat_interleave(self.vocab_size)
+        tokens = torch.arange(self.vocab_size).repeat(self.num_states)
+        state_transition = torch.zeros(self.num_states, self.num_states, dtype=torch.float64)
+        state_transition.index_put_(
+            (states, self._next_state(states, tokens)), self.transition.flatten(), accumulate=True
+        )
+        # (T^t - I) pi = 0 with one equation swapped for sum(pi) = 1.
+        system = state_transition.T - torch.eye(self.num_states, dtype=torch.float64)
+        system[-1] = 1.0
+        rhs = torch.zeros(self.num_states, dtype=torch.float64)
+        rhs[-1] = 1.0
+        return torch.linalg.solve(system, rhs)
+
+    def entropy_rate(self) -> float:
+        """Nats per token of an ideal predictor that sees the full ``order`` tokens of context."""
+        return float((self.stationary * _entropy(self.transition)).sum())
+
+    def loss_floor(self, block_size: int) -> float:
+        """Lowest mean loss over the ``block_size`` targets of a sequence that starts fresh.
+
+        The first targets have fewer than ``order`` tokens of context, so they
+        cost a little more than the entropy rate. By the chain rule the total
+        is H(first block_size + 1 tokens) - H(first token).
+        """
+        first_tokens = self.stationary.view(self.vocab_size, -1).sum(-1)
+        whole_sequence = float(_entropy(self.stationary)) + (block_size + 1 - self.order) * self.entropy_rate()
+        return (whole_sequence - float(_entropy(first_tokens))) / block_size
+
+    def sample(self, num_sequences: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        """Independent sequences, each started from the stationary distribution."""
+        state = torch.multinomial(self.stationary, num_sequences, replacement=True, generator=generator)
+        tokens = torch.empty(num_sequences, length, dtype=torch.long)
+        # The first `order` tokens are the digits of the starting state.
+        for position in range(self.order):
+            tokens[:, position] = (state // self.vocab_size ** (self.order - 1 - position)) % self.vocab_size
+        cumulative = self.transition.cumsum(-1)
+        for position in range(self.order, length):
+            uniform = torch.rand(num_sequences, 1, dtype=torch.float64, generator=generator)
+            token = torch.searchsorted(cumulative[state], uniform).squeeze(1).clamp_max(self.vocab_size - 1)
+            tokens[:, position] = token
+            state = self._next_state(state, token)
+        return tokens
+
+
+def _pairs(sequences: torch.Tensor, lengths: torch.Tensor | None = None) -> TensorDataset:
+    """Next-token prediction: the target is the input shifted by one.
+
+    With ``lengths``, sequence i keeps its first lengths[i] targets; the rest are padding, IGNORE_INDEX
+    as targets and 0 as inputs, which a causal model reads only for the padded positions' own predictions.
+    """
+    inputs, targets = sequences[:, :-1].clone(), sequences[:, 1:].clone()
+    if lengths is not None:
+        padding = torch.arange(targets.shape[1]) >= lengths[:, None]
+        inputs[padding], targets[padding] = 0, IGNORE_INDEX
+    return TensorDataset(inputs, targets)
+
+
+def markov_data(
+    block_size: int, train_sequences: int, heldout_sequences: int, variable_length: bool = False
+) -> TokenData:
+    """``variable_length``: each sequence cut to 1 to block_size tokens, drawn from the data's seed, and padded."""
+    source = MarkovSource()
+    generator = torch.Generator().manual_seed(MARKOV_SEED + 1)
+    count = train_sequences + heldout_sequences
+    sequences = source.sample(count, block_size + 1, generator)
+    lengths = torch.randint(1, block_size + 1, (count,), generator=generator) if variable_length else None
+    if lengths is None:
+        floor = source.loss_floor(block_size)
+        shape = f"loss floor {floor:.4f} at block size {block_size}"
+    else:
+        # The held-out loss is a mean over tokens: each sequence's floor weighs by its length.
+        heldout = lengths[train_sequences:].tolist()
+        floor = sum(length * source.loss_floor(length) for length in heldout) / sum(heldout)
+        shape = f"lengths 1 to {block_size} (padded), held-out loss floor {floor:.4f}"
+    description = (
+        f"synthetic Markov tokens: vocab {source.vocab_size}, order {source.order}, "
+        f"{train_sequences} train / {heldout_sequences} held-out sequences; "
+        f"entropy rate {source.entropy_rate():.4f} nats/token, {shape}"
+    )
+    train_lengths, heldout_lengths = (
+        (None, None) if lengths is None else lengths.split([train_sequences, heldout_sequences])
+    )
+    return TokenData(
+        _pairs(sequences[:train_sequences], train_lengths),
+        _pairs(sequences[train_sequences:], heldout_lengths),
+        source.vocab_size,
+        floor,
+        description,
+        padded=variable_length,
+    )
+
+
+def text_data(path: Path, block_size: int, heldout_fraction: float = 0.1) -> TokenData:
+    """Character-level tokens from a UTF-8 text file: the first 90% trains, the rest is held out.
+
+    The ids are held as uint16, 2 bytes a character, and each window is made when it is asked for:
+    every window built up front as int64 pairs took a 200 MB text's data to 5.7 GiB at its peak, where
+    this takes 0.42 GiB (measured).
+    """
+    ids, vocab = character_ids(path)
+    split = int(len(ids) * (1 - heldout_fraction))
+    train, heldout = CharacterWindows(ids[:split], block_size), CharacterWindows(ids[split:], block_size)
+    description = (
+        f"characters of {path}: vocab {len(vocab)}, {len(train)} train / {len(heldout)} held-out windows "
+        f"(a uniform guess costs {math.log(len(vocab)):.3f} nats/token)"
+    )
+    return TokenData(train, heldout, len(vocab), None, description, {"characters": vocab}, padded=False)
+
+
+class CharacterWindows(Dataset):
+    """(input, target) pairs of ``block_size`` + 1 consecutive ids, one window every ``block_size`` ids:
+    each character is a target once. The pair is int64, made from the uint16 ids when asked for."""
+
+    def __init__(self, ids: np.ndarray, block_size: int) -> None:
+        self.ids, self.block_size = ids, block_size
+        self.count = (len(ids) - 1) // block_size
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        start = index * self.block_size
+        window = torch.from_numpy(self.ids[start : start + self.block_size + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+# Characters decoded at a time: the chunk's code points as uint32 take 16 MiB, whatever the text's size.
+TEXT_CHUNK_CHARACTERS = 1 << 22
+
+
+UNICODE_CODE_POINTS = 0x110000  # a slot for each in the lookup tables: 1.1 MiB each as bool, 2.2 as uint16
+
+
+def text_code_points(path: Path) -> Iterator[np.ndarray]:
+    """The code points of a UTF-8 text, a chunk at a time, as ``path.read_text`` would give them: its
+    newlines translated (\\r\\n and \\r read as \\n). UnicodeDecodeError where it is not UTF-8."""
+    with path.open(encoding="utf-8") as text:
+        while chunk := text.read(TEXT_CHUNK_CHARACTERS):
+            yield np.frombuffer(chunk.encode("utf-32-le"), dtype="<u4")
+
+
+def text_character_counts(path: Path) -> tuple[int, int]:
+    """(characters, distinct characters) of a UTF-8 text, read a chunk at a time."""
+    seen = np.zeros(UNICODE_CODE_POINTS, dtype=bool)
+    characters = 0
+    for codes in text_code_points(path):
+        seen[codes] = True
+        characters += len(codes)
+    return characters, int(np.count_nonzero(seen))
+
+
+def character_ids(path: Path) -> tuple[np.ndarray, str]:
+    """The ids of a UTF-8 text's characters as uint16, and its vocabulary: every character it holds,
+    in code point order (``sorted(set(text))``), a character's id its place there.
+
+    One pass: ids are numbered as characters first appear, then renumbered in code point order.
+    The array is sized by the file's bytes, never fewer than its characters; the pages past the last
+    character are never written, so they take no memory.
+    """
+    capacity = path.stat().st_size
+    ids = np.empty(capacity, dtype=np.uint16)
+    first_seen_id = np.zeros(UNICODE_CODE_POINTS, dtype=np.uint16)
+    seen = np.zeros(UNICODE_CODE_POINTS, dtype=bool)
+    in_chunk = np.zeros(UNICODE_CODE_POINTS, dtype=bool)
+    distinct = length = 0
+    for codes in text_code_points(path):
+        if length + len(codes) > capacity:
+            raise ValueError(f"{path} grew while it was read; run again when it is complete")
+        in_chunk[:] = False
+        in_chunk[codes] = True
+        new = np.flatnonzero(in_chunk & ~seen)
+        if distinct + len(new) > MAX_VOCAB_SIZE:
+            raise ValueError(
+                f"{path} holds more than {MAX_VOCAB_SIZE} distinct characters, more than uint16 ids can number"
+            )
+        first_seen_id[new] = np.arange(distinct, distinct + len(new))
+        seen[new] = True
+        distinct += len(new)
+        ids[length : length + len(codes)] = first_seen_id[codes]
+        length += len(codes)
+    ids = ids[:length]
+    code_points = np.flatnonzero(seen)
+    in_order = np.empty(distinct, dtype=np.uint16)
+    in_order[first_seen_id[code_points]] = np.arange(distinct)
+    # Most texts show every character in their first chunk, already numbered in code point order.
+    if not np.array_equal(in_order, np.arange(distinct)):
+        for start in range(0, length, TEXT_CHUNK_CHARACTERS):
+            ids[start : start + TEXT_CHUNK_CHARACTERS] = in_order[ids[start : start + TEXT_CHUNK_CHARACTERS]]
+    return ids, "".join(map(chr, code_points))

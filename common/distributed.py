@@ -12,7 +12,6 @@ import ctypes
 import gc
 import math
 import os
-import random
 import signal
 import sys
 import traceback
@@ -57,6 +56,14 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def rendezvous_store(self, timeout: timedelta) -> dist.Store:
+        """The store where this job's ranks meet for init_process_group (``rendezvous_store``)."""
+        return rendezvous_store(self, timeout)
+
+    def with_host_group(self) -> DistContext:
+        """This context with its host group, made right after the process group (``add_host_group``)."""
+        return add_host_group(self)
 
 
 def print0(*args: object, **kwargs: object) -> None:
@@ -211,7 +218,7 @@ def errors_reported_once() -> Iterator[None]:
         print0(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
-        # The first Ctrl-C during training asks for a stop instead (common.preemption).
+        # The first Ctrl-C during training asks for a stop instead (common.bookkeeping).
         print0(
             "interrupted (SIGINT); what was saved before is intact, the steps since the newest checkpoint are not "
             "saved. Continue with --resume",
@@ -239,21 +246,6 @@ def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext
             yield add_host_group(ctx)
         finally:
             teardown_distributed()
-
-
-def seed_everything(seed: int, deterministic: bool = False) -> None:
-    """Seed Python and torch (CPU and every GPU) so a run can be repeated.
-
-    ``deterministic`` also makes torch pick kernels that give the same bits on
-    every run (and fail loudly where none exists), at some cost in speed.
-    """
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.set_float32_matmul_precision("highest")  # no TF32 rounding on GPUs either
 
 
 def all_ranks_agree(ok: bool, ctx: DistContext) -> bool:

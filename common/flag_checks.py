@@ -18,11 +18,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from common.cli import Parser
+from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, require_torch
 from common.distributed import LAUNCH_VARIABLES, env_num_nodes, env_world_size, wants_cuda
 from common.fine_tuning import DEFAULT_LORA_TARGETS
-from common.models import GPT_PRESETS
+from common.models import COMPUTE_DTYPES, GPT_PRESETS
 from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step
 from common.safetensors_weights import holds_safetensors, safetensors_files
+from common.settings import training_settings
 
 
 def check_launch_environment(parser: Parser) -> None:
@@ -47,6 +49,9 @@ def check_launch_environment(parser: Parser) -> None:
 
 
 def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
+    """The flags every script has; first records them as given in ``args.training_settings``, before the checks
+    derive values (a per-rank batch, a preset's width) that would differ at another world size unasked."""
+    args.training_settings = training_settings(parser, args)
     check_launch_environment(parser)
     if args.epochs is None and args.max_steps is None:
         parser.error("give --epochs or --max-steps")
@@ -83,6 +88,8 @@ def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
             setattr(args, name, value)
     if args.deterministic and args.dropout > 0:
         parser.error("--deterministic needs --dropout 0: dropout masks differ with the world size")
+    # What --mixed-precision computes in: None for fp32, which needs no cast.
+    args.compute_dtype = COMPUTE_DTYPES[args.mixed_precision] if hasattr(args, "mixed_precision") else None
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     check_model_size(parser, args)
@@ -98,6 +105,18 @@ def check_fsdp_flags(parser: Parser, args: argparse.Namespace) -> None:
     world_size = env_world_size()
     if args.replicate_degree is not None and world_size % args.replicate_degree:
         parser.error(f"--replicate-degree {args.replicate_degree} does not divide the world size {world_size}")
+
+
+def check_fsdp2_flags(parser: Parser, args: argparse.Namespace) -> None:
+    """check_fsdp_flags, what this torch's FSDP2 can do, and --replicate-degree 1 by default (plain FSDP: one
+    copy, sharded across every rank)."""
+    if args.cpu_offload:
+        require_torch(parser, FSDP2_CPU_OFFLOAD, "--cpu-offload with FSDP2")
+    if not wants_cuda(args.device):
+        require_torch(parser, FSDP2_ON_CPU, "FSDP2 on the CPU")
+    check_fsdp_flags(parser, args)
+    if args.replicate_degree is None:
+        args.replicate_degree = 1
 
 
 # torch 2.14.1: FSDP1's HYBRID_SHARD falls back to NO_SHARD inside a shard group of one rank and then reduces

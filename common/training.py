@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import os
+import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,17 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
 from common.data import IGNORE_INDEX
-from common.distributed import DistContext, FatalError, max_over_ranks, print0, shard_group_size
-from common.metrics import (
-    MetricsLog,
-    max_state_bytes,
-    model_flops_utilization,
-    peak_flops,
-    peak_memory_bytes,
-    progress_line,
-    reset_peak_memory,
-    transformer_flops_per_token,
-)
+from common.distributed import DistContext, FatalError, max_over_ranks
 
 
 def plan_total_steps(steps_per_epoch: int, epochs: int | None, max_steps: int | None) -> int:
@@ -125,160 +115,7 @@ class TokenCount:
         return global_token_count(micro_batches, self.ctx) if self.padded else self.every_target
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
-    """The average of a scalar over all ranks (gloo has no AVG, so SUM then divide)."""
-    total = value.detach().clone().float()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total.item() / dist.get_world_size()
-
-
-class ProgressReporter:
-    """Every --log-interval steps: one metrics.jsonl record and one console line.
-
-    Every rank must call ``report`` at the same steps, because the loss it
-    reports is averaged over ranks with a collective.
-
-    Throughput and step time count training alone: the clock stops while the
-    run evaluates or saves (``paused``) and while it reports, and the run's
-    overall figure leaves out its first interval, which pays for warming up
-    (the first collectives, allocations, compilation). Peak memory is reset when
-    the reporter is made (after the model is wrapped) and read at the last step,
-    before anything gathers the whole model.
-    """
-
-    def __init__(
-        self,
-        log: MetricsLog,
-        ctx: DistContext,
-        total_steps: int,
-        items_per_step: int,
-        unit: str,
-        first_step: int = 0,
-    ) -> None:
-        self.log = log
-        self.ctx = ctx
-        self.total_steps = total_steps
-        self.items_per_step = items_per_step  # global: all ranks and micro-steps
-        self.unit = unit  # "samples" or "tokens"
-        self._last_step = first_step  # a resumed run starts counting at its checkpoint
-        self._interval_seconds = 0.0
-        self._running_since: float | None = time.perf_counter()
-        self._warm = False
-        self._steps = 0
-        self._seconds = 0.0
-        self.peak_memory: int | None = None
-        reset_peak_memory(ctx.device)
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Time spent in here (evaluation, checkpoints) is not training time."""
-        self._stop_clock()
-        try:
-            yield
-        finally:
-            self._running_since = time.perf_counter()
-
-    def _stop_clock(self) -> None:
-        if self._running_since is not None:
-            self._interval_seconds += time.perf_counter() - self._running_since
-            self._running_since = None
-
-    def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
-        """``grad_norm`` is the global norm, already the same on every rank."""
-        self._stop_clock()
-        steps = step - self._last_step
-        elapsed = max(self._interval_seconds, 1e-9)
-        rate = self.items_per_step * steps / elapsed
-        step_ms = 1000 * elapsed / steps
-        if self._warm:
-            self._steps += steps
-            self._seconds += elapsed
-        self._warm = True
-        self._last_step, self._interval_seconds = step, 0.0
-        if step == self.total_steps:
-            self.peak_memory = peak_memory_bytes(self.ctx.device)
-        mean_loss = mean_over_ranks(loss)
-        norm = grad_norm.item()
-        self.log.write(
-            "train",
-            step=step,
-            epoch=epoch,
-            loss=mean_loss,
-            grad_norm=norm,
-            lr=lr,
-            step_ms=step_ms,
-            **{f"{self.unit}_per_s": rate},
-        )
-        short_unit = "tok" if self.unit == "tokens" else "img"
-        print0(
-            progress_line(step, self.total_steps, epoch, mean_loss, norm, lr, f"{rate:9.0f} {short_unit}/s", step_ms)
-        )
-        self._running_since = time.perf_counter()
-
-    def throughput(self) -> dict[str, float]:
-        """Global items per second and mean step time after the first interval; empty if there was none."""
-        if self._steps == 0:
-            return {}
-        return {
-            f"{self.unit}_per_s": self.items_per_step * self._steps / self._seconds,
-            "step_ms": 1000 * self._seconds / self._steps,
-        }
-
-
-def throughput_fields(progress: ProgressReporter | None, model: nn.Module, ctx: DistContext) -> dict[str, float]:
-    """Throughput and, for the transformer on a GPU whose peak is known, MFU."""
-    fields = progress.throughput() if progress is not None else {}
-    peak = peak_flops(ctx.device)
-    flops_per_token = transformer_flops_per_token(model) if peak is not None else None
-    if "tokens_per_s" in fields and flops_per_token is not None:
-        fields["mfu"] = model_flops_utilization(flops_per_token, fields["tokens_per_s"], peak, ctx.world_size)
-    return fields
-
-
-def finish_run(
-    log: MetricsLog,
-    ctx: DistContext,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    progress: ProgressReporter | None = None,
-    **fields: Any,
-) -> dict[str, Any]:
-    """Write the final record (memory figures are the largest over ranks) and print a summary."""
-    state_bytes = max_state_bytes(model, optimizer, ctx)
-    trained_peak = progress.peak_memory if progress is not None else None
-    (peak,) = max_over_ranks([float(trained_peak if trained_peak is not None else peak_memory_bytes(ctx.device))], ctx)
-    record = {
-        **fields,
-        "world_size": ctx.world_size,
-        "shard_group_size": shard_group_size(model),
-        "local_state_bytes": state_bytes,
-        "peak_memory_bytes": int(peak),
-        **throughput_fields(progress, model, ctx),
-    }
-    log.write("final", **record)
-    print0(summary_line(record))
-    return record
-
-
-def summary_line(record: dict[str, Any]) -> str:
-    mib = 2**20
-    state = record["local_state_bytes"]
-    parts = [
-        f"done: {record['steps']} steps in {record['wall_s']:.1f} s",
-        f"eval loss {record['eval_loss']:.4f}",
-        f"per-rank params/grads/optimizer {state['params'] / mib:.1f}/{state['grads'] / mib:.1f}/"
-        f"{state['optimizer'] / mib:.1f} MiB",
-        f"peak memory {record['peak_memory_bytes'] / mib:.0f} MiB",
-    ]
-    for unit, short in (("tokens", "tok"), ("samples", "img")):
-        if f"{unit}_per_s" in record:
-            parts.append(f"{record[f'{unit}_per_s']:.0f} {short}/s")
-    if "mfu" in record:
-        parts.append(f"MFU {100 * record['mfu']:.1f}%")
-    return " | ".join(parts)
-
-
-def _lockstep_batches(loader: DataLoader, ctx: DistContext) -> Iterator[tuple[Any, bool]]:
+def lockstep_batches(loader: DataLoader, ctx: DistContext) -> Iterator[tuple[Any, bool]]:
     """Yield ``(batch, counts)`` for as many batches as the busiest rank has.
 
     Unpadded shards can differ by one example, and so by one batch. A sharded
@@ -299,40 +136,16 @@ def _lockstep_batches(loader: DataLoader, ctx: DistContext) -> Iterator[tuple[An
             yield first, False
 
 
-def _check_every_rank_has_data(loader: DataLoader, ctx: DistContext) -> None:
+def check_every_rank_has_data(loader: DataLoader, ctx: DistContext) -> None:
     if len(loader) == 0:
         # Same dataset size on every rank, so every rank raises together.
         raise FatalError(f"the evaluation set is smaller than the world size ({ctx.world_size} processes)")
 
 
-def _sum_over_ranks(totals: torch.Tensor) -> list[float]:
+def sum_over_ranks(totals: torch.Tensor) -> list[float]:
     """Add each rank's device totals and read them: the evaluation's one read of the GPU."""
     dist.all_reduce(totals)
     return totals.tolist()
-
-
-@torch.no_grad()
-def evaluate_classifier(
-    model: nn.Module, loader: DataLoader, ctx: DistContext, prepare: Callable[[torch.Tensor], torch.Tensor]
-) -> dict[str, float]:
-    """Mean cross-entropy and accuracy over every example of the evaluation set.
-
-    ``prepare`` turns a batch of images, already on the device, into the model's input.
-    """
-    _check_every_rank_has_data(loader, ctx)
-    model.eval()
-    # float64: exact counts, and loss sums that lose nothing to the order in which ranks add them.
-    loss_sum, correct, count = torch.zeros(3, dtype=torch.float64, device=ctx.device)
-    for (images, labels), counts in _lockstep_batches(loader, ctx):
-        images, labels = images.to(ctx.device, non_blocking=True), labels.to(ctx.device, non_blocking=True)
-        logits = model(prepare(images))
-        if counts:
-            loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
-            correct += (logits.argmax(dim=1) == labels).sum()
-            count += labels.numel()
-    model.train()
-    loss_sum, correct, count = _sum_over_ranks(torch.stack([loss_sum, correct, count]))
-    return {"loss": loss_sum / count, "accuracy": correct / count, "samples": int(count)}
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -349,10 +162,10 @@ def evaluate_language_model(
 
     ``autocast``: the dtype a DDP run trains in under torch.autocast, so that it evaluates the same way.
     """
-    _check_every_rank_has_data(loader, ctx)
+    check_every_rank_has_data(loader, ctx)
     model.eval()
     loss_sum, tokens, sequences = torch.zeros(3, dtype=torch.float64, device=ctx.device)
-    for (inputs, targets), counts in _lockstep_batches(loader, ctx):
+    for (inputs, targets), counts in lockstep_batches(loader, ctx):
         inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
         with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
             logits = logits_of(model(inputs))
@@ -362,5 +175,20 @@ def evaluate_language_model(
             tokens += (targets != IGNORE_INDEX).sum()
             sequences += targets.shape[0]
     model.train()
-    loss_sum, tokens, sequences = _sum_over_ranks(torch.stack([loss_sum, tokens, sequences]))
+    loss_sum, tokens, sequences = sum_over_ranks(torch.stack([loss_sum, tokens, sequences]))
     return {"loss": loss_sum / tokens, "samples": int(sequences), "tokens": int(tokens)}
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed Python and torch (CPU and every GPU) so a run can be repeated.
+
+    ``deterministic`` also makes torch pick kernels that give the same bits on
+    every run (and fail loudly where none exists), at some cost in speed.
+    """
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.set_float32_matmul_precision("highest")  # no TF32 rounding on GPUs either

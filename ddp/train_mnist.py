@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -30,54 +29,26 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import StepLR
 
+from common import cli, flag_checks
+from common.bookkeeping import Bookkeeping, FinalRecord
 from common.checkpoint import Checkpointer
-from common.cli import (
-    add_checkpoint_flags,
-    add_mnist_flags,
-    add_training_flags,
-    make_parser,
-)
-from common.communication import StepObserver
 from common.compat import full_state_dict_options
-from common.data import (
-    CompactDistributedSampler,
-    eval_loader,
-    load_mnist,
-    normalize_images,
-    synthetic_mnist,
-    train_loader,
-)
-from common.distributed import (
-    DistContext,
-    add_host_group,
-    clean_teardown,
-    errors_reported_once,
-    launch_context,
-    print0,
-    rendezvous_store,
-    seed_everything,
-)
-from common.flag_checks import check_checkpoint_flags, check_training_flags
-from common.metrics import MetricsLog
-from common.models import MnistNet
-from common.preemption import StopRequest
-from common.run_dir import MODEL_FILE, RunDirLock
-from common.safe_loading import start_from_weights
-from common.saving import save_model_file
-from common.settings import training_settings
-from common.training import FiniteLossCheck, ProgressReporter, evaluate_classifier, finish_run, plan_total_steps
+from common.data import CompactDistributedSampler, eval_loader, train_loader
+from common.distributed import DistContext, clean_teardown, errors_reported_once, launch_context, print0
+from common.mnist import MnistNet, evaluate_classifier, load_mnist, normalize_images, synthetic_mnist
+from common.run_dir import RunDirLock
+from common.training import plan_total_steps, seed_everything
 
 
 def parse_args(argv: list[str] | None = None):
-    parser = make_parser(__doc__, run_dir="runs/ddp_mnist", log_interval=50)
+    parser = cli.make_parser(__doc__, run_dir="runs/ddp_mnist", log_interval=50)
     # The training defaults this script owns, in one place; the other flags' defaults are shared (common/cli.py).
-    add_training_flags(parser, batch_size=64, lr=1.0, epochs=3, max_steps=None, grad_clip=0.0)
-    add_mnist_flags(parser, gamma=0.7)
-    add_checkpoint_flags(parser, sharded=False)
+    cli.add_training_flags(parser, batch_size=64, lr=1.0, epochs=3, max_steps=None, grad_clip=0.0)
+    cli.add_mnist_flags(parser, gamma=0.7)
+    cli.add_checkpoint_flags(parser, sharded=False)
     args = parser.parse_args(argv)
-    args.training_settings = training_settings(parser, args)  # as given: the checks below derive values
-    check_training_flags(parser, args)
-    check_checkpoint_flags(parser, args)
+    flag_checks.check_training_flags(parser, args)
+    flag_checks.check_checkpoint_flags(parser, args)
     return args
 
 
@@ -94,7 +65,8 @@ def wrap_model(model: torch.nn.Module, args, ctx: DistContext) -> torch.nn.Modul
 
 
 def train(args, ctx: DistContext) -> None:
-    start = time.perf_counter()
+    # metrics.jsonl, the console's progress, stop requests, the observed step and the final record
+    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)
     seed_everything(args.seed, args.deterministic)
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
@@ -117,7 +89,6 @@ def train(args, ctx: DistContext) -> None:
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)  # stepped once per epoch
 
-    finite_loss = FiniteLossCheck(ctx)
     # DISTRIBUTED: a full checkpoint is one file from rank 0; a sharded one, each rank's own shards.
     checkpoints = Checkpointer(
         ctx,
@@ -132,25 +103,11 @@ def train(args, ctx: DistContext) -> None:
         sharded=False,
         interval=args.checkpoint_interval,
         keep=args.keep_checkpoints,
-        check_before_save=finite_loss.check,  # a non-finite loss never reaches a checkpoint
+        check_before_save=run.check_loss,  # a non-finite loss never reaches a checkpoint
     )
-    resumed = checkpoints.resume(args.resume, args.resume_from)
-    if args.init_from is not None and not resumed.path:  # a checkpoint of this run, when resumed, comes first
-        start_from_weights(model, args.init_from, ctx)  # YOUR WEIGHTS: a state dict of this model
-    stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
-    observer = StepObserver(args.run_dir, ctx, args.profile)  # what one step sends; --profile's trace
-
-    log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
-    if resumed.path:
-        log.write(
-            "resume",
-            step=resumed.step,
-            checkpoint=str(resumed.path),
-            checkpoint_world_size=resumed.world_size,  # a resume at another world size shows as a change
-            world_size=ctx.world_size,
-            changed=resumed.changed,  # each training setting that differs from the checkpoint's: [old, new]
-        )
-    progress = ProgressReporter(log, ctx, total_steps, global_batch, unit="samples", first_step=resumed.step)
+    # YOUR WEIGHTS: --init-from's state dict of this model, where no checkpoint of this run comes first.
+    resumed = checkpoints.resume(args.resume, args.resume_from, args.init_from)
+    run.start(resumed, total_steps, global_batch, unit="samples")
     step = resumed.step
     result = None
     while step < total_steps:
@@ -162,14 +119,14 @@ def train(args, ctx: DistContext) -> None:
         batches = iter(loader)
         for _ in range(min(steps_per_epoch - done_in_epoch, total_steps - step)):
             # Between two steps the saved state describes the run completely.
-            if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
-                stop.exit(step, checkpoints.save(step))
+            if run.stop_requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
+                run.stop(step, checkpoints.save(step))
             if checkpoints.due(step):
-                with progress.paused():
+                with run.paused():
                     checkpoints.save(step)
             # Only steps that log read values from the device: the others never make the host wait for it.
-            logs = (step + 1) % args.log_interval == 0 or step + 1 == total_steps
-            observer.begin_step(step)  # from here to end_step: one optimizer step, nothing else
+            logs = run.logs_after(step)
+            run.begin_step(step)  # from here to end_step: one optimizer step, nothing else
             # DISTRIBUTED: DDP zeroes its buckets in place, keeping .grad as views of them;
             # set_to_none would make it copy every gradient into its bucket again each step.
             optimizer.zero_grad(set_to_none=False)
@@ -186,48 +143,42 @@ def train(args, ctx: DistContext) -> None:
                     loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps  # YOUR LOSS
                     loss.backward()
                 step_loss += loss.detach()
-            finite_loss.watch(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
+            run.watch_loss(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
             optimizer.step()
-            observer.end_step()
+            run.end_step()
             step += 1
             if logs:
-                progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
+                run.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
         scheduler.step()
-        with progress.paused():
+        with run.paused():
             result = evaluate_classifier(model, test_loader, ctx, normalize_images)
-            log.write("eval", step=step, epoch=epoch, **result)
+            run.write("eval", step=step, epoch=epoch, **result)
             print0(f"eval after epoch {epoch}: loss {result['loss']:.4f} | accuracy {result['accuracy']:.2%}")
 
     if checkpoints.due(step):
         checkpoints.save(step)
     if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
         result = evaluate_classifier(model, test_loader, ctx, normalize_images)
-        log.write("eval", step=step, **result)
+        run.write("eval", step=step, **result)
 
     # DISTRIBUTED: the whole model under its own parameter names (no wrapper's prefix), as CPU tensors,
     # for rank 0 to save; the other ranks only learn whether that worked.
     state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
-    save_model_file(state, args.run_dir / MODEL_FILE, ctx)
-    finish_run(
-        log,
-        ctx,
+    checkpoints.save_model(state)  # model.pt
+    run.finish(
         model,
         optimizer,
-        progress=progress,
-        script="ddp/train_mnist.py",
-        strategy="ddp",
-        global_batch_size=global_batch,
-        steps=step,
-        eval_loss=result["loss"],
-        accuracy=result["accuracy"],
-        eval_samples=result["samples"],
-        wall_s=time.perf_counter() - start,
-        **observer.record(),
+        FinalRecord(
+            script="ddp/train_mnist.py",
+            strategy=checkpoints.strategy,
+            global_batch_size=global_batch,
+            steps=step,
+            evaluation=result,
+        ),
     )
-    log.close()
 
 
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
@@ -240,14 +191,14 @@ def main(argv: list[str] | None = None) -> None:
         # GPUs, gloo between CPU processes. They meet in torchrun's store (rendezvous_store).
         dist.init_process_group(  # DISTRIBUTED
             ctx.backend,
-            store=rendezvous_store(ctx, timeout),
+            store=ctx.rendezvous_store(timeout),
             rank=ctx.rank,
             world_size=ctx.world_size,
             timeout=timeout,  # how long a collective waits for the others before it fails
             device_id=ctx.device if ctx.device.type == "cuda" else None,
         )
         try:
-            ctx = add_host_group(ctx)  # where ranks agree on host-side facts: a stop, a failed save
+            ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
             with RunDirLock(args.run_dir, ctx):
                 train(args, ctx)

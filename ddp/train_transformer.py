@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -32,70 +31,32 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common import cli, flag_checks
+from common.bookkeeping import Bookkeeping, FinalRecord
 from common.checkpoint import Checkpointer
-from common.cli import (
-    add_checkpoint_flags,
-    add_compute_flags,
-    add_schedule_flags,
-    add_training_flags,
-    add_transformer_flags,
-    make_parser,
-)
-from common.communication import StepObserver
 from common.compat import full_state_dict_options
-from common.data import CompactDistributedSampler, eval_loader, train_loader
-from common.distributed import (
-    DistContext,
-    add_host_group,
-    clean_teardown,
-    errors_reported_once,
-    launch_context,
-    print0,
-    rendezvous_store,
-    seed_everything,
-)
+from common.data import CompactDistributedSampler, eval_loader, markov_data, text_data, train_loader
+from common.distributed import DistContext, clean_teardown, errors_reported_once, launch_context, print0
 from common.fine_tuning import add_adapters, freeze, merge_adapters
-from common.flag_checks import check_checkpoint_flags, check_training_flags, check_transformer_flags
-from common.metrics import MetricsLog
-from common.models import (
-    COMPUTE_DTYPES,
-    GPT,
-    checkpoint_activations,
-    compile_layers,
-    count_parameters,
-    gpt_config,
-)
-from common.preemption import StopRequest
-from common.run_dir import MODEL_FILE, RunDirLock
-from common.safe_loading import start_from_weights
-from common.saving import save_model_file
-from common.settings import training_settings
-from common.tokens import check_data_flags, markov_data, text_data, token_file_data
-from common.training import (
-    FiniteLossCheck,
-    ProgressReporter,
-    TokenCount,
-    evaluate_language_model,
-    finish_run,
-    plan_total_steps,
-    warmup_cosine,
-)
+from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config
+from common.run_dir import RunDirLock
+from common.tokens import check_data_flags, token_file_data
+from common.training import TokenCount, evaluate_language_model, plan_total_steps, seed_everything, warmup_cosine
 
 
 def parse_args(argv: list[str] | None = None):
-    parser = make_parser(__doc__, run_dir="runs/ddp_transformer", log_interval=25)
+    parser = cli.make_parser(__doc__, run_dir="runs/ddp_transformer", log_interval=25)
     # The training defaults this script owns, in one place; the other flags' defaults are shared (common/cli.py).
-    add_training_flags(parser, batch_size=32, lr=1e-2, epochs=None, max_steps=600, grad_clip=1.0)
-    add_schedule_flags(parser, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.1)
-    add_transformer_flags(parser)
-    add_compute_flags(parser, precisions=["fp32", "bf16"])
-    add_checkpoint_flags(parser, sharded=False)
+    cli.add_training_flags(parser, batch_size=32, lr=1e-2, epochs=None, max_steps=600, grad_clip=1.0)
+    cli.add_schedule_flags(parser, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.1)
+    cli.add_transformer_flags(parser)
+    cli.add_compute_flags(parser, precisions=["fp32", "bf16"])
+    cli.add_checkpoint_flags(parser, sharded=False)
     args = parser.parse_args(argv)
-    args.training_settings = training_settings(parser, args)  # as given: the checks below derive values
-    check_training_flags(parser, args)
-    check_transformer_flags(parser, args)
+    flag_checks.check_training_flags(parser, args)
+    flag_checks.check_transformer_flags(parser, args)
     check_data_flags(parser, args)
-    check_checkpoint_flags(parser, args)
+    flag_checks.check_checkpoint_flags(parser, args)
     return args
 
 
@@ -117,7 +78,8 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
 
 
 def train(args, ctx: DistContext) -> None:
-    start = time.perf_counter()
+    # metrics.jsonl, the console's progress, stop requests, the observed step and the final record
+    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)
     seed_everything(args.seed, args.deterministic)
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     if args.text_file is not None:
@@ -147,12 +109,11 @@ def train(args, ctx: DistContext) -> None:
     freeze(model, args.freeze)  # --freeze: before the wrap, which sees which parameters need gradients
     model = wrap_model(model, args, ctx)  # DISTRIBUTED
     # Weights stay fp32; autocast runs each matmul in low precision and keeps norms and softmax in fp32.
-    compute_dtype = COMPUTE_DTYPES[args.mixed_precision]
+    compute_dtype = args.compute_dtype
     # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
 
-    finite_loss = FiniteLossCheck(ctx)
     # DISTRIBUTED: a full checkpoint is one file from rank 0; a sharded one, each rank's own shards.
     checkpoints = Checkpointer(
         ctx,
@@ -167,27 +128,11 @@ def train(args, ctx: DistContext) -> None:
         sharded=False,
         interval=args.checkpoint_interval,
         keep=args.keep_checkpoints,
-        check_before_save=finite_loss.check,  # a non-finite loss never reaches a checkpoint
+        check_before_save=run.check_loss,  # a non-finite loss never reaches a checkpoint
     )
-    resumed = checkpoints.resume(args.resume, args.resume_from)
-    if args.init_from is not None and not resumed.path:  # a checkpoint of this run, when resumed, comes first
-        start_from_weights(model, args.init_from, ctx)  # YOUR WEIGHTS: a state dict of this model
-    stop = StopRequest(args.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file: checkpoint and exit
-    observer = StepObserver(args.run_dir, ctx, args.profile)  # what one step sends; --profile's trace
-
-    log = MetricsLog(args.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
-    if resumed.path:
-        log.write(
-            "resume",
-            step=resumed.step,
-            checkpoint=str(resumed.path),
-            checkpoint_world_size=resumed.world_size,  # a resume at another world size shows as a change
-            world_size=ctx.world_size,
-            changed=resumed.changed,  # each training setting that differs from the checkpoint's: [old, new]
-        )
-    progress = ProgressReporter(
-        log, ctx, total_steps, global_batch * args.block_size, unit="tokens", first_step=resumed.step
-    )
+    # YOUR WEIGHTS: --init-from's state dict of this model, where no checkpoint of this run comes first.
+    resumed = checkpoints.resume(args.resume, args.resume_from, args.init_from)
+    run.start(resumed, total_steps, global_batch * args.block_size, unit="tokens")
     # Padded data counts its tokens every step (one all-reduce); data that never pads knows the count.
     count_tokens = TokenCount(data.padded, global_batch * args.block_size, ctx)
     step = resumed.step
@@ -201,19 +146,19 @@ def train(args, ctx: DistContext) -> None:
         batches = iter(loader)
         for _ in range(min(steps_per_epoch - done_in_epoch, total_steps - step)):
             # Between two steps the saved state describes the run completely.
-            if stop.requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
-                stop.exit(step, checkpoints.save(step))
+            if run.stop_requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
+                run.stop(step, checkpoints.save(step))
             if checkpoints.due(step):
-                with progress.paused():
+                with run.paused():
                     checkpoints.save(step)
             # Only steps that log read values from the device: the others never make the host wait for it.
-            logs = (step + 1) % args.log_interval == 0 or step + 1 == total_steps
+            logs = run.logs_after(step)
             micro_batches = [next(batches) for _ in range(args.grad_accum_steps)]
             # DISTRIBUTED: the tokens that count in this step, on every rank; each micro-step's loss is its
             # sum divided by them, so a token weighs the same at any world size and accumulation split.
             # Counted before the measured step, as the stop agreement is: bookkeeping, not the strategy's.
             tokens = count_tokens(micro_batches)
-            observer.begin_step(step)  # from here to end_step: one optimizer step, nothing else
+            run.begin_step(step)  # from here to end_step: one optimizer step, nothing else
             # DISTRIBUTED: DDP zeroes its buckets in place, keeping .grad as views of them;
             # set_to_none would make it copy every gradient into its bucket again each step.
             optimizer.zero_grad(set_to_none=False)
@@ -232,27 +177,27 @@ def train(args, ctx: DistContext) -> None:
                         loss = summed * ctx.world_size / tokens
                     loss.backward()
                 step_loss += loss.detach()
-            finite_loss.watch(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
+            run.watch_loss(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
             optimizer.step()
             scheduler.step()
-            observer.end_step()
+            run.end_step()
             step += 1
             if logs:
-                progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
+                run.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
             if step % args.eval_interval == 0 or step == total_steps:
-                with progress.paused():
+                with run.paused():
                     result = evaluate_language_model(model, heldout_loader, ctx, autocast=compute_dtype)
-                    log.write("eval", step=step, epoch=epoch, **result)
+                    run.write("eval", step=step, epoch=epoch, **result)
                     print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
 
     if checkpoints.due(step):
         checkpoints.save(step)
     if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
         result = evaluate_language_model(model, heldout_loader, ctx, autocast=compute_dtype)
-        log.write("eval", step=step, **result)
+        run.write("eval", step=step, **result)
     if data.entropy_floor is not None:
         print0(
             f"held-out loss {result['loss']:.4f} vs. floor {data.entropy_floor:.4f}: "
@@ -263,27 +208,22 @@ def train(args, ctx: DistContext) -> None:
     # for rank 0 to save; the other ranks only learn whether that worked.
     state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
     state = merge_adapters(state, args.lora_rank, args.lora_alpha)  # a model.pt of the plain model
-    save_model_file(state, args.run_dir / MODEL_FILE, ctx)
-    finish_run(
-        log,
-        ctx,
+    checkpoints.save_model(state)  # model.pt
+    run.finish(
         model,
         optimizer,
-        progress=progress,
-        script="ddp/train_transformer.py",
-        strategy="ddp",
-        mixed_precision=args.mixed_precision,
-        global_batch_size=global_batch,
-        steps=step,
-        eval_loss=result["loss"],
-        eval_samples=result["samples"],
-        entropy_floor=data.entropy_floor,
-        model_config=config.shape(),  # with decoding, what tools.runs.sample needs to rebuild the model and read it
-        decoding=data.decoding,
-        wall_s=time.perf_counter() - start,
-        **observer.record(),
+        FinalRecord(
+            script="ddp/train_transformer.py",
+            strategy=checkpoints.strategy,
+            global_batch_size=global_batch,
+            steps=step,
+            evaluation=result,
+            mixed_precision=args.mixed_precision,
+            entropy_floor=data.entropy_floor,
+            model_config=config.shape(),
+            decoding=data.decoding,
+        ),
     )
-    log.close()
 
 
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
@@ -296,14 +236,14 @@ def main(argv: list[str] | None = None) -> None:
         # GPUs, gloo between CPU processes. They meet in torchrun's store (rendezvous_store).
         dist.init_process_group(  # DISTRIBUTED
             ctx.backend,
-            store=rendezvous_store(ctx, timeout),
+            store=ctx.rendezvous_store(timeout),
             rank=ctx.rank,
             world_size=ctx.world_size,
             timeout=timeout,  # how long a collective waits for the others before it fails
             device_id=ctx.device if ctx.device.type == "cuda" else None,
         )
         try:
-            ctx = add_host_group(ctx)  # where ranks agree on host-side facts: a stop, a failed save
+            ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
             with RunDirLock(args.run_dir, ctx):
                 train(args, ctx)

@@ -19,7 +19,8 @@ import torch.distributed._functional_collectives as funcol
 from common.communication import CollectiveRecorder, StepObserver, measured_step, ring_link_bytes
 from common.compat import COMPILED_UNDER_DISPATCH_MODE, all_gather_single, reduce_scatter_single, torch_at_least
 from common.distributed import DistContext, teardown_distributed
-from common.models import GPT, GPTConfig, MnistNet
+from common.mnist import MnistNet
+from common.models import GPT, GPTConfig
 from tools.benchmarks.compare_strategies import markdown_table, micro_steps
 from tools.estimates.comm_model import (
     FsdpBehaviour,

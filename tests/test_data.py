@@ -8,9 +8,16 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from common.data import IGNORE_INDEX, CompactDistributedSampler, IndexShuffle, eval_loader, eval_shard
+from common.data import (
+    IGNORE_INDEX,
+    CompactDistributedSampler,
+    IndexShuffle,
+    MarkovSource,
+    eval_loader,
+    eval_shard,
+    markov_data,
+)
 from common.distributed import DistContext
-from common.tokens import MarkovSource, markov_data
 
 
 def context(rank: int, world_size: int) -> DistContext:

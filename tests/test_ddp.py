@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.models import GPT, GPTConfig, MnistNet
+from common.mnist import MnistNet
+from common.models import GPT, GPTConfig
 from tests.harness.cases import CONVERGE_ARGS, MNIST_ARGS, NEAR_FLOOR
 from tests.harness.runs import Run, run_script
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
-from common.data import MNIST_MEAN, MNIST_STD
-from common.models import GPT, GPTConfig, MnistNet
+from common.mnist import MNIST_MEAN, MNIST_STD, MnistNet
+from common.models import GPT, GPTConfig
 from tests.harness.cases import MNIST_ARGS, NEEDS_FSDP2_CPU_OFFLOAD, NEEDS_FSDP2_ON_CPU
 from tests.harness.runs import Run, run_script, run_until_stopped
 from tests.harness.wrappers import OBSERVE

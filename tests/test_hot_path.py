@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from common.data import CompactDistributedSampler, _open_mnist, normalize_images, train_loader
+from common.data import CompactDistributedSampler, MarkovSource, train_loader
 from common.distributed import DistContext, set_cpu_threads
+from common.mnist import _open_mnist, normalize_images
 from common.models import GPT, GPT_PRESETS, GPTConfig, count_parameters
-from common.tokens import MarkovSource
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.per_image_mnist import per_image_mnist
 from tests.harness.runs import Run, run_script

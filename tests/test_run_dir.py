@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.bookkeeping import StopRequest
 from common.distributed import distributed
 from common.metrics import MetricsLog
-from common.preemption import StopRequest
 from common.run_dir import LOCK_FILE, RunDirLock, checkpoint_step, complete_checkpoints
 from common.saving import then_resume
 from tests.harness.runs import (

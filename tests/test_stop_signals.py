@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.bookkeeping import StopRequest
 from common.checkpoint import Checkpointer
 from common.distributed import DistContext, distributed
-from common.preemption import StopRequest
 from common.run_dir import complete_checkpoints
 
-# Listed here, not read from common.preemption: a signal dropped from there must still be tried.
+# Listed here, not read from common.bookkeeping: a signal dropped from there must still be tried.
 STOP_SIGNALS = [signal.SIGTERM, signal.SIGUSR1]
 STEP = 3
 

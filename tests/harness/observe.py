@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common.models import GPT, MnistNet
+from common.mnist import MnistNet
+from common.models import GPT
 
 REPO = Path(__file__).resolve().parents[2]
 # The ways Python code turns a tensor's value into a host value. On a GPU each one waits until

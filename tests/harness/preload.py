@@ -30,13 +30,13 @@ try:  # the copies of tests/test_hugging_face.py build their models with it; the
 except ImportError:
     pass
 
+import common.bookkeeping  # noqa: F401
 import common.checkpoint  # noqa: F401
 import common.cli  # noqa: F401
 import common.data  # noqa: F401
 import common.flag_checks  # noqa: F401
 import common.metrics  # noqa: F401
 import common.models  # noqa: F401
-import common.preemption  # noqa: F401
 import common.tokens  # noqa: F401
 import common.training  # noqa: F401  # noqa: F401
 import tools.runs.export_checkpoint  # noqa: F401

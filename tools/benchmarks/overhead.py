@@ -39,8 +39,8 @@ def bare_loop(model: str, warmup: int, steps: int, run_dir: Path) -> dict[str, f
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
+    from common.data import markov_data
     from common.models import GPT, gpt_config
-    from common.tokens import markov_data
 
     args = script_defaults(model, run_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as the script's --device auto

@@ -55,7 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from common.distributed import local_part
-from common.models import GPT, GPTConfig, MnistNet, checkpoint_activations
+from common.mnist import MnistNet
+from common.models import GPT, GPTConfig, checkpoint_activations
 
 # How a script applies --mixed-precision bf16: DDP's autocast, or FSDP's parameters gathered in bf16.
 FORWARDS = ("fp32", "autocast", "param_dtype")

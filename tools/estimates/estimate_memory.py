@@ -55,10 +55,10 @@ from dataclasses import dataclass, replace
 from common.cli import HelpFormatter
 from common.fine_tuning import add_estimator_flags, estimator_shapes, fine_tune
 from common.flags import float_in_range, int_in_range, positive_float, positive_int, positive_int_up_to
+from common.mnist import MnistNet
 from common.models import (
     GPT_PRESETS,
     GPTConfig,
-    MnistNet,
     count_parameters,
     gpt_parameter_shapes,
     gpt_step_overflow,

@@ -53,14 +53,7 @@ from common.flags import (
     positive_int_up_to,
     refuse_outputs_on_one_path,
 )
-from common.models import (
-    COMPUTE_DTYPES,
-    GPT,
-    GPT_PRESETS,
-    GPTConfig,
-    gpt_config,
-    gpt_step_overflow,
-)
+from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config, gpt_step_overflow
 from common.outputs import add_overwrite_flag, check_output_path, write_text
 from tools.estimates import comm_model, estimate_memory
 from tools.estimates.activations import gpt_activations

@@ -1,0 +1,373 @@
+"""A run's bookkeeping, behind one object: what it records about itself, and how it stops when asked.
+
+``Bookkeeping`` is built once from the run directory and the context, and holds what a training loop
+needs beside its data, model, wrap and optimizer: metrics.jsonl and the console's progress lines
+(common.metrics), the observed step and its trace (common.communication), stop requests, and the
+final record, whose fields ``FinalRecord`` defines for every script.
+
+Stopping: clusters end jobs at their time limit or to make room for others, usually after a warning:
+SLURM sends a signal a set time ahead (the launchers in slurm/ turn it into a STOP file), and torchrun
+passes SIGTERM on to its workers. The training loop checks between steps; all ranks agree, save a
+checkpoint, leave a PREEMPTED marker and exit, and ``--resume`` continues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from common.checkpoint import Resumed
+from common.communication import StepObserver
+from common.distributed import DistContext, all_ranks_agree, max_over_ranks, print0, shard_group_size
+from common.metrics import (
+    MetricsLog,
+    max_state_bytes,
+    model_flops_utilization,
+    peak_flops,
+    peak_memory_bytes,
+    progress_line,
+    reset_peak_memory,
+    transformer_flops_per_token,
+)
+from common.outputs import write_text
+from common.run_dir import STOP_FILE
+from common.training import FiniteLossCheck
+
+PREEMPTED_FILE = "PREEMPTED"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Ctrl-C, and a terminal that closes: a stop request too, unless the run was started with them ignored
+# (nohup, a background job). A second one does what it would have done: it does not wait for the step.
+SECOND_TIME_STOPS_AT_ONCE = {signal.SIGINT: signal.default_int_handler, signal.SIGHUP: signal.SIG_DFL}
+
+
+class StopRequest:
+    """Notices a stop request and makes every rank act on it at the same step."""
+
+    def __init__(self, run_dir: Path, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.stop_file = run_dir / STOP_FILE
+        self.marker = run_dir / PREEMPTED_FILE
+        self.received: str | None = None
+        for number in STOP_SIGNALS:
+            signal.signal(number, self._on_signal)
+        for number in SECOND_TIME_STOPS_AT_ONCE:
+            if signal.getsignal(number) is not signal.SIG_IGN:
+                signal.signal(number, self._on_signal)
+        if ctx.is_main:
+            # The marker describes the run this one continues. A STOP file stays: it may have come
+            # while this run was starting, and then it is meant for this run. The launchers in slurm/
+            # clear a stale one before they start a job, since only they know where a job begins.
+            self.marker.unlink(missing_ok=True)
+
+    def _on_signal(self, number: int, frame: object) -> None:
+        # Only a flag. Checkpointing inside the handler would run in the middle of
+        # whatever was interrupted (a collective, a half-done step) and can hang.
+        self.received = signal.Signals(number).name
+        if number in SECOND_TIME_STOPS_AT_ONCE:
+            signal.signal(number, SECOND_TIME_STOPS_AT_ONCE[number])
+
+    def requested(self) -> bool:
+        """True on every rank if any rank got a signal or rank 0 sees the STOP file.
+
+        A collective, so every rank must call it at the same step. It reads no GPU value.
+        """
+        # Only rank 0 looks at the file: one stat per step instead of one per rank.
+        asked = self.received is not None or (self.ctx.is_main and self.stop_file.exists())
+        # On the host group (CPU tensors, gloo): the GPU's queue of work is neither read nor waited for.
+        return not all_ranks_agree(not asked, self.ctx)
+
+    def exit(self, step: int, checkpoint: Path) -> NoReturn:
+        """Leave the PREEMPTED marker and end this process (exit code 0: nothing failed)."""
+        reason = self.received or ("a STOP file" if self.stop_file.exists() else "a signal to another rank")
+        if self.ctx.is_main:
+            marker = {"step": step, "checkpoint": str(checkpoint), "reason": reason}
+            write_text(self.marker, json.dumps(marker) + "\n", overwrite=True)  # this run's own
+            self._remove_stop_file()
+        print0(f"stopped at step {step} on request ({reason}); checkpoint {checkpoint}. Continue with --resume.")
+        sys.exit(0)
+
+    def _remove_stop_file(self) -> None:
+        """Remove the STOP that was obeyed, so the next run does not stop too; a `mkdir STOP` asks as `touch` does."""
+        try:
+            if self.stop_file.is_dir():
+                self.stop_file.rmdir()
+            else:
+                self.stop_file.unlink(missing_ok=True)
+        except OSError as err:  # a folder with something in it: its contents are not this run's to delete
+            print0(f"warning: could not remove {self.stop_file} ({err.strerror}); remove it, or the next run stops")
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    """The average of a scalar over all ranks (gloo has no AVG, so SUM then divide)."""
+    total = value.detach().clone().float()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / dist.get_world_size()
+
+
+class ProgressReporter:
+    """Every --log-interval steps: one metrics.jsonl record and one console line.
+
+    Every rank must call ``report`` at the same steps, because the loss it
+    reports is averaged over ranks with a collective.
+
+    Throughput and step time count training alone: the clock stops while the
+    run evaluates or saves (``paused``) and while it reports, and the run's
+    overall figure leaves out its first interval, which pays for warming up
+    (the first collectives, allocations, compilation). Peak memory is reset when
+    the reporter is made (after the model is wrapped) and read at the last step,
+    before anything gathers the whole model.
+    """
+
+    def __init__(
+        self,
+        log: MetricsLog,
+        ctx: DistContext,
+        total_steps: int,
+        items_per_step: int,
+        unit: str,
+        first_step: int = 0,
+    ) -> None:
+        self.log = log
+        self.ctx = ctx
+        self.total_steps = total_steps
+        self.items_per_step = items_per_step  # global: all ranks and micro-steps
+        self.unit = unit  # "samples" or "tokens"
+        self._last_step = first_step  # a resumed run starts counting at its checkpoint
+        self._interval_seconds = 0.0
+        self._running_since: float | None = time.perf_counter()
+        self._warm = False
+        self._steps = 0
+        self._seconds = 0.0
+        self.peak_memory: int | None = None
+        reset_peak_memory(ctx.device)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent in here (evaluation, checkpoints) is not training time."""
+        self._stop_clock()
+        try:
+            yield
+        finally:
+            self._running_since = time.perf_counter()
+
+    def _stop_clock(self) -> None:
+        if self._running_since is not None:
+            self._interval_seconds += time.perf_counter() - self._running_since
+            self._running_since = None
+
+    def watch_loss(self, loss: torch.Tensor, step: int, read: bool) -> None:
+        """Note optimizer step ``step``'s loss; ``read``: stop every rank now if any loss so far was not finite."""
+        self.finite_loss.watch(loss, step, read)
+
+    def check_loss(self, step: int) -> None:
+        """Before a checkpoint: stop every rank if any loss so far was not finite (a collective)."""
+        self.finite_loss.check(step)
+
+    def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        """``grad_norm`` is the global norm, already the same on every rank."""
+        self._stop_clock()
+        steps = step - self._last_step
+        elapsed = max(self._interval_seconds, 1e-9)
+        rate = self.items_per_step * steps / elapsed
+        step_ms = 1000 * elapsed / steps
+        if self._warm:
+            self._steps += steps
+            self._seconds += elapsed
+        self._warm = True
+        self._last_step, self._interval_seconds = step, 0.0
+        if step == self.total_steps:
+            self.peak_memory = peak_memory_bytes(self.ctx.device)
+        mean_loss = mean_over_ranks(loss)
+        norm = grad_norm.item()
+        self.log.write(
+            "train",
+            step=step,
+            epoch=epoch,
+            loss=mean_loss,
+            grad_norm=norm,
+            lr=lr,
+            step_ms=step_ms,
+            **{f"{self.unit}_per_s": rate},
+        )
+        short_unit = "tok" if self.unit == "tokens" else "img"
+        print0(
+            progress_line(step, self.total_steps, epoch, mean_loss, norm, lr, f"{rate:9.0f} {short_unit}/s", step_ms)
+        )
+        self._running_since = time.perf_counter()
+
+    def throughput(self) -> dict[str, float]:
+        """Global items per second and mean step time after the first interval; empty if there was none."""
+        if self._steps == 0:
+            return {}
+        return {
+            f"{self.unit}_per_s": self.items_per_step * self._steps / self._seconds,
+            "step_ms": 1000 * self._seconds / self._steps,
+        }
+
+
+def throughput_fields(progress: ProgressReporter | None, model: nn.Module, ctx: DistContext) -> dict[str, float]:
+    """Throughput and, for the transformer on a GPU whose peak is known, MFU."""
+    fields = progress.throughput() if progress is not None else {}
+    peak = peak_flops(ctx.device)
+    flops_per_token = transformer_flops_per_token(model) if peak is not None else None
+    if "tokens_per_s" in fields and flops_per_token is not None:
+        fields["mfu"] = model_flops_utilization(flops_per_token, fields["tokens_per_s"], peak, ctx.world_size)
+    return fields
+
+
+def finish_run(
+    log: MetricsLog,
+    ctx: DistContext,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    progress: ProgressReporter | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """Write the final record (memory figures are the largest over ranks) and print a summary."""
+    state_bytes = max_state_bytes(model, optimizer, ctx)
+    trained_peak = progress.peak_memory if progress is not None else None
+    (peak,) = max_over_ranks([float(trained_peak if trained_peak is not None else peak_memory_bytes(ctx.device))], ctx)
+    record = {
+        **fields,
+        "world_size": ctx.world_size,
+        "shard_group_size": shard_group_size(model),
+        "local_state_bytes": state_bytes,
+        "peak_memory_bytes": int(peak),
+        **throughput_fields(progress, model, ctx),
+    }
+    log.write("final", **record)
+    print0(summary_line(record))
+    return record
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    mib = 2**20
+    state = record["local_state_bytes"]
+    parts = [
+        f"done: {record['steps']} steps in {record['wall_s']:.1f} s",
+        f"eval loss {record['eval_loss']:.4f}",
+        f"per-rank params/grads/optimizer {state['params'] / mib:.1f}/{state['grads'] / mib:.1f}/"
+        f"{state['optimizer'] / mib:.1f} MiB",
+        f"peak memory {record['peak_memory_bytes'] / mib:.0f} MiB",
+    ]
+    for unit, short in (("tokens", "tok"), ("samples", "img")):
+        if f"{unit}_per_s" in record:
+            parts.append(f"{record[f'{unit}_per_s']:.0f} {short}/s")
+    if "mfu" in record:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    return " | ".join(parts)
+
+
+@dataclass(frozen=True)
+class FinalRecord:
+    """What a script says of its finished run in metrics.jsonl's "final" record; Bookkeeping adds what it
+    measured (world size, memory, throughput, what one step sent, wall time). A field left None is left
+    out: the MNIST scripts have no model_config, the transformer's text data no entropy floor."""
+
+    script: str
+    strategy: str  # as the checkpoints record it: ddp, fsdp1_<sharding>, fsdp2, fsdp2_hsdp
+    global_batch_size: int
+    steps: int
+    evaluation: dict[str, float]  # the last held-out evaluation: loss, samples and, for MNIST, accuracy
+    mixed_precision: str | None = None
+    reshard_after_forward: bool | None = None  # FSDP2's choice
+    entropy_floor: float | None = None  # the synthetic data's lowest reachable loss
+    model_config: dict[str, Any] | None = None  # with decoding, what tools.runs.sample rebuilds the model from
+    decoding: dict[str, Any] | None = None
+
+    def fields(self) -> dict[str, Any]:
+        fields = {name: value for name, value in asdict(self).items() if value is not None}
+        evaluation = fields.pop("evaluation")
+        fields["eval_loss"], fields["eval_samples"] = evaluation["loss"], evaluation["samples"]
+        if "accuracy" in evaluation:
+            fields["accuracy"] = evaluation["accuracy"]
+        return fields
+
+
+class Bookkeeping:
+    """Everything a run records and obeys beside the training itself, built once at the start of ``train()``.
+
+    ``check_loss`` goes to the Checkpointer (a non-finite loss never reaches a checkpoint); ``start`` opens the
+    records once the checkpoint to resume from is known; then, per step: ``stop_requested`` and ``stop``,
+    ``paused`` (evaluation and checkpoints are not training time), ``begin_step``/``end_step`` around the
+    optimizer step, ``watch_loss``, ``report`` on the steps that log, ``write`` for other records; ``finish``
+    writes the final record. Every rank calls each at the same point: several are collectives.
+    """
+
+    def __init__(self, run_dir: Path, ctx: DistContext, log_interval: int, profile_steps: int = 0) -> None:
+        self.run_dir, self.ctx, self.log_interval = run_dir, ctx, log_interval
+        self.started = time.perf_counter()  # wall_s counts the whole of train(), data loading included
+        self.observer = StepObserver(run_dir, ctx, profile_steps)  # what one step sends; --profile's trace
+        self.finite_loss = FiniteLossCheck(ctx)
+        self.total_steps = 0
+        self.log: MetricsLog | None = None
+        self.progress: ProgressReporter | None = None
+        self.stop_request: StopRequest | None = None
+
+    def start(self, resumed: Resumed, total_steps: int, items_per_step: int, unit: str) -> None:
+        """Open metrics.jsonl at the step this run starts from (a resume replaces the records after it), watch
+        for stop requests, and start the clock of training time; ``items_per_step``: global samples or tokens."""
+        self.total_steps = total_steps
+        self.log = MetricsLog(self.run_dir, self.ctx, resumed_at=resumed.step if resumed.path else None)
+        if resumed.path:
+            self.log.write(
+                "resume",
+                step=resumed.step,
+                checkpoint=str(resumed.path),
+                checkpoint_world_size=resumed.world_size,  # a resume at another world size shows as a change
+                world_size=self.ctx.world_size,
+                changed=resumed.changed,  # each training setting that differs from the checkpoint's: [old, new]
+            )
+        self.stop_request = StopRequest(self.run_dir, self.ctx)  # SIGTERM, SIGUSR1 or a STOP file
+        self.progress = ProgressReporter(self.log, self.ctx, total_steps, items_per_step, unit, resumed.step)
+
+    def logs_after(self, step: int) -> bool:
+        """Whether the step that starts after ``step`` steps logs: only those read values from the device."""
+        return (step + 1) % self.log_interval == 0 or step + 1 == self.total_steps
+
+    def stop_requested(self) -> bool:
+        return self.stop_request.requested()  # type: ignore[union-attr]
+
+    def stop(self, step: int, checkpoint: Path) -> NoReturn:
+        self.stop_request.exit(step, checkpoint)  # type: ignore[union-attr]
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        return self.progress.paused()  # type: ignore[union-attr]
+
+    def begin_step(self, step: int) -> None:
+        self.observer.begin_step(step)
+
+    def end_step(self) -> None:
+        self.observer.end_step()
+
+    def watch_loss(self, loss: torch.Tensor, step: int, read: bool) -> None:
+        """Note optimizer step ``step``'s loss; ``read``: stop every rank now if any loss so far was not finite."""
+        self.finite_loss.watch(loss, step, read)
+
+    def check_loss(self, step: int) -> None:
+        """Before a checkpoint: stop every rank if any loss so far was not finite (a collective)."""
+        self.finite_loss.check(step)
+
+    def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        self.progress.report(step, epoch, loss, grad_norm, lr)  # type: ignore[union-attr]
+
+    def write(self, event: str, **fields: Any) -> None:
+        self.log.write(event, **fields)  # type: ignore[union-attr]
+
+    def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer, record: FinalRecord) -> None:
+        """Write the final record and the summary line, and close metrics.jsonl."""
+        fields = {**record.fields(), "wall_s": time.perf_counter() - self.started, **self.observer.record()}
+        finish_run(self.log, self.ctx, model, optimizer, self.progress, **fields)  # type: ignore[arg-type]
+        self.log.close()  # type: ignore[union-attr]
