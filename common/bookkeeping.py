@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from common.checkpoint import Resumed
 from common.communication import StepObserver
+from common.data import TokenData
 from common.distributed import DistContext, all_ranks_agree, max_over_ranks, print0, shard_group_size
 from common.metrics import (
     MetricsLog,
@@ -283,12 +284,15 @@ class FinalRecord:
     evaluation: dict[str, float]  # the last held-out evaluation: loss, samples and, for MNIST, accuracy
     mixed_precision: str | None = None
     reshard_after_forward: bool | None = None  # FSDP2's choice
-    entropy_floor: float | None = None  # the synthetic data's lowest reachable loss
-    model_config: dict[str, Any] | None = None  # with decoding, what tools.runs.sample rebuilds the model from
-    decoding: dict[str, Any] | None = None
+    data: TokenData | None = None  # the transformer's: its entropy floor and how its ids decode
+    model_config: dict[str, Any] | None = None  # with the decoding, what tools.runs.sample rebuilds the model from
 
     def fields(self) -> dict[str, Any]:
-        fields = {name: value for name, value in asdict(self).items() if value is not None}
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data = fields.pop("data")
+        if data is not None:
+            fields["entropy_floor"], fields["decoding"] = data.entropy_floor, data.decoding
+        fields = {name: value for name, value in fields.items() if value is not None}
         evaluation = fields.pop("evaluation")
         fields["eval_loss"], fields["eval_samples"] = evaluation["loss"], evaluation["samples"]
         if "accuracy" in evaluation:
@@ -368,6 +372,12 @@ class Bookkeeping:
 
     def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer, record: FinalRecord) -> None:
         """Write the final record and the summary line, and close metrics.jsonl."""
-        fields = {**record.fields(), "wall_s": time.perf_counter() - self.started, **self.observer.record()}
+        floor = record.data.entropy_floor if record.data is not None else None
+        if floor is not None:
+            loss = record.evaluation["loss"]
+            above = f"{loss - floor:+.4f} nats/token above the best possible"
+            print0(f"held-out loss {loss:.4f} vs. floor {floor:.4f}: {above}")
+        wall_s = time.perf_counter() - self.started
+        fields = {**record.fields(), "wall_s": wall_s, **self.observer.record()}
         finish_run(self.log, self.ctx, model, optimizer, self.progress, **fields)  # type: ignore[arg-type]
         self.log.close()  # type: ignore[union-attr]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from common.data import TokenData, text_character_counts
+from common.data import TokenData, markov_data, text_character_counts, text_data
 from common.flag_checks import check_synthetic_size, machine_memory
 from common.run_dir import checkpoint_to_resume
 from common.token_format import MAX_VOCAB_SIZE, TOKEN_BYTES, TOKEN_DTYPE, token_metadata_path
@@ -253,3 +253,13 @@ def check_data_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error("--variable-length cuts the synthetic sequences; the windows of a text or token file are whole")
     if args.text_file is None and args.token_file is None:
         check_synthetic_size(parser, args)
+
+
+def transformer_data(args: argparse.Namespace) -> TokenData:
+    """The transformer scripts' data, as their flags choose it: --text-file, --token-file, or else the
+    synthetic Markov source (--train-sequences, --heldout-sequences, --variable-length)."""
+    if args.text_file is not None:
+        return text_data(args.text_file, args.block_size)
+    if args.token_file is not None:
+        return token_file_data(args.token_file, args.block_size, args.heldout_sequences)
+    return markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)

@@ -78,6 +78,30 @@ def wrap_model(model: torch.nn.Module, args, ctx: DistContext) -> torch.nn.Modul
     )
 
 
+def forward_backward(model: torch.nn.Module, micro_batches: list, ctx: DistContext) -> torch.Tensor:
+    """One optimizer step's forward and backward passes, a micro-batch at a time; the step's loss, on the device."""
+    step_loss = torch.zeros((), device=ctx.device)
+    for micro_step, (images, labels) in enumerate(micro_batches):
+        # uint8 pixels cross to the device (a quarter of float32's bytes) and are normalised there.
+        images = normalize_images(images.to(ctx.device, non_blocking=True))
+        labels = labels.to(ctx.device, non_blocking=True)
+        # DISTRIBUTED: skip the gradient reduction on all but the last
+        # micro-step; gradients add up locally until then.
+        last_micro_step = micro_step == len(micro_batches) - 1
+        with nullcontext() if last_micro_step else model.no_sync():
+            loss = F.cross_entropy(model(images), labels) / len(micro_batches)  # YOUR LOSS
+            loss.backward()
+        step_loss += loss.detach()
+    return step_loss
+
+
+def save_model(model: torch.nn.Module, ctx: DistContext, checkpoints: Checkpointer) -> None:
+    """DISTRIBUTED: model.pt, the whole model under its own parameter names (no wrapper's prefix), as CPU
+    tensors, which rank 0 writes; the other ranks only learn whether that worked."""
+    state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
+    checkpoints.save_model(state)
+
+
 def train(args, ctx: DistContext) -> None:
     # metrics.jsonl, the console's progress, stop requests, the observed step and the final record
     run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)
@@ -143,19 +167,7 @@ def train(args, ctx: DistContext) -> None:
             logs = run.logs_after(step)
             run.begin_step(step)  # from here to end_step: one optimizer step, nothing else
             optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), device=ctx.device)
-            for micro_step in range(args.grad_accum_steps):
-                images, labels = next(batches)
-                # uint8 pixels cross to the device (a quarter of float32's bytes) and are normalised there.
-                images = normalize_images(images.to(ctx.device, non_blocking=True))
-                labels = labels.to(ctx.device, non_blocking=True)
-                # DISTRIBUTED: skip the gradient reduction on all but the last
-                # micro-step; gradients add up locally until then.
-                last_micro_step = micro_step == args.grad_accum_steps - 1
-                with nullcontext() if last_micro_step else model.no_sync():
-                    loss = F.cross_entropy(model(images), labels) / args.grad_accum_steps  # YOUR LOSS
-                    loss.backward()
-                step_loss += loss.detach()
+            step_loss = forward_backward(model, [next(batches) for _ in range(args.grad_accum_steps)], ctx)
             run.watch_loss(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the global gradient norm that is logged; with
             # --grad-clip 0 the limit is infinite, so it measures without clipping.
@@ -178,10 +190,7 @@ def train(args, ctx: DistContext) -> None:
         result = evaluate_classifier(model, test_loader, ctx, normalize_images)
         run.write("eval", step=step, **result)
 
-    # DISTRIBUTED: the whole model under its own parameter names (no wrapper's prefix), as CPU tensors,
-    # for rank 0 to save; the other ranks only learn whether that worked.
-    state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
-    checkpoints.save_model(state)  # model.pt
+    save_model(model, ctx, checkpoints)  # DISTRIBUTED
     run.finish(
         model,
         optimizer,

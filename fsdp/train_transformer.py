@@ -43,12 +43,12 @@ from common import cli, flag_checks
 from common.bookkeeping import Bookkeeping, FinalRecord
 from common.checkpoint import Checkpointer
 from common.compat import full_state_dict_options
-from common.data import CompactDistributedSampler, eval_loader, markov_data, text_data, train_loader
+from common.data import CompactDistributedSampler, eval_loader, train_loader
 from common.distributed import DistContext, clean_teardown, errors_reported_once, launch_context, print0
 from common.fine_tuning import LowRankUpdate, add_adapters, freeze, merge_adapters
 from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config, init_parameters
 from common.run_dir import RunDirLock
-from common.tokens import check_data_flags, token_file_data
+from common.tokens import check_data_flags, transformer_data
 from common.training import TokenCount, evaluate_language_model, plan_total_steps, seed_everything, warmup_cosine
 
 PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
@@ -136,17 +136,46 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
     return model
 
 
+def forward_backward(
+    model: torch.nn.Module, micro_batches: list, tokens: torch.Tensor, args, ctx: DistContext, scaler: ShardedGradScaler
+) -> torch.Tensor:
+    """One optimizer step's forward and backward passes, a micro-batch at a time; the step's loss, on the device.
+
+    ``tokens``: the targets that count in the whole step, over every rank. Each micro-step's summed loss is
+    divided by it, so a token weighs the same at any world size and accumulation split.
+    """
+    step_loss = torch.zeros((), device=ctx.device)
+    for micro_step, (inputs, targets) in enumerate(micro_batches):
+        inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
+        # DISTRIBUTED: skip the gradient reduction on all but the last
+        # micro-step; gradients add up locally until then. Not in low precision: FSDP1
+        # would add them up in that dtype; reduced every micro-step, they add up in fp32 shards.
+        last_micro_step = micro_step == len(micro_batches) - 1
+        with nullcontext() if last_micro_step or args.compute_dtype is not None else model.no_sync():
+            logits = model(inputs)
+            # YOUR LOSS. In fp32 whatever the compute dtype: a low-precision softmax is too coarse.
+            # DISTRIBUTED: times the world size, since the gradient reduction averages over ranks.
+            summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            loss = summed * ctx.world_size / tokens
+            scaler.scale(loss).backward()
+        step_loss += loss.detach()
+    return step_loss
+
+
+def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Checkpointer) -> None:
+    """DISTRIBUTED: model.pt, the whole model under its own parameter names (no wrapper's prefix), as CPU
+    tensors, which rank 0 writes; the other ranks only learn whether that worked."""
+    state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
+    state = merge_adapters(state, args.lora_rank, args.lora_alpha)  # a model.pt of the plain model
+    checkpoints.save_model(state)
+
+
 def train(args, ctx: DistContext) -> None:
     # metrics.jsonl, the console's progress, stop requests, the observed step and the final record
     run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)
     seed_everything(args.seed, args.deterministic)
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
-    if args.text_file is not None:
-        data = text_data(args.text_file, args.block_size)
-    elif args.token_file is not None:
-        data = token_file_data(args.token_file, args.block_size, args.heldout_sequences)
-    else:
-        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
+    data = transformer_data(args)  # --text-file, --token-file, or the synthetic Markov source
     print0(f"data: {data.description}")
     # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle: torch's DistributedSampler, its
     # order computed as it goes (no table). Every rank gets as many batches as the others, so none waits alone.
@@ -214,30 +243,14 @@ def train(args, ctx: DistContext) -> None:
             if checkpoints.due(step):
                 with run.paused():
                     checkpoints.save(step)
-            # Only steps that log read values from the device: the others never make the host wait for it.
-            logs = run.logs_after(step)
+            logs = run.logs_after(step)  # only these steps read values from the device: no other step waits
             micro_batches = [next(batches) for _ in range(args.grad_accum_steps)]
-            # DISTRIBUTED: the tokens that count in this step, on every rank; each micro-step's loss is its
-            # sum divided by them, so a token weighs the same at any world size and accumulation split.
-            # Counted before the measured step, as the stop agreement is: bookkeeping, not the strategy's.
+            # DISTRIBUTED: the tokens that count in this step, on every rank, counted before the measured
+            # step (bookkeeping, not the strategy's): each micro-step's loss is divided by them.
             tokens = count_tokens(micro_batches)
             run.begin_step(step)  # from here to end_step: one optimizer step, nothing else
             optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), device=ctx.device)
-            for micro_step, (inputs, targets) in enumerate(micro_batches):
-                inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
-                # DISTRIBUTED: skip the gradient reduction on all but the last
-                # micro-step; gradients add up locally until then. Not in low precision: FSDP1
-                # would add them up in that dtype; reduced every micro-step, they add up in fp32 shards.
-                last_micro_step = micro_step == args.grad_accum_steps - 1
-                with nullcontext() if last_micro_step or args.compute_dtype is not None else model.no_sync():
-                    logits = model(inputs)
-                    # YOUR LOSS. In fp32 whatever the compute dtype: a low-precision softmax is too coarse.
-                    # DISTRIBUTED: times the world size, since the gradient reduction averages over ranks.
-                    summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-                    loss = summed * ctx.world_size / tokens
-                    scaler.scale(loss).backward()
-                step_loss += loss.detach()
+            step_loss = forward_backward(model, micro_batches, tokens, args, ctx, scaler)
             run.watch_loss(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
             scaler.unscale_(optimizer)
             # Clipping also measures the global gradient norm that is logged; with
@@ -262,17 +275,8 @@ def train(args, ctx: DistContext) -> None:
     if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
         result = evaluate_language_model(model, heldout_loader, ctx)
         run.write("eval", step=step, **result)
-    if data.entropy_floor is not None:
-        print0(
-            f"held-out loss {result['loss']:.4f} vs. floor {data.entropy_floor:.4f}: "
-            f"{result['loss'] - data.entropy_floor:+.4f} nats/token above the best possible"
-        )
 
-    # DISTRIBUTED: the whole model under its own parameter names (no wrapper's prefix), as CPU tensors,
-    # for rank 0 to save; the other ranks only learn whether that worked.
-    state = get_model_state_dict(model, options=full_state_dict_options(ctx.device))
-    state = merge_adapters(state, args.lora_rank, args.lora_alpha)  # a model.pt of the plain model
-    checkpoints.save_model(state)  # model.pt
+    save_model(model, args, ctx, checkpoints)  # DISTRIBUTED
     run.finish(
         model,
         optimizer,
@@ -283,9 +287,8 @@ def train(args, ctx: DistContext) -> None:
             steps=step,
             evaluation=result,
             mixed_precision=args.mixed_precision,
-            entropy_floor=data.entropy_floor,
+            data=data,
             model_config=config.shape(),
-            decoding=data.decoding,
         ),
     )
 
