@@ -244,7 +244,8 @@ def rank_env(project: Path) -> dict[str, str]:
     env = outside_any_job()  # a pre-flight started inside a job must not join it
     env.setdefault("OMP_NUM_THREADS", "1")
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU and gloo, whatever this machine has
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(project), env.get("PYTHONPATH", "")]))
+    # tools/ comes after what the user put first: a copy's own common/ is the one its ranks run.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), str(project)]))
     return env
 
 
