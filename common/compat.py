@@ -19,8 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-TORCH_FLOOR = (2, 6)
-
 # FSDP2 on the CPU (gloo) needs torch 2.9:
 # - 2.6: the first forward fails ('Stream' object has no attribute 'record_event'):
 #   torch.cpu.Stream got its no-op record_event/wait_event in 2.7 (pytorch/pytorch#145935);
@@ -28,19 +26,9 @@ TORCH_FLOOR = (2, 6)
 #   fp32 gradients, and sums: every gradient is world-size times too large, silently
 #   (pytorch/pytorch#162338; checked with a 2-rank reduce-scatter on 2.6 to 2.14.1).
 FSDP2_ON_CPU = (2, 9)
-# The communication recorder (common.communication) is a TorchDispatchMode; torch.compile runs
-# compiled code under such a mode only from torch 2.9 (TorchDispatchMode.ignore_compile_internals).
-# Older torch runs the measured step of a --compile run eagerly: same traffic, eager speed.
-COMPILED_UNDER_DISPATCH_MODE = (2, 9)
 # FSDP2 --cpu-offload gives the mesh a CPU backend beside NCCL, through
 # init_device_mesh(backend_override=...), which torch 2.9 added (pytorch/pytorch#159371).
 FSDP2_CPU_OFFLOAD = (2, 9)
-
-
-# The single-tensor all-gather and reduce-scatter have new names in recent torch, where the old
-# ones warn; the floor, 2.6, has only the old ones.
-all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def torch_release(version: str | None = None) -> tuple[int, int]:

@@ -8,12 +8,7 @@ buckets, and FSDP its units, from the parameters that need gradients when it is 
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -21,9 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.cli import add_fine_tuning_flags
 from common.distributed import FatalError, print0
-from common.models import GPT, GPTConfig, init_parameters, plain_name, tied_parameters, unwrapped
+from common.models import init_parameters, plain_name, tied_parameters, unwrapped
 
 
 def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
@@ -167,32 +161,6 @@ def merge_adapters(state: dict[str, torch.Tensor], rank: int | None, alpha: floa
     return merged_with_scale(state, adapter_scale(rank, alpha))
 
 
-# The one entry of an adapters file (tools.runs.export_checkpoint --adapters-only) that is not an adapter: the
-# update's scale, alpha / rank, without which B A cannot be added to the weights it was trained for.
-ADAPTERS_SCALE = "lora_scale"
-
-
-def adapters_file(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """What --adapters-only writes: the adapters of ``state`` and their scale, for apply_adapters to read."""
-    adapters = {name: value for name, value in state.items() if is_adapter(name)}
-    return {**adapters, ADAPTERS_SCALE: torch.tensor(scale, dtype=torch.float64)}
-
-
-def apply_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The plain model's state dict from its base weights and an adapters file: each adapted weight
-    ``W + scale * B A``, as the run's model.pt holds it. ValueError, saying why, if the two do not fit."""
-    if ADAPTERS_SCALE not in adapters:
-        raise ValueError(f"it has no {ADAPTERS_SCALE!r}: not written by tools.runs.export_checkpoint --adapters-only")
-    layers = [name.removesuffix(".adapter.a") for name in adapters if name.endswith(".adapter.a")]
-    for layer in layers:
-        weight = base.get(f"{layer}.weight")
-        a, b = adapters[f"{layer}.adapter.a"], adapters.get(f"{layer}.adapter.b")
-        if weight is None or b is None or weight.shape != (b.shape[0], a.shape[1]):
-            raise ValueError(f"its adapter of {layer} does not fit the base weights' {layer}.weight")
-    only_adapters = {name: value for name, value in adapters.items() if is_adapter(name)}
-    return merged_with_scale({**base, **only_adapters}, float(adapters[ADAPTERS_SCALE]))
-
-
 def merged_with_scale(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     merged = {name: value for name, value in state.items() if not is_adapter(name)}
     for name in state:
@@ -249,80 +217,3 @@ def trained_difference(there: list[str] | None, here: list[str] | None) -> str:
             some = f"{first!r} and {len(names) - 1} more train" if len(names) > 1 else f"{first!r} trains"
             parts.append(f"{some} {where}")
     return f"{setting} differ: {'; '.join(parts)}"
-
-
-@dataclass(frozen=True)
-class ParameterShapes:
-    """A model's parameters as the estimators need them: every shape by name, in the model's order (its
-    forward order, for the GPT), and the names that train."""
-
-    shapes: dict[str, tuple[int, ...]]
-    trainable: frozenset[str]
-
-    @property
-    def numel(self) -> int:
-        return sum(math.prod(shape) for shape in self.shapes.values())
-
-    @property
-    def trainable_numel(self) -> int:
-        return sum(math.prod(shape) for name, shape in self.shapes.items() if name in self.trainable)
-
-
-def fine_tuned_shapes(
-    config: GPTConfig,
-    freeze_patterns: Sequence[str] = (),
-    lora_rank: int | None = None,
-    lora_targets: Sequence[str] | None = None,
-) -> ParameterShapes:
-    """The GPT's parameters after --lora-rank and --freeze, as the scripts apply them (the same calls, on a
-    model on the meta device: nothing allocated). Raises FatalError as the scripts refuse a pattern."""
-    with torch.device("meta"):
-        model = GPT(config, seed=None)
-    fine_tune(model, freeze_patterns, lora_rank, lora_targets)
-    named = list(model.named_parameters())
-    return ParameterShapes(
-        {name: tuple(p.shape) for name, p in named}, frozenset(name for name, p in named if p.requires_grad)
-    )
-
-
-def fine_tune(
-    model: nn.Module,
-    freeze_patterns: Sequence[str] = (),
-    lora_rank: int | None = None,
-    lora_targets: Sequence[str] | None = None,
-) -> None:
-    """--lora-rank, then --freeze, as the scripts call them (``lora_targets`` None: the scripts' default),
-    without their log lines: an estimator says what it wants in its own words."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        add_adapters(model, lora_rank, None, lora_targets or DEFAULT_LORA_TARGETS, seed=0)
-        freeze(model, freeze_patterns)
-
-
-def add_estimator_flags(parser: argparse.ArgumentParser) -> None:
-    """--freeze, --lora-rank and --lora-targets for the estimators (tools/estimates/),
-    as the training scripts take them (--lora-alpha changes no byte, so the estimators do without it)."""
-    add_fine_tuning_flags(
-        parser, title="fine-tuning: train part of a GPT (needs --model with a GPT preset)", alpha=False
-    )
-
-
-def estimator_shapes(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, config: GPTConfig | None
-) -> ParameterShapes | None:
-    """What ``add_estimator_flags`` asked for, on the GPT of ``config`` (None: the estimate is of no GPT), or
-    None without those flags. Refused with one message each: the flags without a GPT, --lora-targets without
-    --lora-rank, and whatever the scripts refuse of the patterns (one that matches nothing, or leaves nothing
-    to train)."""
-    if not args.freeze and args.lora_rank is None and args.lora_targets is None:
-        return None
-    if config is None:
-        parser.error(
-            "--freeze, --lora-rank and --lora-targets name the parameters of a GPT: give --model with a GPT preset, "
-            "not --params or the MNIST net"
-        )
-    if args.lora_rank is None and args.lora_targets is not None:
-        parser.error("--lora-targets chooses the layers that --lora-rank adapts: give --lora-rank too")
-    try:
-        return fine_tuned_shapes(config, args.freeze, args.lora_rank, args.lora_targets)
-    except FatalError as err:
-        parser.error(str(err))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from common.outputs import creation_failure, name_max, nearest_existing, not_a_folder, same_file
+from common.outputs import creation_failure, name_max, nearest_existing, not_a_folder
 
 INTEGER = "whole number"
 NUMBER = "number"
@@ -130,24 +130,9 @@ def _float_range_text(low: float, high: float | None, above_low: bool, unit: str
 positive_int = int_in_range(1, name="positive_int")
 
 
-def positive_int_up_to(limit: int, unit: str, why: str, *, name: str) -> Callable[[str], int]:
-    """Whole numbers from 1 to ``limit``, where a larger one is a job too long to run; the refusal says ``why``."""
-
-    @flag_kind(INTEGER)
-    def parse(text: str) -> int:
-        value = positive_int(text)
-        if value > limit:
-            raise argparse.ArgumentTypeError(f"must be at most {limit:,} {unit}, got {shown(text)}: {why}")
-        return value
-
-    parse.__name__ = name
-    return parse
-
-
 non_negative_int = int_in_range(0, name="non_negative_int")
 positive_float = float_in_range(0, above_low=True, name="positive_float")
 non_negative_float = float_in_range(0, name="non_negative_float")
-finite_float = flag_kind(NUMBER)(_finite)
 
 SEED_LIMIT = 2**32  # numpy's range, and far from the 64 bits torch's generators take with the epoch added
 seed_value = int_in_range(0, SEED_LIMIT - 1, name="seed_value")
@@ -261,40 +246,11 @@ def existing_file(text: str) -> Path:
     return path
 
 
-@path_kind(EXISTING_DIR)
-def existing_dir(text: str) -> Path:
-    path = Path(text)
-    _refuse_a_file(text, path)
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"{text}: no such folder")
-    return path
-
-
 @path_kind(EXISTING_PATH)
 def existing_path(text: str) -> Path:
     path = Path(text)
     if not path.exists():
         raise argparse.ArgumentTypeError(f"{text}: no such file or folder")
-    return path
-
-
-@path_kind(OUTPUT_FILE)
-def output_file(text: str) -> Path:
-    """A file this run may create (or replace, where its command allows that): not a folder, not below a file."""
-    path = Path(text)
-    if path.is_dir() or text.endswith(("/", "/.")):  # Path drops the slash that says the user means a folder
-        raise argparse.ArgumentTypeError(f"{text} is a folder; give the name of the file to write")
-    _refuse_unwritable(text, path.parent)
-    _refuse_long_names(text, path)
-    return path
-
-
-@path_kind(OUTPUT_PATH)
-def output_path(text: str) -> Path:
-    """A file or folder this run may create (or replace, where its command allows that): not below a file."""
-    path = Path(text)
-    _refuse_unwritable(text, path.parent)
-    _refuse_long_names(text, path)
     return path
 
 
@@ -317,19 +273,3 @@ def output_dir(text: str) -> Path:
     _refuse_unwritable(text, path)
     _refuse_long_names(text, path)
     return path
-
-
-def refuse_outputs_on_one_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse, before any work, two of the command's outputs (its flags of an output kind, as parsed into ``args``)
-    on one path: the second would meet the first's file after all the work, and be refused as if another process
-    had written it, or replace it. Two folders may share one: a run's folder can hold the data it reads."""
-    named = []
-    for action in parser._actions:
-        kind, value = getattr(action.type, "kind", None), getattr(args, action.dest, None)
-        if kind in (OUTPUT_FILE, OUTPUT_DIR, OUTPUT_PATH) and value is not None:
-            flag = action.option_strings[-1] if action.option_strings else str(action.metavar or action.dest)
-            named += [(flag, kind, path) for path in (value if isinstance(value, list) else [value])]
-    for index, (flag, kind, path) in enumerate(named):
-        for other_flag, other_kind, other in named[index + 1 :]:
-            if not kind == other_kind == OUTPUT_DIR and same_file(path, other):
-                parser.error(f"{flag} and {other_flag} both name {path}: give each output a path of its own")

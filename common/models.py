@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -138,48 +137,6 @@ class GPT(nn.Module):
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def gpt_parameter_count(config: GPTConfig) -> int:
-    """Parameters of a GPT of ``config``, counted from its shapes on the meta device: nothing allocated."""
-    return sum(math.prod(shape) for shape in gpt_parameter_shapes(config).values())
-
-
-def gpt_parameter_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of each parameter of a GPT of ``config``, by name in the model's order (the meta device)."""
-    with torch.device("meta"):
-        return {name: tuple(p.shape) for name, p in GPT(config, seed=None).named_parameters()}
-
-
-# torch counts a tensor's bytes in 64 bits, a fake or meta tensor's too: a larger shape fails inside torch.
-TENSOR_BYTES_LIMIT = 2**63 - 1
-
-
-def gpt_step_overflow(config: GPTConfig, batch_size: int, lora_rank: int | None = None) -> str | None:
-    """Why a training step of this GPT cannot be built, where one of its tensors would take more bytes than torch
-    counts; None where every one fits. Each value is counted at 8 bytes (the ids are int64; fp32 at twice its
-    size, so that what torch derives from a shape, a flattened view or a gradient, stays within the count)."""
-    b, t, v, d = batch_size, config.block_size, config.vocab_size, config.d_model
-    tensors = [(f"token embedding ({v} x {d} values)", v * d), (f"position embedding ({t} x {d} values)", t * d)]
-    if lora_rank is not None:
-        tensors.append((f"a LoRA factor ({4 * d} x {lora_rank} values)", 4 * d * lora_rank))
-    tensors += [
-        (f"logits ({b} x {t} x {v} values)", b * t * v),
-        (f"MLP's activations ({b} x {t} x {4 * d})", b * t * 4 * d),
-    ]
-    if lora_rank is not None:
-        tensors.append((f"a LoRA layer's activations ({b} x {t} x {lora_rank} values)", b * t * lora_rank))
-    return first_overflow(tensors)
-
-
-def mnist_step_overflow(batch_size: int) -> str | None:
-    """``gpt_step_overflow`` for the MNIST net: its largest activation is the second convolution's output."""
-    return first_overflow([(f"second convolution's output ({batch_size} x 64 x 24 x 24 values)", batch_size * 36864)])
-
-
-def first_overflow(tensors: list[tuple[str, int]]) -> str | None:
-    too_large = next((what for what, values in tensors if 8 * values > TENSOR_BYTES_LIMIT), None)
-    return None if too_large is None else f"the step's {too_large} would take more bytes than torch can count (2**63)"
 
 
 # What wrappers insert into parameter names; a parameter's initial value depends on its plain name.

@@ -21,13 +21,11 @@ stop leaves the earlier pair as it was. A SIGKILL cannot be held: it may leave a
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import secrets
 import shutil
 import signal
-import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -60,15 +58,6 @@ class OutputExists(FileExistsError):
         return self.strerror
 
 
-def add_overwrite_flag(parser: argparse._ActionsContainer) -> None:
-    """``--overwrite``, the same flag in every command that writes a file a user names."""
-    parser.add_argument(
-        OVERWRITE_FLAG,
-        action="store_true",
-        help="replace output files that exist already (never an input of the same command)",
-    )
-
-
 def nearest_existing(path: Path) -> Path:
     """``path`` or the closest of its parents that exists: where a folder not made yet would go.
 
@@ -83,14 +72,6 @@ def not_a_folder(path: Path) -> str:
     if os.path.islink(path) and not os.path.exists(path):
         return f"is a link to {os.readlink(path)}, which does not exist, not a folder"
     return "is a file, not a folder"
-
-
-def same_file(a: Path, b: Path) -> bool:
-    """One file under two names (a relative and an absolute path, a link, a hard link)."""
-    try:
-        return a.resolve() == b.resolve() or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
-    except OSError:
-        return False
 
 
 def creation_failure(folder: Path, make_folders: bool) -> str | None:
@@ -118,72 +99,6 @@ def name_max(folder: Path) -> int:
         return os.pathconf(nearest_existing(folder), "PC_NAME_MAX")
     except (OSError, ValueError):
         return DEFAULT_NAME_MAX
-
-
-def not_a_regular_file(path: Path) -> bool:
-    """``path`` is, or links to, something that is not a plain file: a device, a pipe, a socket."""
-    try:
-        return not stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:  # nothing there, or a dangling link: a file may take the name
-        return False
-
-
-def output_problem(path: Path, flag: str, inputs: Iterable[Path] = (), overwrite: bool = False) -> str | None:
-    """Why writing ``path`` (given as ``flag``) must not start, or None."""
-    named = f"{flag} {path}".strip()
-    clash = next((source for source in inputs if same_file(path, source)), None)
-    if clash is not None:
-        return f"{named} is also an input of this command ({clash}); write the output under another name"
-    if os.path.isdir(path):
-        return f"{named} is a folder; give the name of the file to write"
-    existing = nearest_existing(path.parent)
-    if not os.path.isdir(existing):
-        return f"{named}: {existing} {not_a_folder(existing)}"
-    longest = name_max(path.parent)
-    if len(os.fsencode(path.name)) > longest:
-        return f"{named}: the name {path.name[:40]}... is longer than the {longest} bytes a name may have here"
-    if not_a_regular_file(path):
-        return (
-            f"{named} is not a regular file (a device, a pipe or a socket); outputs are written as files, "
-            f"and {OVERWRITE_FLAG} does not replace such a node: give a file name"
-        )
-    if os.path.lexists(path) and not overwrite:
-        return f"{named} exists; choose another name, or pass {OVERWRITE_FLAG} to replace it"
-    failure = creation_failure(existing, make_folders=existing != path.parent)
-    if failure is not None:
-        return f"{named}: cannot create anything in {existing} ({failure})"
-    return None
-
-
-def check_output_path(
-    parser: argparse.ArgumentParser,
-    path: Path,
-    flag: str,
-    inputs: Iterable[Path] = (),
-    overwrite: bool = False,
-) -> None:
-    """Refuse, with ``parser.error`` (one line, exit 2), an output that ``output_problem`` objects to."""
-    problem = output_problem(path, flag, inputs, overwrite)
-    if problem is not None:
-        parser.error(problem)
-
-
-def folder_problem(folder: Path, flag: str) -> str | None:
-    """Why outputs cannot go into ``folder`` (given as ``flag``), made if need be; None if they can."""
-    existing = nearest_existing(folder)
-    if not os.path.isdir(existing):
-        return f"{flag} {folder}: {existing} {not_a_folder(existing)}"
-    failure = creation_failure(existing, make_folders=True)
-    if failure is not None:
-        return f"{flag} {folder}: cannot create anything in {existing} ({failure})"
-    return None
-
-
-def check_output_folder(parser: argparse.ArgumentParser, folder: Path, flag: str) -> None:
-    """Refuse, with ``parser.error``, a folder of outputs that ``folder_problem`` objects to."""
-    problem = folder_problem(folder, flag)
-    if problem is not None:
-        parser.error(problem)
 
 
 def temporary_beside(path: Path) -> Path:

@@ -27,20 +27,15 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
-import json
 import os
 import re
 import socket
-import sys
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from common.flags import output_dir
-from common.outputs import OVERWRITE_FLAG, holds_something
 
 if TYPE_CHECKING:
     from common.distributed import DistContext
@@ -80,93 +75,6 @@ def checkpoint_to_resume(run_dir: Path, resume: bool, resume_from: Path | None) 
         return resume_from
     found = complete_checkpoints(run_dir) if resume else []
     return found[-1] if found else None
-
-
-class UnreadableRecord(ValueError):
-    """A whole line of metrics.jsonl holding a value no run writes; its text names the file, line and field."""
-
-
-@dataclass(frozen=True)
-class _NoFloat:
-    """A JSON integer that no float holds (past 1.8e308), kept aside to be named with its field."""
-
-    digits: int
-
-
-def _json_integer(text: str) -> int | _NoFloat:
-    digits = len(text.lstrip("-"))
-    if digits > 309:  # json reads integers with int(), which refuses more than 4,300 digits (ValueError)
-        return _NoFloat(digits)
-    value = int(text)
-    return value if abs(value) <= sys.float_info.max else _NoFloat(digits)
-
-
-def load_line(line: str, path: Path, number: int) -> Any:
-    """``json.loads`` of line ``number`` of the metrics file ``path``, for the readers that compute with its numbers in
-    floats (a plot, a comparison): ``json.JSONDecodeError`` for a line cut short, as json says, and
-    ``UnreadableRecord`` for a number larger than a float holds, which no run writes (an edit, or damage)."""
-    loaded = json.loads(line, parse_int=_json_integer)
-    for field, value in _fields(loaded) if isinstance(loaded, dict) else []:
-        if isinstance(value, _NoFloat):
-            raise UnreadableRecord(
-                f"{path}, line {number}: {field} is a number of {value.digits} digits, larger than any a float holds "
-                "and than any a run writes (was the file edited, or damaged?)"
-            )
-    return loaded
-
-
-def _fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Every value of ``record``, nested ones too (``local_state_bytes.params``, a list's items), with its name."""
-    for key, value in record.items():
-        name = f"{prefix}{key}"
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else None
-        if items is None:
-            yield name, value
-        else:
-            yield from _fields(dict((str(k), v) for k, v in items), f"{name}.")
-
-
-def final_record(run_dir: Path) -> dict:
-    """The one ``final`` record of a finished run's metrics.jsonl."""
-    lines = (run_dir / METRICS_FILE).read_text(encoding="utf-8").splitlines()
-    (record,) = [r for r in map(json.loads, lines) if r["event"] == "final"]
-    return record
-
-
-def finished_run_in(folder: Path) -> bool:
-    """``folder`` holds what a finished run leaves (its record), so it is a run directory."""
-    return (folder / METRICS_FILE).is_file()
-
-
-def not_a_run(folder: Path) -> bool:
-    """``folder`` holds something, and not a finished run's files (a run leaves METRICS_FILE): not this command's."""
-    return holds_something(folder) and not finished_run_in(folder)
-
-
-def check_run_folders(
-    parser: argparse.ArgumentParser,
-    folders: Iterable[Path],
-    flag: str,
-    value: Path,
-    overwrite: bool,
-    earlier: str = "earlier runs",
-) -> None:
-    """Refuse, before any run, the run folders ``output_folder`` would replace once their runs finish: one whose
-    name something else has taken (a source tree named ``ddp``), whatever ``overwrite`` says, and one that
-    holds an earlier run, unless ``overwrite`` says so."""
-    folders = list(folders)
-    foreign = [str(folder) for folder in folders if not_a_run(folder)]
-    if foreign:
-        parser.error(
-            f"{flag}: {', '.join(foreign)} must hold this command's runs, but hold(s) something else (no "
-            f"{METRICS_FILE}); {OVERWRITE_FLAG} replaces earlier runs only. Choose another {flag}"
-        )
-    taken = [str(folder) for folder in folders if holds_something(folder)]
-    if taken and not overwrite:
-        parser.error(
-            f"{flag} {value}: {earlier} are in {', '.join(taken)}; pass {OVERWRITE_FLAG} to replace each once its "
-            f"new run has finished, or choose another {flag}"
-        )
 
 
 def check_run_dir(parser: argparse.ArgumentParser, run_dir: Path) -> None:

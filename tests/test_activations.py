@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.fine_tuning import fine_tune
-from common.models import GPT_PRESETS, GPTConfig, gpt_parameter_shapes
+from common.models import GPT_PRESETS, GPTConfig
 from tests.harness.runs import run_script
 from tools.estimates.activations import FORWARDS, ActivationBytes, gpt_activations, mnist_activations
 from tools.estimates.estimate_memory import GIB, MIB, estimate_model, forward_of, main
+from tools.model_shapes import fine_tune, gpt_parameter_shapes
 
 TINY = GPTConfig(vocab_size=16, **GPT_PRESETS["tiny"])
 # Widths in bytes, by how a script computes: (the residual stream and the layer norms' inputs, what a
@@ -99,7 +99,7 @@ def test_the_fake_forward_counts_what_a_real_one_does() -> None:
 
 def test_fine_tuning_changes_what_a_step_holds_as_a_real_one_shows() -> None:
     """A frozen linear layer saves no input for a weight gradient it will not compute; a LoRA adapter saves
-    its own. The estimators measure the model as the scripts change it (common.fine_tuning.fine_tune)."""
+    its own. The estimators measure the model as the scripts change it (tools.model_shapes.fine_tune)."""
     plain = real(TINY, 2, checkpointing=False, forward="fp32")
     for changes in ({"freeze_patterns": ["blocks.0.*"]}, {"lora_rank": 4}):
         prepare = functools.partial(fine_tune, **changes)

@@ -524,13 +524,22 @@ def test_compare_runs_refuses_runs_of_other_steps(tmp_path: Path, capsys: pytest
         assert f"{short} logged 10 steps (1 to 10) but {long} logged 30 steps (1 to 30)" in error, error
 
 
-def test_compare_runs_names_a_torn_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compare_runs_leaves_out_a_torn_last_line_and_names_a_torn_line_before_others(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tools.records' rule: a last line cut short (a run killed mid-write, or still writing) is left out and said
+    once; one with lines after it is damage, refused naming the line."""
     first, second = write_run(tmp_path / "a", [2.0, 1.0]), write_run(tmp_path / "b", [2.0, 1.0])
     with (second / "metrics.jsonl").open("a") as metrics:
         metrics.write('{"event": "tra')
+    assert compare_runs_main([str(first), str(second), "--loss-rtol", "1e-5"]) == 0
+    error = capsys.readouterr().err
+    assert error.count(f"{second / 'metrics.jsonl'}: left out line 3, not a whole record") == 1, error
+    with (second / "metrics.jsonl").open("a") as metrics:
+        metrics.write('\n{"event": "final"}\n')
     assert compare_runs_main([str(first), str(second), "--loss-rtol", "1e-5"]) == 2
     error = capsys.readouterr().err
-    assert f"{second / 'metrics.jsonl'}, line 3: not a whole record" in error, error
+    assert error.count("error:") == 1 and f"{second / 'metrics.jsonl'}, line 3: not a whole record" in error, error
 
 
 def test_compare_runs_refuses_runs_of_other_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

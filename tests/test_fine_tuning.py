@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from common.communication import Traffic
-from common.fine_tuning import DEFAULT_LORA_TARGETS, LowRankUpdate, add_adapters, apply_adapters, merge_adapters
+from common.fine_tuning import DEFAULT_LORA_TARGETS, LowRankUpdate, add_adapters, merge_adapters
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.model_files import assert_same_parameters
 from tests.harness.runs import REPO, run_script
 from tools.estimates import estimate_communication, estimate_memory
 from tools.runs import export_checkpoint
+from tools.runs.export_checkpoint import apply_adapters
 
 SMALL = ["--block-size", "32", "--train-sequences", "320", "--heldout-sequences", "40"]
 # The token embedding (in the root unit, beside trainable parameters) and the first Block (a unit of its own).

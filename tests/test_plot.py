@@ -117,7 +117,7 @@ def test_a_run_still_going_is_drawn_up_to_its_torn_last_line(
     out = tmp_path / "going.png"
     plot.main([str(going), "--out", str(out)])
     said = capsys.readouterr()
-    assert "left out line(s) 4" in said.err and f"figure: {out}" in said.out
+    assert "left out line 4, not a whole record" in said.err and f"figure: {out}" in said.out
     figure, panels = figure_of(going)
     (line,) = lines(panels["loss by step"], plot.TRAIN)
     whole = [json.loads(text) for text in kept]
@@ -291,7 +291,7 @@ def test_neither_training_nor_any_module_imports_matplotlib() -> None:
     )
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.splitlines()[-1])
-    assert seen["scripts"] == 5 and seen["modules"] > 40, seen
+    assert seen["scripts"] == 5 and seen["modules"] > 20, seen  # the rule must see the library
     assert seen["matplotlib loaded by"] == [], "the first import that loads matplotlib"
 
 

@@ -7,6 +7,7 @@ The ranks start from the warm launcher (tests/harness/launcher.py) and the verdi
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sys
 import time
@@ -159,7 +160,8 @@ def test_real_command_names_the_line_and_leaves_nothing_running(tmp_path: Path, 
     project = tmp_path / "project"
     shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
     copy, line = broken_copy(script, find, replace, project / "train")
-    env = clean_env() | {"PYTHONPATH": str(project)}  # the copy's common/, never this repository's
+    # the copy's common/ first, never this repository's; the command itself from this repository's tools/
+    env = clean_env() | {"PYTHONPATH": os.pathsep.join([str(project), str(REPO)])}
     command = [sys.executable, "-m", "tools.checks.preflight", "--nproc", "2", "--wait", str(WAIT_S),
                str(copy.relative_to(project)), *data_flags(script, tiny_mnist_dir)]  # fmt: skip
     started = time.monotonic()

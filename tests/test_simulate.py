@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from common.communication import Traffic
-from common.fine_tuning import fine_tuned_shapes
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, cases
 from tests.harness.runs import run_script
 from tools.estimates import simulate
+from tools.model_shapes import fine_tuned_shapes
 from tools.runs import plot
 
 BATCH = ["--batch-size", "4"]

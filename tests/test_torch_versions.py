@@ -1,6 +1,6 @@
 """Both ends of the supported torch range, and the parts that need more than the floor.
 
-The floor is torch 2.6 (common.compat.TORCH_FLOOR). A part that needs a later
+The floor is torch 2.6 (TORCH_FLOOR, as common/compat.py's docstring says). A part that needs a later
 release stops there before anything starts: exit code 2, one line that names
 the release, nothing written. On a torch that has the release, the same
 command runs. CI runs this file on the floor and on the newest torch pip
@@ -16,12 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, TORCH_FLOOR, torch_at_least, torch_release
+import common.compat
+from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, torch_at_least, torch_release
 from tests.harness.cases import FSDP2_SCRIPT
 from tests.harness.runs import REPO, Run, run_script
 from tests.harness.wrappers import TEARDOWN_ROUNDS
 
 pytestmark = pytest.mark.floor
+
+# The oldest torch the scripts run on: the first release with the public FSDP2 API (fully_shard).
+TORCH_FLOOR = (2, 6)
 
 # Four steps of the tiny model at block size 32: enough for every collective to run.
 SHORT_ARGS = [
@@ -87,7 +91,8 @@ def test_torch_release_reads_every_kind_of_version() -> None:
 
 
 def test_the_floor_is_the_same_everywhere() -> None:
-    """requirements.txt, the floor pass's environment and common.compat name one floor."""
+    """requirements.txt, the floor pass's environment and common/compat.py name one floor."""
+    assert f"torch {TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (the floor" in (common.compat.__doc__ or "")
     requirement = next(
         line for line in (REPO / "requirements.txt").read_text().splitlines() if line.startswith("torch")
     )

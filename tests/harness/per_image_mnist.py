@@ -3,7 +3,7 @@
     tests/harness/per_image_mnist.py SCRIPT [FLAGS...]
 
 The scripts keep MNIST as uint8 tensors and normalise whole batches on the device
-(common/data.py). This swaps in what they did before and what most examples do: torchvision's
+(common/mnist.py). This swaps in what they did before and what most examples do: torchvision's
 MNIST with ToTensor and Normalize applied image by image, in the training process. Training
 must give the same losses, bit for bit.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torchvision import datasets, transforms
 
-import common.data
+import common.mnist
 
 PER_IMAGE = transforms.Compose(
-    [transforms.ToTensor(), transforms.Normalize((common.data.MNIST_MEAN,), (common.data.MNIST_STD,))]
+    [transforms.ToTensor(), transforms.Normalize((common.mnist.MNIST_MEAN,), (common.mnist.MNIST_STD,))]
 )
 
 
@@ -36,8 +36,8 @@ def already_normalized(images: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    common.data._open_mnist = per_image_mnist  # type: ignore[assignment]
-    common.data.normalize_images = already_normalized  # before the script imports it
+    common.mnist._open_mnist = per_image_mnist  # type: ignore[assignment]
+    common.mnist.normalize_images = already_normalized  # before the script imports it
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")
 

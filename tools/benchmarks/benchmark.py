@@ -23,18 +23,13 @@ from typing import Any
 import torch
 
 from common.cli import HelpFormatter
-from common.flags import output_file, positive_int
+from common.flags import positive_int
 from common.models import GPT_PRESETS
-from common.outputs import (
-    OutputExists,
-    add_overwrite_flag,
-    check_output_path,
-    output_folder,
-    write_text,
-)
-from common.run_dir import check_run_folders, finished_run_in
+from common.outputs import OutputExists, output_folder, write_text
 from tools.benchmarks.compare_strategies import STRATEGIES, launch
 from tools.benchmarks.overhead import measure, overhead_table
+from tools.command_flags import output_file
+from tools.output_checks import add_overwrite_flag, check_output_path, check_run_folders, finished_run_in
 from tools.processes import exit_code_of
 
 BENCHMARKED = ("ddp", "fsdp1_full_shard", "fsdp2")

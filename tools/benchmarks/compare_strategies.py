@@ -30,62 +30,44 @@ import runpy
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from common.cli import HelpFormatter
-from common.flags import existing_dir, output_dir, output_file, positive_int, refuse_outputs_on_one_path
+from common.flags import output_dir, positive_int
 from common.models import GPT_PRESETS
-from common.outputs import (
-    OutputExists,
-    add_overwrite_flag,
-    check_output_folder,
-    check_output_path,
-    output_folder,
-)
-from common.run_dir import MODEL_FILE, check_run_folders, final_record, finished_run_in
+from common.outputs import OutputExists, output_folder
+from common.run_dir import MODEL_FILE
+from tools.command_flags import existing_dir, output_file, refuse_outputs_on_one_path
 from tools.estimates.comm_model import run_estimate
 from tools.estimates.estimate_memory import LAYOUTS, Estimate
 from tools.estimates.in_flight import gathered_units, in_flight_bytes
 from tools.estimates.shard_sizes import StateBytes, between_steps
+from tools.output_checks import (
+    add_overwrite_flag,
+    check_output_folder,
+    check_output_path,
+    check_run_folders,
+    finished_run_in,
+)
 from tools.processes import exit_code_of, output_of
+from tools.records import final_record
 from tools.runs.plot import FORMATS as FIGURE_FORMATS
 from tools.runs.plot import PlotError, pyplot, save_figure_or_exit
+from tools.strategies import BY_NAME, Strategy
+from tools.strategies import STRATEGIES as ALL_STRATEGIES
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20
 
 
-@dataclass(frozen=True)
-class Strategy:
-    name: str  # as the script writes it in the final record's "strategy"
-    script: str
-    flags: tuple[str, ...] = ()
-    hybrid: bool = False
-
-    def runs_at(self, world_size: int) -> bool:
-        return not self.hybrid or (world_size >= 4 and world_size % 2 == 0)
-
-
-STRATEGIES = [
-    Strategy("ddp", "ddp/train_transformer.py"),
-    Strategy("fsdp1_full_shard", "fsdp/train_transformer.py", ("--sharding-strategy", "full_shard")),
-    Strategy("fsdp1_shard_grad_op", "fsdp/train_transformer.py", ("--sharding-strategy", "shard_grad_op")),
-    Strategy(
-        "fsdp1_hybrid_shard",
-        "fsdp/train_transformer.py",
-        ("--sharding-strategy", "hybrid_shard", "--replicate-degree", "2"),
-        hybrid=True,
-    ),
-    Strategy("fsdp2", "fsdp/train_transformer_fsdp2.py"),
-    Strategy("fsdp2_hsdp", "fsdp/train_transformer_fsdp2.py", ("--replicate-degree", "2"), hybrid=True),
-]
+# fsdp1_no_shard is left out: it holds and sends what DDP does, through FSDP1's machinery.
+STRATEGIES = [strategy for strategy in ALL_STRATEGIES if strategy.name != "fsdp1_no_shard"]
 
 
 def launch(strategy: Strategy, world_size: int, run_dir: Path, common_flags: list[str]) -> dict:
@@ -169,15 +151,6 @@ def markdown_table(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], mic
 
 
 MARKERS = ("o", "s", "^", "v", "D", "P")
-IN_FLIGHT_STRATEGY = {  # tools.estimates.estimate_memory's name for how each script's strategy gathers during a step
-    "ddp": "ddp",
-    "fsdp1_no_shard": "ddp",
-    "fsdp1_full_shard": "full_shard",
-    "fsdp1_shard_grad_op": "shard_grad_op",
-    "fsdp1_hybrid_shard": "hybrid_shard",
-    "fsdp2": "full_shard",
-    "fsdp2_hsdp": "hybrid_shard",
-}
 
 
 def estimated_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> StateBytes:
@@ -189,7 +162,7 @@ def estimated_peak_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> f
     held during the step plus the units gathered, and one unit's gradients. Activations and the runtime's
     own memory are not in it, so it is a floor of the peak."""
     precision = "bf16" if record.get("mixed_precision") in ("bf16", "fp16") else "fp32"  # 2 bytes either way
-    strategy = IN_FLIGHT_STRATEGY[record["strategy"]]
+    strategy = BY_NAME[record["strategy"]].textbook
     group = record["shard_group_size"]
     layout = LAYOUTS[record["strategy"]]
     units = gathered_units(shapes, layout, group, precision)

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from common.metrics import synchronize
-from common.run_dir import final_record
 from tools.processes import output_of, scratch_folder
+from tools.records import final_record
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = "ddp/train_transformer.py"
 
 

@@ -37,7 +37,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from common.cli import HelpFormatter, Parser, add_device_flag
 from common.communication import ring_link_bytes
-from common.compat import all_gather_single, reduce_scatter_single
 from common.distributed import (
     DistContext,
     FatalError,
@@ -49,9 +48,11 @@ from common.distributed import (
     wants_cuda,
 )
 from common.flag_checks import check_launch_environment
-from common.flags import INTEGER, flag_kind, output_file, positive_int, shown, timeout_seconds
+from common.flags import INTEGER, flag_kind, positive_int, shown, timeout_seconds
 from common.metrics import synchronize
-from common.outputs import add_overwrite_flag, check_output_path, write_text
+from common.outputs import write_text
+from tools.command_flags import output_file
+from tools.output_checks import add_overwrite_flag, check_output_path
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,6 +65,12 @@ GLOO_REDUCE_SCATTER = (
     "gloo has no reduce-scatter: c10d runs it as an all-reduce of the whole input, which moves twice the "
     "bytes, so its busbw reads about half the link's; FSDP on gloo runs the same"
 )
+
+
+# The single-tensor all-gather and reduce-scatter have new names in recent torch, where the old
+# ones warn; the floor, 2.6, has only the old ones.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def bus_factor(op: str, world_size: int) -> float:

@@ -24,8 +24,6 @@ pre-flight exits with 128 + the signal's number.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import linecache
 import os
 import sys
@@ -36,9 +34,10 @@ from pathlib import Path
 
 from common.flags import existing_file, float_in_range, output_dir, positive_int, timeout_seconds
 from common.outputs import open_log
-from common.run_dir import CHECKPOINTS, METRICS_FILE, MODEL_FILE
+from common.run_dir import CHECKPOINTS, MODEL_FILE
 from tools.checks.lockstep import read_reports, run_rank
 from tools.processes import exit_code_of, outside_any_job, run_tree, scratch_folder
+from tools.records import UnreadableRecord, read_records
 
 STEPS = 3  # the third step is the one StepObserver measures: collectives_per_step needs it
 CHECKPOINT_INTERVAL = 2  # a checkpoint before step 3
@@ -188,22 +187,19 @@ def cell(fp: dict | None, key: str) -> str:
     return ", ".join(value) if isinstance(value, list) and key != "group" else str(value)
 
 
-def read_records(run_dir: Path) -> list[dict] | None:
-    """The run's metrics.jsonl records, lines that are no JSON object left out; None when there is no such
-    file: a script of the user's own need not write one, nor one that ends early on purpose."""
+def run_records(run_dir: Path) -> tuple[list[dict] | None, str | None]:
+    """The run's metrics.jsonl records, read by tools.records' rule, or None and why: a script of the user's own
+    need not write one, nor one that ends early on purpose, and one it writes in its own format is no error here."""
     try:
-        text = (run_dir / METRICS_FILE).read_text(errors="replace")
-    except OSError:
-        return None
-    records = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError):
-            records.append(json.loads(line))
-    return [record for record in records if isinstance(record, dict)]
+        return read_records(run_dir).records, None
+    except FileNotFoundError:
+        return None, "the script wrote no metrics.jsonl"
+    except (OSError, UnreadableRecord) as err:
+        return None, str(err)
 
 
 def describe_clean_run(reports: dict[int, dict], run_dir: Path, nproc: int, script: str) -> str:
-    records = read_records(run_dir)
+    records, unread = run_records(run_dir)
     final = next((r for r in reversed(records or []) if r.get("event") == "final"), {})
     evaluations = sum(1 for r in records or [] if r.get("event") == "eval")
     checkpoints = len(list((run_dir / CHECKPOINTS).glob("step-*")))
@@ -223,7 +219,7 @@ def describe_clean_run(reports: dict[int, dict], run_dir: Path, nproc: int, scri
         "  whole run, rank 0:  " + kinds_line({k: (totals[f"{k} count"], totals[f"{k} bytes"]) for k in kinds})
     )
     if records is None:
-        lines.append("  note: the script wrote no metrics.jsonl: its steps, evaluations and checkpoints are not known")
+        lines.append(f"  note: {unread}: its steps, evaluations and checkpoints are not known")
     if nproc == 1:
         lines.append("  note: one rank has no other to be compared with; run --nproc 2 or more")
     if not evaluations or not checkpoints or not saved:
@@ -247,7 +243,8 @@ def rank_env(project: Path) -> dict[str, str]:
     env = outside_any_job()  # a pre-flight started inside a job must not join it
     env.setdefault("OMP_NUM_THREADS", "1")
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU and gloo, whatever this machine has
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(project), env.get("PYTHONPATH", "")]))
+    # tools/ comes after what the user put first: a copy's own common/ is the one its ranks run.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), str(project)]))
     return env
 
 
@@ -285,7 +282,7 @@ def results_in(report_dir: Path, nproc: int) -> Callable[[], bool]:
 
 
 def preflight(script: str, flags: list[str], nproc: int, wait_s: float, timeout: float) -> Verdict:
-    project = Path(__file__).resolve().parents[1]
+    project = Path(__file__).resolve().parents[2]
     env = rank_env(project)
     with scratch_folder("preflight-") as root:
         planned = plan(script, flags, root, wait_s)

@@ -164,7 +164,7 @@ def gpt_activations(
     ``unit_gradients``: count each parameter's gradient until its Block's backward ends, as FSDP holds it
     unsharded until then (the root's, outside the Blocks, until the backward ends); without it, not at
     all, as under DDP, whose gradients are model state (its buckets). ``prepare`` changes the model before
-    its forward, as fine-tuning does (``common.fine_tuning.fine_tune``). ``fake`` False runs on real
+    its forward, as fine-tuning does (``tools.model_shapes.fine_tune``). ``fake`` False runs on real
     tensors, as a check of the fake run (seconds, not milliseconds); ``backward`` False measures the
     forward alone (``backward`` and the units' figures 0).
     """

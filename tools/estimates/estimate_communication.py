@@ -17,7 +17,6 @@ import argparse
 
 from common.cli import HelpFormatter
 from common.communication import Traffic
-from common.fine_tuning import ParameterShapes, add_estimator_flags, estimator_shapes, fine_tuned_shapes
 from common.flags import existing_file, int_in_range, positive_float, positive_int
 from common.models import GPT_PRESETS, GPTConfig
 from tools.estimates.comm_measured import CommCheck
@@ -37,6 +36,8 @@ from tools.estimates.estimate_memory import (
     shard_group_for,
 )
 from tools.estimates.in_flight import STRATEGIES
+from tools.model_shapes import ParameterShapes, add_estimator_flags, estimator_shapes, fine_tuned_shapes
+from tools.strategies import named
 
 
 def estimate_table(args: argparse.Namespace, check: CommCheck | None = None) -> str:
@@ -75,11 +76,8 @@ def estimate_table(args: argparse.Namespace, check: CommCheck | None = None) -> 
 
 # With --model: each script's run, by the "strategy" its final record names, and the textbook row it is.
 RUN_STRATEGIES = {
-    "ddp": "ddp",
-    "fsdp1_full_shard": "full_shard",
-    "fsdp1_shard_grad_op": "shard_grad_op",
-    "fsdp1_hybrid_shard": "hybrid_shard",
-    "fsdp2": "full_shard",
+    strategy.name: strategy.textbook
+    for strategy in named("ddp", "fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp1_hybrid_shard", "fsdp2")
 }
 
 

@@ -53,20 +53,22 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from common.cli import HelpFormatter
-from common.fine_tuning import add_estimator_flags, estimator_shapes, fine_tune
-from common.flags import float_in_range, int_in_range, positive_float, positive_int, positive_int_up_to
+from common.flags import float_in_range, int_in_range, positive_float, positive_int
 from common.mnist import MnistNet
-from common.models import (
-    GPT_PRESETS,
-    GPTConfig,
-    count_parameters,
+from common.models import GPT_PRESETS, GPTConfig, count_parameters
+from tools.command_flags import positive_int_up_to
+from tools.estimates.activations import ActivationBytes, gpt_activations, mnist_activations
+from tools.estimates.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
+from tools.estimates.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
+from tools.model_shapes import (
+    add_estimator_flags,
+    estimator_shapes,
+    fine_tune,
     gpt_parameter_shapes,
     gpt_step_overflow,
     mnist_step_overflow,
 )
-from tools.estimates.activations import ActivationBytes, gpt_activations, mnist_activations
-from tools.estimates.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
-from tools.estimates.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
+from tools.strategies import STRATEGIES as RUN_STRATEGIES
 
 GIB = 2**30
 MIB = 2**20
@@ -77,18 +79,8 @@ SYNTHETIC_VOCAB = 16  # the transformer scripts' default data, common.tokens.mar
 DEFAULT_BATCH = {MNIST: 64, "gpt": 32}
 GPT_SHAPE_FLAGS = ("n_layer", "n_head", "d_model", "block_size", "vocab_size")
 
-# How each training script's "strategy" field shards its state: "replicated" (every rank holds it
-# all), "flat" (FSDP1: each unit's parameters flattened and cut into equal pieces), or "dim0"
-# (FSDP2: every parameter cut along its first dimension, the first ranks taking the larger pieces).
-LAYOUTS = {
-    "ddp": "replicated",
-    "fsdp1_no_shard": "replicated",
-    "fsdp1_full_shard": "flat",
-    "fsdp1_shard_grad_op": "flat",
-    "fsdp1_hybrid_shard": "flat",
-    "fsdp2": "dim0",
-    "fsdp2_hsdp": "dim0",
-}
+# How each training script's "strategy" field shards its state (tools.strategies.Strategy.layout).
+LAYOUTS = {strategy.name: strategy.layout for strategy in RUN_STRATEGIES}
 
 
 @dataclass(frozen=True)

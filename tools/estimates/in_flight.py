@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 from tools.estimates.activations import ActivationBytes
 from tools.estimates.shard_sizes import COMPUTE_BYTES, FP32, fsdp1_flat_elements, fsdp2_padded_elements, fsdp_unit_names
+from tools.strategies import TEXTBOOK
 
 PREFETCHED_UNITS = 2  # the Block computing its backward and the one gathered ahead of it
-STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
+STRATEGIES = TEXTBOOK
 
 
 @dataclass(frozen=True)

@@ -37,35 +37,26 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from common.cli import HelpFormatter, add_fine_tuning_flags
 from common.communication import Traffic, measured_step
 from common.distributed import DistContext, local_state_bytes
-from common.fine_tuning import (
-    ParameterShapes,
-    add_adapters,
-    estimator_shapes,
-    fine_tune,
-    fine_tuned_shapes,
-    freeze,
-)
+from common.fine_tuning import add_adapters, freeze
 from common.flag_checks import ONE_RANK_SHARD_GROUPS
-from common.flags import (
-    non_negative_int,
-    output_file,
-    positive_int,
-    positive_int_up_to,
-    refuse_outputs_on_one_path,
-)
-from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config, gpt_step_overflow
-from common.outputs import add_overwrite_flag, check_output_path, write_text
+from common.flags import non_negative_int, positive_int
+from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config
+from common.outputs import write_text
+from tools.command_flags import output_file, positive_int_up_to, refuse_outputs_on_one_path
 from tools.estimates import comm_model, estimate_memory
 from tools.estimates.activations import gpt_activations
 from tools.estimates.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
+from tools.model_shapes import ParameterShapes, estimator_shapes, fine_tune, fine_tuned_shapes, gpt_step_overflow
+from tools.output_checks import add_overwrite_flag, check_output_path
 from tools.runs.plot import check_figure_path, draw_scale, save_figure_or_exit
+from tools.strategies import BY_NAME
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = {
-    "ddp": "ddp/train_transformer.py",
-    "fsdp1": "fsdp/train_transformer.py",
-    "fsdp2": "fsdp/train_transformer_fsdp2.py",
-    "hsdp": "fsdp/train_transformer_fsdp2.py",
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = {  # --strategy's names, each run by the script of its rows in tools.strategies
+    "ddp": BY_NAME["ddp"].script,
+    "fsdp1": BY_NAME["fsdp1_full_shard"].script,
+    "fsdp2": BY_NAME["fsdp2"].script,
+    "hsdp": BY_NAME["fsdp2_hsdp"].script,
 }
 MIB = 2**20
 SYNTHETIC_VOCAB = estimate_memory.SYNTHETIC_VOCAB  # the scripts' default data

@@ -21,7 +21,6 @@ Without --noise it prints the largest differences, and exits 1 when a given tole
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,9 +30,11 @@ import numpy as np
 import torch
 
 from common.cli import HelpFormatter
-from common.flags import existing_dir, non_negative_float, positive_float
-from common.run_dir import METRICS_FILE, MODEL_FILE, load_line
+from common.flags import non_negative_float, positive_float
+from common.run_dir import METRICS_FILE, MODEL_FILE
 from common.safe_loading import describe_failure, load_file
+from tools.command_flags import existing_dir
+from tools.records import read_records
 
 # How far beyond the twins' drift a candidate may go and still be the same training. Measured on
 # both torch ends and three CPU kernels: healthy runs reached 3.7x, broken copies 2,775x and more
@@ -52,22 +53,8 @@ class Comparison:
     worst_param: str | None
 
 
-def read_records(run_dir: Path) -> list[dict]:
-    path = run_dir / METRICS_FILE
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            record = load_line(line, path, number)  # UnreadableRecord, a ValueError, names a number no float holds
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}, line {number}: not a whole record ({err.msg}); was the run cut off?") from None
-        if not isinstance(record, dict) or not isinstance(record.get("event"), str):
-            raise ValueError(f"{path}, line {number}: not a record of a run (an object with its event)")
-        records.append(record)
-    return records
-
-
 def train_records(run_dir: Path) -> dict[int, dict]:
-    records = [record for record in read_records(run_dir) if record["event"] == "train"]
+    records = read_records(run_dir).of("train")
     for record in records:
         numbers = [record.get(key) for key in ("loss", "grad_norm")]
         if not isinstance(record.get("step"), int) or not all(isinstance(n, int | float) for n in numbers):
@@ -76,8 +63,7 @@ def train_records(run_dir: Path) -> dict[int, dict]:
 
 
 def final_record(run_dir: Path) -> dict:
-    finals = [record for record in read_records(run_dir) if record["event"] == "final"]
-    return finals[-1] if finals else {}
+    return read_records(run_dir).final or {}
 
 
 def final_eval_loss(run_dir: Path) -> float | None:

@@ -41,21 +41,41 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from common.checkpoint import TRAINER_FILE
 from common.cli import HelpFormatter, add_trust_flag
-from common.fine_tuning import adapter_scale, adapters_file, is_adapter, merge_adapters
-from common.flags import existing_path, output_path
-from common.outputs import (
-    OVERWRITE_FLAG,
-    add_overwrite_flag,
-    check_output_path,
-    folder_problem,
-    holds_something,
-    same_file,
-    save_torch,
-)
+from common.fine_tuning import adapter_scale, is_adapter, merge_adapters, merged_with_scale
+from common.flags import existing_path
+from common.outputs import OVERWRITE_FLAG, holds_something, save_torch
 from common.run_dir import CHECKPOINTS, LOCK_FILE, METRICS_FILE, RUN_RESULTS, checkpoint_step
 from common.safe_loading import UntrustedCheckpoint, describe_failure, load_file, root_failure, sharded_reader
 from common.safetensors_weights import CONFIG_FILE, pretrained_folder, write_pretrained
+from tools.command_flags import output_path
+from tools.output_checks import add_overwrite_flag, check_output_path, folder_problem, same_file
 from tools.processes import exit_code_of
+
+# The one entry of an adapters file (tools.runs.export_checkpoint --adapters-only) that is not an adapter: the
+# update's scale, alpha / rank, without which B A cannot be added to the weights it was trained for.
+ADAPTERS_SCALE = "lora_scale"
+
+
+def adapters_file(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """What --adapters-only writes: the adapters of ``state`` and their scale, for apply_adapters to read."""
+    adapters = {name: value for name, value in state.items() if is_adapter(name)}
+    return {**adapters, ADAPTERS_SCALE: torch.tensor(scale, dtype=torch.float64)}
+
+
+def apply_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain model's state dict from its base weights and an adapters file: each adapted weight
+    ``W + scale * B A``, as the run's model.pt holds it. ValueError, saying why, if the two do not fit."""
+    if ADAPTERS_SCALE not in adapters:
+        raise ValueError(f"it has no {ADAPTERS_SCALE!r}: not written by tools.runs.export_checkpoint --adapters-only")
+    layers = [name.removesuffix(".adapter.a") for name in adapters if name.endswith(".adapter.a")]
+    for layer in layers:
+        weight = base.get(f"{layer}.weight")
+        a, b = adapters[f"{layer}.adapter.a"], adapters.get(f"{layer}.adapter.b")
+        if weight is None or b is None or weight.shape != (b.shape[0], a.shape[1]):
+            raise ValueError(f"its adapter of {layer} does not fit the base weights' {layer}.weight")
+    only_adapters = {name: value for name, value in adapters.items() if is_adapter(name)}
+    return merged_with_scale({**base, **only_adapters}, float(adapters[ADAPTERS_SCALE]))
+
 
 MODEL_PREFIX = "model."  # the training scripts save {"model": ..., "optimizer": ...}
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import sys
 from collections.abc import Sequence
@@ -30,11 +29,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.cli import HelpFormatter
-from common.flags import existing_dir, output_file
-from common.models import GPTConfig, gpt_parameter_count
-from common.outputs import OutputExists, add_overwrite_flag, check_output_path, same_file, write_by_name
-from common.run_dir import METRICS_FILE, UnreadableRecord, load_line
+from common.models import GPTConfig
+from common.outputs import OutputExists, write_by_name
+from common.run_dir import METRICS_FILE
+from tools.command_flags import existing_dir, output_file
+from tools.model_shapes import gpt_parameter_count
+from tools.output_checks import add_overwrite_flag, check_output_path, same_file
 from tools.processes import exit_code_of
+from tools.records import UnreadableRecord, read_records
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -60,7 +62,6 @@ class RunHistory:
     evals: list[dict[str, Any]] = field(default_factory=list)
     restarts: list[dict[str, Any]] = field(default_factory=list)
     final: dict[str, Any] | None = None
-    torn_lines: list[int] = field(default_factory=list)
 
     def values(self) -> set[str]:
         """The names of the values it can draw: ``eval_loss`` for held-out losses, the train records' fields."""
@@ -93,20 +94,19 @@ def is_number(value: object) -> bool:
 
 
 def read_history(run_dir: Path) -> RunHistory:
-    """The records of ``run_dir``'s metrics.jsonl; lines that are not whole records are counted in ``torn_lines``."""
+    """The records of ``run_dir``'s metrics.jsonl, read by tools.records' rule (a torn last line left out and said)."""
     path = run_dir / METRICS_FILE
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        records = read_records(run_dir)
     except FileNotFoundError:
         raise PlotError(f"{run_dir} holds no {METRICS_FILE}: give the --run-dir of a training run") from None
     except OSError as err:
         raise PlotError(f"cannot read {path}: {err.strerror or err}") from None
+    except UnreadableRecord as err:
+        raise PlotError(str(err)) from None
     history = RunHistory(run_dir)
-    for number, line in enumerate(text.splitlines(), 1):
-        record = whole_record(line, path, number)
-        if record is None:
-            history.torn_lines.append(number)
-        elif record["event"] == "train" and is_number(record.get("step")):
+    for record in records.records:
+        if record["event"] == "train" and is_number(record.get("step")):
             history.train.append(record)
         elif record["event"] == "eval" and is_number(record.get("step")):
             history.evals.append(record)
@@ -115,18 +115,6 @@ def read_history(run_dir: Path) -> RunHistory:
         elif record["event"] == "final":
             history.final = record
     return history
-
-
-def whole_record(line: str, path: Path, number: int) -> dict[str, Any] | None:
-    """The record on line ``number`` of ``path``, or None where it is cut short or is not a metrics record at all;
-    ``PlotError`` naming the line where it holds a number no float does."""
-    try:
-        record = load_line(line, path, number)
-    except json.JSONDecodeError:
-        return None
-    except UnreadableRecord as err:
-        raise PlotError(str(err)) from None
-    return record if isinstance(record, dict) and isinstance(record.get("event"), str) else None
 
 
 def training_seconds(train: Sequence[dict[str, Any]]) -> list[float]:
@@ -354,16 +342,6 @@ def check_run_dir(parser: argparse.ArgumentParser, run_dir: Path) -> None:
     parser.error(f"{run_dir} holds no {METRICS_FILE}: give the --run-dir of a training run{hint}")
 
 
-def report_torn_lines(history: RunHistory) -> None:
-    if history.torn_lines:
-        lines = ", ".join(map(str, history.torn_lines))
-        print(
-            f"{history.run_dir / METRICS_FILE}: left out line(s) {lines}, not whole records (cut off mid-write, "
-            "or being written now); drawn without them",
-            file=sys.stderr,
-        )
-
-
 def save_figure_or_exit(figure: Figure, path: Path, overwrite: bool, flag: str, kept_anyway: str = "") -> None:
     """``save_figure``, or one line and exit 1 where the file cannot be written (``kept_anyway``: what the
     command has already given the user, said after the reason)."""
@@ -379,8 +357,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         histories = [read_history(run_dir) for run_dir in args.run_dirs]
-        for history in histories:
-            report_torn_lines(history)
         figure = draw_runs(histories)
     except PlotError as err:
         sys.exit(f"error: {err}")

@@ -28,9 +28,11 @@ from typing import IO
 
 import numpy as np
 
-from common.flags import existing_file, output_file
-from common.outputs import add_overwrite_flag, check_output_path, write_outputs
+from common.flags import existing_file
+from common.outputs import write_outputs
 from common.token_format import MAX_VOCAB_SIZE, TOKEN_DTYPE, token_metadata_path
+from tools.command_flags import output_file
+from tools.output_checks import add_overwrite_flag, check_output_path
 from tools.processes import exit_code_of
 
 VOCAB_SIZE = 256  # YOUR TOKENIZER: its vocabulary size

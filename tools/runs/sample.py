@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
-from common.flags import existing_dir, float_in_range, positive_int, seed_value
+from common.flags import float_in_range, positive_int, seed_value
 from common.models import GPT, GPTConfig
 from common.run_dir import METRICS_FILE, MODEL_FILE
-from tools.runs.compare_runs import read_records
+from tools.command_flags import existing_dir
+from tools.records import read_records
 
 
 def final_record(run_dir: Path) -> dict[str, Any] | None:
-    """The run's last final record; None without one. A line cut short raises ValueError, saying where."""
+    """The run's final record; None without one. A line that is no record raises ValueError, saying where."""
     if not (run_dir / METRICS_FILE).is_file():
         return None
-    finals = [record for record in read_records(run_dir) if isinstance(record, dict) and record.get("event") == "final"]
-    return finals[-1] if finals else None
+    return read_records(run_dir).final
 
 
 def encode(prompt: str, decoding: dict[str, Any], vocab_size: int) -> list[int]:

@@ -1,0 +1,84 @@
+"""The argparse types only commands take (an existing folder to read, an output file or path), and the check
+that two of a command's outputs name two paths. Each carries its kind (common.flags.flag_kind), which
+tests/test_every_flag.py reads to choose the hostile values it tries."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from common.flags import (
+    EXISTING_DIR,
+    INTEGER,
+    OUTPUT_DIR,
+    OUTPUT_FILE,
+    OUTPUT_PATH,
+    _refuse_a_file,
+    _refuse_long_names,
+    _refuse_unwritable,
+    flag_kind,
+    path_kind,
+    positive_int,
+    shown,
+)
+from tools.output_checks import same_file
+
+
+def positive_int_up_to(limit: int, unit: str, why: str, *, name: str) -> Callable[[str], int]:
+    """Whole numbers from 1 to ``limit``, where a larger one is a job too long to run; the refusal says ``why``."""
+
+    @flag_kind(INTEGER)
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"must be at most {limit:,} {unit}, got {shown(text)}: {why}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+@path_kind(EXISTING_DIR)
+def existing_dir(text: str) -> Path:
+    path = Path(text)
+    _refuse_a_file(text, path)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such folder")
+    return path
+
+
+@path_kind(OUTPUT_FILE)
+def output_file(text: str) -> Path:
+    """A file this run may create (or replace, where its command allows that): not a folder, not below a file."""
+    path = Path(text)
+    if path.is_dir() or text.endswith(("/", "/.")):  # Path drops the slash that says the user means a folder
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give the name of the file to write")
+    _refuse_unwritable(text, path.parent)
+    _refuse_long_names(text, path)
+    return path
+
+
+@path_kind(OUTPUT_PATH)
+def output_path(text: str) -> Path:
+    """A file or folder this run may create (or replace, where its command allows that): not below a file."""
+    path = Path(text)
+    _refuse_unwritable(text, path.parent)
+    _refuse_long_names(text, path)
+    return path
+
+
+def refuse_outputs_on_one_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any work, two of the command's outputs (its flags of an output kind, as parsed into ``args``)
+    on one path: the second would meet the first's file after all the work, and be refused as if another process
+    had written it, or replace it. Two folders may share one: a run's folder can hold the data it reads."""
+    named = []
+    for action in parser._actions:
+        kind, value = getattr(action.type, "kind", None), getattr(args, action.dest, None)
+        if kind in (OUTPUT_FILE, OUTPUT_DIR, OUTPUT_PATH) and value is not None:
+            flag = action.option_strings[-1] if action.option_strings else str(action.metavar or action.dest)
+            named += [(flag, kind, path) for path in (value if isinstance(value, list) else [value])]
+    for index, (flag, kind, path) in enumerate(named):
+        for other_flag, other_kind, other in named[index + 1 :]:
+            if not kind == other_kind == OUTPUT_DIR and same_file(path, other):
+                parser.error(f"{flag} and {other_flag} both name {path}: give each output a path of its own")
