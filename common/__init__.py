@@ -1,7 +1,10 @@
 """What a training script runs, and nothing else: copy this folder with the script you start from.
 
-Process groups (distributed), flags (cli, flags, flag_checks), data (data, tokens), models, the
-training loop's bookkeeping (training, metrics), checkpoints (checkpoint, saving, safe_loading) and
-the files a run writes (run_dir, outputs). The commands that work with scripts and their runs live in
-tools/, which imports this library; nothing here imports tools (tests/test_layout.py checks it).
+Process groups and torchrun's variables (distributed); flags (cli, flags) and their checks, recorded
+and compared on resume (flag_checks); data (data; tokens for token files; mnist for the MNIST
+scripts' images, CNN and evaluation); the GPT and its wrap helpers (models), fine-tuning; the loop's
+pieces and metrics (training), the run's bookkeeping and stop requests (bookkeeping), what a step
+sends (communication); checkpoints (checkpoint, saving, safe_loading, safetensors_weights); the run
+folder (run_dir) and the one write path (outputs); torch's versions (compat). The commands live in
+tools/, which imports this library; nothing here imports tools (tests/test_layout.py checks both).
 """

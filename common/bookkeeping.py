@@ -2,7 +2,7 @@
 
 ``Bookkeeping`` is built once from the run directory and the context, and holds what a training loop
 needs beside its data, model, wrap and optimizer: metrics.jsonl and the console's progress lines
-(common.metrics), the observed step and its trace (common.communication), stop requests, and the
+(common.training), the observed step and its trace (common.communication), stop requests, and the
 final record, whose fields ``FinalRecord`` defines for every script.
 
 Stopping: clusters end jobs at their time limit or to make room for others, usually after a warning:
@@ -32,7 +32,10 @@ from common.checkpoint import Resumed
 from common.communication import StepObserver
 from common.data import TokenData
 from common.distributed import DistContext, all_ranks_agree, max_over_ranks, print0, shard_group_size
-from common.metrics import (
+from common.outputs import write_text
+from common.run_dir import STOP_FILE
+from common.training import (
+    FiniteLossCheck,
     MetricsLog,
     max_state_bytes,
     model_flops_utilization,
@@ -42,9 +45,6 @@ from common.metrics import (
     reset_peak_memory,
     transformer_flops_per_token,
 )
-from common.outputs import write_text
-from common.run_dir import STOP_FILE
-from common.training import FiniteLossCheck
 
 PREEMPTED_FILE = "PREEMPTED"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

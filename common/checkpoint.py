@@ -13,7 +13,7 @@ Two formats, both under ``RUN_DIR/checkpoints/``:
 Either kind is written under a temporary name and renamed once complete, so
 anything named ``step-N`` is whole: a kill mid-save leaves only a temporary
 that the next save deletes. Reading one back runs none of its code
-(common.safe_loading); what a resume may change is common.settings's.
+(common.safe_loading); what a resume may change is common.flag_checks's.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from common.distributed import (
     shard_group_size,
 )
 from common.fine_tuning import adapter_identity, trained_parameters
+from common.flag_checks import Settings, changed_settings, describe_changes, identity_mismatch, with_strategy_change
 from common.models import tied_parameters
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
 from common.run_dir import CHECKPOINTS, MODEL_FILE, checkpoint_step, checkpoint_to_resume, complete_checkpoints
@@ -61,7 +62,6 @@ from common.safe_loading import (
     start_from_weights,
 )
 from common.saving import save_atomic, save_model_file, then_resume, what_is_kept, write_failure
-from common.settings import Settings, changed_settings, describe_changes, identity_mismatch, with_strategy_change
 
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
 FORMAT_VERSION = 1

@@ -1,4 +1,4 @@
-"""The two models every script trains: the classic MNIST CNN and a small GPT."""
+"""The small GPT the transformer scripts train, its presets, and how its weights are made and wrapped."""
 
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ random part), flushed to the disk, then given its final name in one rename: a re
 full disk never leaves half a file under the real name, and two writers never share a temporary.
 
 An output never replaces an input of the same command. Nor does it replace a file that exists
-already, unless the user passes ``--overwrite`` (``add_overwrite_flag``) or the file is this run's
+already, unless the user passes ``--overwrite`` (tools/output_checks.py) or the file is this run's
 own (a checkpoint it rotates, its metrics.jsonl, the model.pt of its run dir): those callers say
-``overwrite=True``. ``check_output_path`` refuses an output that cannot be written before any work
+``overwrite=True``. A command refuses an output that cannot be written before any work
 starts; a file that appears under the output's name while the work runs is kept, and the writer
 fails with ``OutputExists`` instead of replacing it. Only regular files are replaced: a device,
 a pipe or a socket under the output's name (``/dev/null``, ``/dev/stdout``) is refused, ``--overwrite``

@@ -1,10 +1,5 @@
-"""Data for the transformer scripts, with nothing to download.
-
-By default the tokens come from a fixed random Markov source. Because we know
-its transition probabilities, we know the lowest loss any model can reach on
-it, and a run can say how close it got. ``--text-file`` trains character-level
-on any text instead, held in memory; ``--token-file`` trains on a file of token
-ids (tools.runs.prepare_tokens) of any size, read a window at a time.
+"""Token files for the transformer scripts: a file of token ids (tools.runs.prepare_tokens) of any
+size, read a window at a time, and the checks of the data flags before a run starts.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from common.data import markov_data
+from common.flag_checks import NOT_TRAINING_SETTINGS, changed_settings
 from common.models import GPT, GPTConfig
 from common.run_dir import LOCK_FILE, checkpoint_step, complete_checkpoints
-from common.settings import NOT_TRAINING_SETTINGS, changed_settings
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU, cases
 from tests.harness.model_files import assert_same_parameters
 from tests.harness.noise_floor import GLOBAL_BATCH, NoiseRuns, assert_same_training

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from common.distributed import local_state_bytes
-from common.metrics import model_flops_utilization, peak_flops, transformer_flops_per_token
 from common.models import GPT, GPTConfig
+from common.training import model_flops_utilization, peak_flops, transformer_flops_per_token
 from tools.benchmarks.compare_strategies import STRATEGIES, markdown_table, parse_args
 from tools.estimates.estimate_memory import (
     GIB,

@@ -35,10 +35,9 @@ import common.checkpoint  # noqa: F401
 import common.cli  # noqa: F401
 import common.data  # noqa: F401
 import common.flag_checks  # noqa: F401
-import common.metrics  # noqa: F401
 import common.models  # noqa: F401
 import common.tokens  # noqa: F401
-import common.training  # noqa: F401  # noqa: F401
+import common.training  # noqa: F401  # noqa: F401  # noqa: F401
 import tools.runs.export_checkpoint  # noqa: F401
 
 # Every rank is a fork of this process and shares its memory until it writes to it. Python's garbage

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.metrics import synchronize
+from common.training import synchronize
 from tools.processes import output_of, scratch_folder
 from tools.records import final_record
 

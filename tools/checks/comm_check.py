@@ -49,8 +49,8 @@ from common.distributed import (
 )
 from common.flag_checks import check_launch_environment
 from common.flags import INTEGER, flag_kind, positive_int, shown, timeout_seconds
-from common.metrics import synchronize
 from common.outputs import write_text
+from common.training import synchronize
 from tools.command_flags import output_file
 from tools.output_checks import add_overwrite_flag, check_output_path
 
