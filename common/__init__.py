@@ -1,7 +1,7 @@
 """What a training script runs, and nothing else: copy this folder with the script you start from.
 
 Process groups and torchrun's variables (distributed); flags (cli, flags) and their checks, recorded
-and compared on resume (flag_checks); data (data; tokens for token files; mnist for the MNIST
+and compared on resume (flag_checks); data (data; tokens for text and token files; mnist for the MNIST
 scripts' images, CNN and evaluation); the GPT and its wrap helpers (models), fine-tuning; the loop's
 pieces and metrics (training), the run's bookkeeping and stop requests (bookkeeping), what a step
 sends (communication); checkpoints (checkpoint, saving, safe_loading, safetensors_weights); the run

@@ -97,9 +97,9 @@ def put_in(train_py: Path, model_source: str, edits: dict[str, str]) -> None:
 
 
 def check_the_copy(project: Path, args: list[str]) -> Run:
-    """Step 3: ``python -m tools.checks.check_equivalence --nproc 2 train/train.py FLAGS`` from the copy's folder:
-    one process, its twins and two processes, each started by python or torchrun itself. Returns the
-    two-process run, once the check has given its verdict (SAME or DIFFERENT)."""
+    """Step 3: ``PYTHONPATH=REPO python -m tools.checks.check_equivalence --nproc 2 train/train.py FLAGS`` from
+    the copy's folder: one process, its twins and two processes, each started by python or torchrun itself.
+    Returns the two-process run, once the check has given its verdict (SAME or DIFFERENT)."""
     command = [
         sys.executable,
         "-m",
@@ -110,8 +110,11 @@ def check_the_copy(project: Path, args: list[str]) -> Run:
         "--device",
         "cpu",
     ]
+    # As the README gives it: this repository on PYTHONPATH for its tools/; the copy's folder (the working
+    # directory, first on python -m's path) for its common/, which the copy's runs import too.
+    env = {**project_env(project), "PYTHONPATH": str(REPO)}
     check = run_command([*command, *args], project / "runs" / "equivalence" / "train-2" / "candidate", 600,
-                        project_env(project), project)  # fmt: skip
+                        env, project)  # fmt: skip
     verdict = check.output.splitlines()[-1] if check.output else ""
     assert (check.returncode, verdict.split(":")[0]) in {(0, "SAME"), (1, "DIFFERENT")}, check.describe()
     return check

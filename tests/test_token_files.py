@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from common.data import IGNORE_INDEX, TokenData, markov_data, text_data
+from common.data import IGNORE_INDEX, TokenData, markov_data
 from common.distributed import distributed
 from common.run_dir import CHECKPOINTS
-from common.tokens import token_file_data
+from common.tokens import text_data, token_file_data
 from common.training import TokenCount, global_token_count
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
 from tools.runs import prepare_tokens, sample
@@ -210,7 +210,7 @@ def test_text_windows_are_the_texts_characters_in_code_point_order(
     numbered by its place in sorted(set(text)), cut into windows of block_size + 1 a block_size apart. The ids
     are read 7 characters at a time, so characters first seen in a later chunk and a \\r\\n split between
     chunks are met; the characters come first in an order other than their code points'."""
-    from common.data import text_data
+    from common.tokens import text_data
 
     monkeypatch.setattr("common.tokens.TEXT_CHUNK_CHARACTERS", 7)
     pieces = ["😀", "z", "\r\n", "é", "中", " ", "a", "\r", "\n", "Z"]

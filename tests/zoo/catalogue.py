@@ -28,9 +28,8 @@ CLIPPING = [
         name="ddp-clip-inside-the-micro-steps",
         path="ddp/train_transformer.py",
         edits={
-            DDP_CLIP: "",
-            "                step_loss += loss.detach()\n": "                step_loss += loss.detach()\n    "
-            + DDP_CLIP,
+            "        step_loss += loss.detach()\n": "        step_loss += loss.detach()\n"
+            "        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)\n",
         },
         test="tests/test_equivalence.py::test_variable_lengths_match_one_process[ddp-3x4-accum]",
         # The one-process twins accumulate too: they clip their partial gradients as the candidate does, and

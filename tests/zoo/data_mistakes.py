@@ -11,7 +11,7 @@ EQUIVALENCE = "tests/test_equivalence.py"
 ORDER = "tests/test_training_order.py::test_the_ranks_are_dealt_each_example_once_an_epoch_and_an_evaluation"
 LOGGED_LR = "tests/test_training_order.py::test_the_logged_lr_is_the_schedules_after_each_step"
 SET_EPOCH = "loader.sampler.set_epoch(epoch, start=done_in_epoch * global_batch)\n"
-LAST_MICRO_STEP = "last_micro_step = micro_step == args.grad_accum_steps - 1"
+LAST_MICRO_STEP = "last_micro_step = micro_step == len(micro_batches) - 1"
 
 SAMPLER = [
     Mistake(
@@ -159,7 +159,7 @@ ACCUMULATION = [
     Mistake(
         name="ddp-never-syncs",
         path="ddp/train_transformer.py",
-        edits={LAST_MICRO_STEP: "last_micro_step = micro_step == args.grad_accum_steps"},
+        edits={LAST_MICRO_STEP: "last_micro_step = micro_step == len(micro_batches)"},
         test=f"{EQUIVALENCE}::test_transformer_matches_one_process[ddp-2]",
         reason=TRAINS_DIFFERENTLY,
         harm="an off-by-one: no micro-step is the last, so no_sync skips the gradient all-reduce every time and "
@@ -206,7 +206,7 @@ ACCUMULATION = [
 EVALUATION = [
     Mistake(
         name="eval-repeated-batch-counted",
-        path="common/evaluation.py",
+        path="common/training.py",
         edits={"yield first, False": "yield first, True"},
         test=ORDER,
         reason=r"the evaluation counted 7 held-out sequences of 5",
@@ -229,7 +229,7 @@ EVALUATION = [
     ),
     Mistake(
         name="eval-a-ranks-partial-sum",
-        path="common/evaluation.py",
+        path="common/training.py",
         edits={"    dist.all_reduce(totals)\n    return totals.tolist()": "    return totals.tolist()"},
         test=f"{EQUIVALENCE}::test_mnist_matches_one_process[ddp-3]",
         # The loss of one rank's third of 200 images can fall inside the noise band; the count cannot.
@@ -239,7 +239,7 @@ EVALUATION = [
     ),
     Mistake(
         name="logged-loss-is-rank-0s",
-        path="common/training.py",
+        path="common/bookkeeping.py",
         edits={"    dist.all_reduce(total, op=dist.ReduceOp.SUM)\n": ""},
         test=f"{EQUIVALENCE}::test_transformer_matches_one_process[ddp-2]",
         reason=r"DIFFERENT: beyond .*loss left the band first",
@@ -258,8 +258,8 @@ SCHEDULES = [
                 "            lr = scheduler.get_last_lr()[0]\n"
                 "            scheduler.step()\n"
             ),
-            "progress.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])": (
-                "progress.report(step, epoch, step_loss, grad_norm, lr)"
+            "run.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])": (
+                "run.report(step, epoch, step_loss, grad_norm, lr)"
             ),
         },
         test=LOGGED_LR,
@@ -280,10 +280,10 @@ SCHEDULES = [
         name="fsdp1-mnist-steplr-every-step",
         path="fsdp/train_mnist.py",
         edits={
-            "            optimizer.step()\n            observer.end_step()\n": (
-                "            optimizer.step()\n            scheduler.step()\n            observer.end_step()\n"
+            "            optimizer.step()\n            run.end_step()\n": (
+                "            optimizer.step()\n            scheduler.step()\n            run.end_step()\n"
             ),
-            "        scheduler.step()\n        with progress.paused():\n": "        with progress.paused():\n",
+            "        scheduler.step()\n        with run.paused():\n": "        with run.paused():\n",
         },
         test=f"{EQUIVALENCE}::test_mnist_matches_one_process[fsdp1-full_shard-2]",
         reason=TRAINS_DIFFERENTLY,
@@ -297,7 +297,7 @@ SCHEDULES = [
             "        epoch = step // steps_per_epoch + 1\n": (
                 "        epoch = step // steps_per_epoch + 1\n        scheduler.step()\n"
             ),
-            "        scheduler.step()\n        with progress.paused():\n": "        with progress.paused():\n",
+            "        scheduler.step()\n        with run.paused():\n": "        with run.paused():\n",
         },
         test="tests/test_training_order.py::test_the_logged_lr_of_the_cnn_decays_once_an_epoch",
         reason=r"logged lr is not --lr 1.0 x --gamma 0.7 per epoch before",

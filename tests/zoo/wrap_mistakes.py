@@ -65,7 +65,7 @@ PRECISION = [
         name="fsdp1-accumulate-in-bf16-under-no-sync",
         path=FSDP1,
         edits={
-            "with nullcontext() if last_micro_step or compute_dtype is not None else model.no_sync():": (
+            "with nullcontext() if last_micro_step or args.compute_dtype is not None else model.no_sync():": (
                 "with nullcontext() if last_micro_step else model.no_sync():"
             )
         },
@@ -197,7 +197,7 @@ SOME_RANKS_ONLY = [
     ),
     Mistake(
         name="loss-averaged-on-rank-0-only",
-        path="common/training.py",
+        path="common/bookkeeping.py",
         edits={"mean_loss = mean_over_ranks(loss)": "mean_loss = mean_over_ranks(loss) if self.ctx.is_main else 0.0"},
         test=preflight_of("ddp/train_transformer.py"),
         reason=RANKS_DISAGREE,
@@ -208,7 +208,7 @@ SOME_RANKS_ONLY = [
     Mistake(
         name="final-record-on-rank-0-only",
         path="ddp/train_mnist.py",
-        edits={"    finish_run(\n        log,": "    if ctx.is_main:\n        finish_run(\n        log,"},
+        edits={"    run.finish(\n        model,": "    if ctx.is_main:\n        run.finish(\n        model,"},
         test=preflight_of("ddp/train_mnist.py"),
         reason=RANKS_DISAGREE,
         harm="only rank 0 writes the final record, but its memory figures are a maximum over ranks that "
