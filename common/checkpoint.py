@@ -13,7 +13,7 @@ Two formats, both under ``RUN_DIR/checkpoints/``:
 Either kind is written under a temporary name and renamed once complete, so
 anything named ``step-N`` is whole: a kill mid-save leaves only a temporary
 that the next save deletes. Reading one back runs none of its code
-(common.safe_loading); what a resume may change is common.flag_checks's.
+(common.safe_io); what a resume may change is common.flag_checks's.
 """
 
 from __future__ import annotations
@@ -53,15 +53,19 @@ from common.flag_checks import Settings, changed_settings, describe_changes, ide
 from common.models import tied_parameters
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
 from common.run_dir import CHECKPOINTS, MODEL_FILE, checkpoint_step, checkpoint_to_resume, complete_checkpoints
-from common.safe_loading import (
+from common.safe_io import (
     UntrustedCheckpoint,
     describe_failure,
     load_file,
     root_failure,
+    save_atomic,
+    save_model_file,
     sharded_reader,
     start_from_weights,
+    then_resume,
+    what_is_kept,
+    write_failure,
 )
-from common.saving import save_atomic, save_model_file, then_resume, what_is_kept, write_failure
 
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
 FORMAT_VERSION = 1

@@ -27,7 +27,7 @@ from common.distributed import DistContext, FatalError, all_ranks_agree, local_s
 from common.models import GPT
 from common.outputs import open_log, write_text
 from common.run_dir import METRICS_FILE, keep_holding
-from common.saving import then_resume, what_is_kept, write_failure
+from common.safe_io import then_resume, what_is_kept, write_failure
 
 
 def plan_total_steps(steps_per_epoch: int, epochs: int | None, max_steps: int | None) -> int:

@@ -24,8 +24,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from common.distributed import DistContext, FatalError
 from common.models import tied_parameters
 from common.run_dir import PRETRAINED_DIR
+from common.safe_io import save_model_folder
 from common.safetensors_weights import CONFIG_FILE
-from common.saving import save_model_folder
 
 # Config fields that are no part of the model's shape: a resume may change them.
 NOT_THE_SHAPE = {"use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "architectures"}

@@ -30,7 +30,7 @@ import torch
 from common.bookkeeping import StopRequest
 from common.distributed import distributed
 from common.run_dir import LOCK_FILE, RunDirLock, checkpoint_step, complete_checkpoints
-from common.saving import then_resume
+from common.safe_io import then_resume
 from common.training import MetricsLog
 from tests.harness.runs import (
     REPO,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from filelock import FileLock
 
-from common.safe_loading import UntrustedCheckpoint, read_dcp_metadata, root_failure, sharded_reader
+from common.safe_io import UntrustedCheckpoint, read_dcp_metadata, root_failure, sharded_reader
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU
 from tests.harness.model_files import assert_same_parameters
 from tests.harness.runs import run_script

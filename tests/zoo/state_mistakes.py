@@ -241,10 +241,10 @@ FINAL_MODEL = [
     ),
     Mistake(
         name="checkpoint-written-in-place",
-        path="common/saving.py",
+        path="common/safe_io.py",
         edits={"    save_torch(obj, path, overwrite=True)\n": "    torch.save(obj, path)\n"},
         test="tests/test_outputs.py::test_every_file_write_goes_through_common_outputs",
-        reason=r"common/saving\.py:\d+",
+        reason=r"common/safe_io\.py:\d+",
         harm="a job killed while saving leaves a truncated step-N.pt or model.pt under its final name, over the "
         "good one",
         notice="after a crash or time limit during a save, --resume fails on a damaged checkpoint",

@@ -32,7 +32,7 @@ import torch
 from common.cli import HelpFormatter
 from common.flags import non_negative_float, positive_float
 from common.run_dir import METRICS_FILE, MODEL_FILE
-from common.safe_loading import describe_failure, load_file
+from common.safe_io import describe_failure, load_file
 from tools.command_flags import existing_dir
 from tools.records import read_records
 

@@ -45,7 +45,7 @@ from common.fine_tuning import adapter_scale, is_adapter, merge_adapters, merged
 from common.flags import existing_path
 from common.outputs import OVERWRITE_FLAG, holds_something, save_torch
 from common.run_dir import CHECKPOINTS, LOCK_FILE, METRICS_FILE, RUN_RESULTS, checkpoint_step
-from common.safe_loading import UntrustedCheckpoint, describe_failure, load_file, root_failure, sharded_reader
+from common.safe_io import UntrustedCheckpoint, describe_failure, load_file, root_failure, sharded_reader
 from common.safetensors_weights import CONFIG_FILE, pretrained_folder, write_pretrained
 from tools.command_flags import output_path
 from tools.output_checks import add_overwrite_flag, check_output_path, folder_problem, same_file
