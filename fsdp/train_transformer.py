@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -108,7 +109,7 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
     if args.sharding_strategy == "hybrid_shard":
         # Rows of the mesh replicate, columns shard: consecutive ranks (one machine's GPUs) share a sharded copy.
         shard_degree = ctx.world_size // args.replicate_degree
-        mesh = dist.init_device_mesh(
+        mesh = init_device_mesh(
             ctx.device.type, (args.replicate_degree, shard_degree), mesh_dim_names=("replicate", "shard")
         )
         print0(f"hybrid_shard: {args.replicate_degree} replica(s), each sharded across {shard_degree} rank(s)")

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -89,9 +90,9 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
         # Offloaded shards live in host memory, and the collectives on them (the
         # global gradient norm, gathering model.pt) need a CPU backend beside NCCL.
         backends = dict.fromkeys(dim_names, "cpu:gloo,cuda:nccl")
-        mesh = dist.init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names, backend_override=backends)
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names, backend_override=backends)
     else:
-        mesh = dist.init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names)
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names)
     if args.compile:
         compile_layers(layers)
     if args.activation_checkpointing:

@@ -176,21 +176,41 @@ def test_empty_text_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 COMMAND_CASES = [
     # (command, arguments, text the single message must contain)
-    ("compare_runs", ["common", "ddp", "--noise", "fsdp", "--loss-rtol", "1e-5"], "give --noise or tolerances, not"),
-    # A model past any that is trained: its DDP buckets, listed, took 700 MB at 1e13 (issue 37, 14).
-    ("estimate_communication", ["--params", "1e13", "--world-size", "8"], "--params: must be from 1 to 1e+12"),
-    ("estimate_communication", ["--params", "1e30", "--world-size", "8"], "--params: must be from 1 to 1e+12"),
     (
-        "estimate_communication",
+        "runs.compare_runs",
+        ["common", "ddp", "--noise", "fsdp", "--loss-rtol", "1e-5"],
+        "give --noise or tolerances, not",
+    ),
+    # A model past any that is trained: its DDP buckets, listed, took 700 MB at 1e13 (issue 37, 14).
+    (
+        "estimates.estimate_communication",
+        ["--params", "1e13", "--world-size", "8"],
+        "--params: must be from 1 to 1e+12",
+    ),
+    (
+        "estimates.estimate_communication",
+        ["--params", "1e30", "--world-size", "8"],
+        "--params: must be from 1 to 1e+12",
+    ),
+    (
+        "estimates.estimate_communication",
         ["--params", "7e9", "--world-size", "8", "--layers", "10000", "--grad-accum-steps", "11"],
         "--layers 10000 x --grad-accum-steps 11 is more than 100,000 units' collectives to list",
     ),
     # --layers cut --params into units; beside --model it was silently ignored (issue 42's hostile pass).
-    ("estimate_communication", ["--model", "tiny", "--world-size", "8", "--layers", "7"], "units are its Blocks"),
-    ("estimate_memory", ["--model", "tiny", "--world-size", "8", "--gpu-memory", "8", "--layers", "7"], "its Blocks"),
+    (
+        "estimates.estimate_communication",
+        ["--model", "tiny", "--world-size", "8", "--layers", "7"],
+        "units are its Blocks",
+    ),
+    (
+        "estimates.estimate_memory",
+        ["--model", "tiny", "--world-size", "8", "--gpu-memory", "8", "--layers", "7"],
+        "its Blocks",
+    ),
     # --wait becomes each rank's --dist-timeout: refused by its own name, in that flag's range (issue 37, 13).
-    ("preflight", ["--nproc", "2", "--wait", "1e6", "ddp/train_mnist.py"], "--wait: must be from 10 to 604800"),
-    ("sample", ["common", "--prompt", "1", "--temperature", "1e-40"], "--temperature: must be from 0.01 to 100"),
+    ("checks.preflight", ["--nproc", "2", "--wait", "1e6", "ddp/train_mnist.py"], "--wait: must be from 10 to 604800"),
+    ("runs.sample", ["common", "--prompt", "1", "--temperature", "1e-40"], "--temperature: must be from 0.01 to 100"),
 ]
 
 
@@ -200,7 +220,7 @@ COMMAND_CASES = [
 def test_bad_number_for_a_command_is_refused(
     command: str, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    main = importlib.import_module(f"common.{command}").main
+    main = importlib.import_module(f"tools.{command}").main
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     output = capsys.readouterr()

@@ -77,7 +77,7 @@ def test_steps_that_do_not_log_or_save_read_nothing_from_the_device(script: str,
         quiet = {step: reads.get(step, []) for step in (1, 2, 3, 5, 7)}
         assert all(not found for found in quiet.values()), f"rank {rank}: {quiet}\n{run.describe()}"
         # The count sees reads where they are allowed: logging reads the loss (or it counts nothing).
-        assert any("common/training.py:report" in read for read in reads.get(4, [])), reads
+        assert any("common/bookkeeping.py:report" in read for read in reads.get(4, [])), reads
 
 
 def per_step(run: Run) -> list[tuple]:
