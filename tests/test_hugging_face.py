@@ -11,6 +11,7 @@ trains, resume where it stopped, and come back out as a folder ``from_pretrained
 from __future__ import annotations
 
 import json
+import os
 import re
 import runpy
 import shutil
@@ -373,8 +374,10 @@ def test_the_preflight_passes(model: str, project: Path, tmp_path: Path) -> None
     evaluation, a checkpoint and the final save (RUN_DIR/hf too) matched across the ranks."""
     script = str(project / "train" / f"{RESUMED[model]}.py")
     planned = preflight.plan(script, ["--init-from", str(project / "models" / model), *DATA], tmp_path, 60)
-    program = str(project / "common" / "preflight.py")
-    finished = launcher.launch(program, planned.rank_argv, project_env(project), 2, 120, cwd=project)
+    # The pre-flight is this repository's tools/; the copy's ranks run the copy's common/, first on their path.
+    program = str(REPO / "tools" / "checks" / "preflight.py")
+    env = project_env(project) | {"PYTHONPATH": os.pathsep.join([str(project), str(REPO)])}
+    finished = launcher.launch(program, planned.rank_argv, env, 2, 120, cwd=project)
     assert not finished.timed_out, finished.output
     verdict = preflight.judge(planned.report_dir, planned.run_dir, 2, finished.returncode, finished.output, script)
     assert verdict.code == preflight.OK, verdict.text

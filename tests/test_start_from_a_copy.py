@@ -139,7 +139,7 @@ def test_the_fsdp1_cnn_script_trains_a_torchvision_resnet(tmp_path: Path, capsys
     train_py = copy_project("fsdp/train_mnist.py", project)
     model_line = "    model = MnistNet(dropout=not args.deterministic).to(ctx.device)  # YOUR MODEL"
     identity = '"model": "MnistNet"},  # YOUR CHECKPOINT IDENTITY'
-    imports = "from common.models import MnistNet\n"
+    imports = "from common.run_dir import RunDirLock\n"
     data_line = "    train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)\n"
     put_in(
         train_py,
@@ -168,7 +168,7 @@ def tiny_lm_copy(project: Path) -> Path:
     train_py = copy_project("fsdp/train_transformer_fsdp2.py", project)
     layers_line = "    layers = model.blocks  # YOUR LAYERS: the ones that repeat; each becomes one FSDP unit"
     identity = '"model": config.shape()},  # YOUR CHECKPOINT IDENTITY'
-    imports = "from common.tokens import markov_data, text_data, token_file_data\n"
+    imports = "from common.run_dir import RunDirLock\n"
     put_in(
         train_py,
         LANGUAGE_MODEL,
