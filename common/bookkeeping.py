@@ -2,7 +2,7 @@
 
 ``Bookkeeping`` is built once from the run directory and the context, and holds what a training loop
 needs beside its data, model, wrap and optimizer: metrics.jsonl and the console's progress lines
-(common.training), the observed step and its trace (common.communication), stop requests, and the
+(common.training), the observed step and its trace (common.collectives), stop requests, and the
 final record, whose fields ``FinalRecord`` defines for every script.
 
 Stopping: clusters end jobs at their time limit or to make room for others, usually after a warning:
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common.checkpoint import Resumed
-from common.communication import StepObserver
+from common.collectives import StepObserver
 from common.data import TokenData
 from common.distributed import DistContext, all_ranks_agree, max_over_ranks, print0, shard_group_size
 from common.outputs import write_text

@@ -16,8 +16,8 @@ import torch
 
 from tests.harness.runs import run_warm
 from tools.checks.comm_check import parse_args
-from tools.estimates.comm_measured import CommCheck
 from tools.estimates.estimate_communication import main
+from tools.estimates.measured_links import CommCheck
 
 MIB = 2**20
 SIZES = [MIB, 2 * MIB, 4 * MIB]

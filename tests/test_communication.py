@@ -16,14 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from common.communication import CollectiveRecorder, StepObserver, measured_step, ring_link_bytes
+from common.collectives import CollectiveRecorder, StepObserver, measured_step, ring_link_bytes
 from common.compat import torch_at_least
 from common.distributed import DistContext, teardown_distributed
 from common.mnist import MnistNet
 from common.models import GPT, GPTConfig
 from tools.benchmarks.compare_strategies import markdown_table, micro_steps
 from tools.checks.comm_check import all_gather_single, reduce_scatter_single
-from tools.estimates.comm_model import (
+from tools.estimates.estimate_communication import main
+from tools.estimates.modelled_collectives import (
     FsdpBehaviour,
     Unit,
     current_behaviour,
@@ -32,7 +33,6 @@ from tools.estimates.comm_model import (
     fsdp_step,
     run_estimate,
 )
-from tools.estimates.estimate_communication import main
 from tools.estimates.shard_sizes import fsdp1_flat_elements, fsdp2_padded_elements, fsdp_units
 
 TINY = GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=4, d_model=64)
@@ -272,7 +272,7 @@ def test_comparison_table_shows_measured_and_estimated_communication() -> None:
     assert micro_steps(["--batch-size", "3"]) == 1
 
 
-# The communication recorder (common.communication) is a TorchDispatchMode; torch.compile runs
+# The communication recorder (common.collectives) is a TorchDispatchMode; torch.compile runs
 # compiled code under such a mode only from torch 2.9 (TorchDispatchMode.ignore_compile_internals).
 # Older torch runs the measured step of a --compile run eagerly: same traffic, eager speed.
 COMPILED_UNDER_DISPATCH_MODE = (2, 9)

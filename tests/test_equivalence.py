@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.communication import KIND_OF_OP
+from common.collectives import KIND_OF_OP
 from tests.harness.cases import cases
 from tests.harness.noise_floor import (
     BROKEN_MARGIN,
@@ -37,8 +37,8 @@ from tests.harness.noise_floor import (
 )
 from tests.harness.runs import run_script
 from tools.checks import check_equivalence
-from tools.estimates.comm_model import run_estimate
 from tools.estimates.estimate_memory import LAYOUTS
+from tools.estimates.modelled_collectives import run_estimate
 from tools.estimates.shard_sizes import between_steps
 from tools.runs.compare_runs import main as compare_runs_main
 

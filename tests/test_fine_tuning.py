@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.communication import Traffic
+from common.collectives import Traffic
 from common.fine_tuning import DEFAULT_LORA_TARGETS, LowRankUpdate, add_adapters, merge_adapters
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
@@ -125,7 +125,7 @@ def test_every_lora_adapter_trains_from_the_first_step_and_model_pt_is_the_plain
 ) -> None:
     """Adapters that silently got no gradient under FSDP in 31 of 32 layers (meta-pytorch/torchforge#592) would
     leave their B at zero, where it starts; here every adapter's B has moved after one step. Three steps, for the
-    third's measured collectives (common.communication), which the estimators must predict."""
+    third's measured collectives (common.collectives), which the estimators must predict."""
     full = [] if script.startswith("ddp") else ["--checkpoint-format", "full"]
     flags = [*SMALL, "--init-from", str(weights), "--lora-rank", "4", "--max-steps", "3", "--checkpoint-interval", "1"]
     run = run_script(script, [*flags, *full, "--keep-checkpoints", "3"], tmp_path, nproc).check()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.communication import Traffic
+from common.collectives import Traffic
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, cases
 from tests.harness.runs import run_script

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from common.communication import CollectiveRecorder
+from common.collectives import CollectiveRecorder
 from common.distributed import DistContext, teardown_distributed
 from common.models import GPT, gpt_config
 from common.run_dir import complete_checkpoints
@@ -44,7 +44,7 @@ class Sent:
 
 
 class DtypeRecorder(CollectiveRecorder):
-    """The recorder of common.communication, also noting the dtype of each collective's tensors."""
+    """The recorder of common.collectives, also noting the dtype of each collective's tensors."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -15,7 +15,7 @@ FSDP1_SCRIPT = "fsdp/train_transformer.py"
 FSDP2_SCRIPT = "fsdp/train_transformer_fsdp2.py"
 
 # How a strategy gathers and sends during a step, as the estimators model it (tools.estimates.in_flight,
-# comm_model): FSDP2 gathers as FSDP1's full_shard does, HSDP as its hybrid_shard, no_shard as DDP.
+# modelled_collectives): FSDP2 gathers as FSDP1's full_shard does, HSDP as its hybrid_shard, no_shard as DDP.
 TEXTBOOK = ("ddp", "full_shard", "shard_grad_op", "hybrid_shard")
 
 

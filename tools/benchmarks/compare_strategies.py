@@ -41,9 +41,9 @@ from common.models import GPT_PRESETS
 from common.outputs import OutputExists, output_folder
 from common.run_dir import MODEL_FILE
 from tools.command_flags import existing_dir, output_file, refuse_outputs_on_one_path
-from tools.estimates.comm_model import run_estimate
 from tools.estimates.estimate_memory import LAYOUTS, Estimate
 from tools.estimates.in_flight import gathered_units, in_flight_bytes
+from tools.estimates.modelled_collectives import run_estimate
 from tools.estimates.shard_sizes import StateBytes, between_steps
 from tools.output_checks import (
     add_overwrite_flag,

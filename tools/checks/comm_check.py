@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from common.cli import HelpFormatter, Parser, add_device_flag
-from common.communication import ring_link_bytes
+from common.collectives import ring_link_bytes
 from common.distributed import (
     DistContext,
     FatalError,

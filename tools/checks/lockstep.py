@@ -71,7 +71,7 @@ def fingerprint(func: Any, kind: str, group: Any, args: tuple, kwargs: dict, scr
     import torch.distributed as dist
     from torch.utils._pytree import tree_leaves
 
-    from common.communication import is_process_group, named_arguments
+    from common.collectives import is_process_group, named_arguments
 
     op = func._schema.name
     skipped = RANK_DEPENDENT_ARGUMENTS.get(op, set()) | IGNORED_ARGUMENTS
@@ -180,7 +180,7 @@ class Lockstep:
 def make_lockstep_recorder(lockstep: Lockstep, script: str, report_dir: Path) -> Any:
     """A CollectiveRecorder that holds each collective back until the group agrees on it (built here,
     not at import: the parent never imports torch)."""
-    from common.communication import CollectiveRecorder
+    from common.collectives import CollectiveRecorder
 
     class LockstepRecorder(CollectiveRecorder):
         def before_collective(self, func: Any, kind: str, group: Any, args: tuple, kwargs: dict) -> None:

@@ -5,7 +5,7 @@
         --grad-accum-steps 4
     python -m tools.estimates.estimate_communication --model small --world-size 2 --lora-rank 4
 
-The formulas, and how FSDP pads its messages: tools/estimates/comm_model.py. With --params the model is that many
+The formulas, and how FSDP pads its messages: modelled_collectives.py. With --params the model is that many
 parameters in --layers equal units; with --model it is the scripts' GPT, its Blocks the units, and each row is
 what that script's run records (``local_state_bytes``, ``comm_bytes_per_step``), --freeze and --lora-rank
 included.
@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 
 from common.cli import HelpFormatter
-from common.communication import Traffic
+from common.collectives import Traffic
 from common.flags import existing_file, int_in_range, positive_float, positive_int
 from common.models import GPT_PRESETS, GPTConfig
-from tools.estimates.comm_measured import CommCheck
-from tools.estimates.comm_model import model_collectives, run_collectives, step_seconds
 from tools.estimates.estimate_memory import (
     GIB,
     GPT_SHAPE_FLAGS,
@@ -36,6 +34,8 @@ from tools.estimates.estimate_memory import (
     shard_group_for,
 )
 from tools.estimates.in_flight import STRATEGIES
+from tools.estimates.measured_links import CommCheck
+from tools.estimates.modelled_collectives import model_collectives, run_collectives, step_seconds
 from tools.model_shapes import ParameterShapes, add_estimator_flags, estimator_shapes, fine_tuned_shapes
 from tools.strategies import named
 

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from common.communication import CollectiveRecorder
+from common.collectives import CollectiveRecorder
 from common.distributed import DistContext
 from tools.estimates.activations import LiveStorages
 

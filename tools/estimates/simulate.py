@@ -9,7 +9,7 @@ whose collectives return at once, and fake tensors, which have shapes and sizes 
 steps run as the script runs them (zero_grad, forward, loss, backward, clipping, AdamW), and one is
 measured as the runs measure theirs (see ``warm_up``). For the rank: its parameter, gradient and
 optimizer bytes after the step, the peak of its live tensors' bytes during it, and each collective
-(common.communication's recorder), beside what estimate_memory and estimate_communication
+(common.collectives's recorder), beside what estimate_memory and estimate_communication
 predict for the same job. Several values of --world-size, --strategy or --model: one job each, a table
 (and with --png, state per rank by world size, drawn). --freeze, --lora-rank: as the scripts fine-tune.
 
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from common.cli import HelpFormatter, add_fine_tuning_flags
-from common.communication import Traffic, measured_step
+from common.collectives import Traffic, measured_step
 from common.distributed import DistContext, local_state_bytes
 from common.fine_tuning import add_adapters, freeze
 from common.flag_checks import ONE_RANK_SHARD_GROUPS
@@ -43,7 +43,7 @@ from common.flags import non_negative_int, positive_int
 from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config
 from common.outputs import write_text
 from tools.command_flags import output_file, positive_int_up_to, refuse_outputs_on_one_path
-from tools.estimates import comm_model, estimate_memory
+from tools.estimates import estimate_memory, modelled_collectives
 from tools.estimates.activations import gpt_activations
 from tools.estimates.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
 from tools.model_shapes import ParameterShapes, estimator_shapes, fine_tune, fine_tuned_shapes, gpt_step_overflow
@@ -338,7 +338,7 @@ def simulate(args: argparse.Namespace, progress: Progress | None = None) -> dict
 
 
 def estimate(args: argparse.Namespace, config: Any, batch_size: int, tuned: ParameterShapes) -> dict[str, float]:
-    """What estimate_memory and estimate_communication (comm_model) say of the same job."""
+    """What estimate_memory and estimate_communication (modelled_collectives) say of the same job."""
     shapes, trainable, prepare = tuned.shapes, tuned.trainable, functools.partial(fine_tune, **args.fine_tuning)
     strategy = record_strategy(args)
     group = 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree
@@ -350,7 +350,7 @@ def estimate(args: argparse.Namespace, config: Any, batch_size: int, tuned: Para
     layout = estimate_memory.LAYOUTS[strategy]
     precision = args.mixed_precision
     memory = estimate_memory.estimate_model(shapes, kind, group, precision, activations, layout, trainable)
-    traffic = comm_model.run_estimate(
+    traffic = modelled_collectives.run_estimate(
         strategy, shapes, args.world_size, group, precision, loss_check=False, trainable=trainable
     )
     return {

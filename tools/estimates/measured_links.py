@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.communication import ring_link_bytes
+from common.collectives import ring_link_bytes
 
 
 @dataclass(frozen=True)

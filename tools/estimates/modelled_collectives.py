@@ -34,7 +34,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.communication import Traffic
+from common.collectives import Traffic
 from tools.estimates.shard_sizes import (
     COMPUTE_BYTES,
     fsdp1_flat_elements,
