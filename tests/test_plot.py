@@ -10,6 +10,7 @@ resumed to step 8 at 1 (its folder named by where it finished), DDP at 2 ranks a
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -262,6 +263,28 @@ def test_compare_strategies_from_runs_refuses_a_folder_of_no_comparison(
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "holds no finished run of a comparison" in err and err.count("error:") == 1
     assert not out.exists()
+
+
+def test_compare_strategies_from_runs_leaves_out_an_unfinished_run_and_names_a_damaged_one(
+    runs: dict[str, Run], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run stopped before its end has no final record: it was a traceback; now it is left out, and said once.
+    A damaged metrics.jsonl is one message naming its line, and exit code 1."""
+    comparison = tmp_path / "comparison"
+    shutil.copytree(runs["ddp-1"].run_dir.parent, comparison)
+    stopped = comparison / "fsdp2-2"
+    shutil.copytree(comparison / "ddp-2", stopped)
+    lines = (stopped / "metrics.jsonl").read_text().splitlines()
+    (stopped / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if '"final"' not in line))
+    compare_strategies.main(["--from-runs", str(comparison)])
+    captured = capsys.readouterr()
+    assert captured.err.count("left out, no final record") == 1 and str(stopped) in captured.err, captured.err
+    assert "fsdp2" not in captured.out.split("\nmeasured")[0], captured.out
+    (stopped / "metrics.jsonl").write_text('{"event": "train", "step": 1}\nnot json\n{"event": "eval"}\n')
+    with pytest.raises(SystemExit) as stop:
+        compare_strategies.main(["--from-runs", str(comparison)])
+    message = str(stop.value.code)
+    assert "line 2: not a whole record" in message and str(stopped) in message, message
 
 
 # Run in a fresh interpreter: each training script's imports and definitions (not its main), then every

@@ -53,7 +53,7 @@ from tools.output_checks import (
     finished_run_in,
 )
 from tools.processes import exit_code_of, output_of
-from tools.records import final_record
+from tools.records import UnreadableRecord, final_record, read_records
 from tools.runs.plot import FORMATS as FIGURE_FORMATS
 from tools.runs.plot import PlotError, pyplot, save_figure_or_exit
 from tools.strategies import BY_NAME, Strategy
@@ -223,7 +223,11 @@ def saved_runs(out_dir: Path) -> list[tuple[dict, dict[str, tuple[int, ...]]]]:
     for run_dir in sorted(out_dir.iterdir()):
         strategy, _, size = run_dir.name.rpartition("-")
         if strategy in order and size.isdigit() and finished_run_in(run_dir) and (run_dir / MODEL_FILE).is_file():
-            runs.append((final_record(run_dir), parameter_shapes(run_dir)))
+            final = read_records(run_dir).final  # UnreadableRecord for a damaged file: main's one message
+            if final is None:  # stopped or killed before its end: nothing to compare, and the others still are
+                print(f"{run_dir}: left out, no final record (the run did not finish)", file=sys.stderr)
+                continue
+            runs.append((final, parameter_shapes(run_dir)))
     return sorted(runs, key=lambda run: (run[0]["world_size"], order[run[0]["strategy"]]))
 
 
@@ -363,7 +367,14 @@ def micro_steps(flags: Sequence[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     args, passed_on = parse_args(argv)
     common_flags = script_flags(args, passed_on)
-    runs = saved_runs(args.from_runs) if args.from_runs is not None else train_runs(args, common_flags)
+    try:
+        runs = saved_runs(args.from_runs) if args.from_runs is not None else train_runs(args, common_flags)
+    except UnreadableRecord as err:
+        sys.exit(f"python -m tools.benchmarks.compare_strategies: {err}")
+    if not runs:
+        sys.exit(
+            f"python -m tools.benchmarks.compare_strategies: no run in {args.from_runs} finished: nothing to compare"
+        )
     print()
     print(markdown_table(runs, micro_steps(common_flags)))
     print(
