@@ -28,8 +28,10 @@ CLIPPING = [
         name="ddp-clip-inside-the-micro-steps",
         path="ddp/train_transformer.py",
         edits={
+            # The clip moves into forward_backward, after each micro-step's backward; the loop logs the last one's.
+            DDP_CLIP: "            grad_norm = forward_backward.last_norm\n",
             "        step_loss += loss.detach()\n": "        step_loss += loss.detach()\n"
-            "        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)\n",
+            "        forward_backward.last_norm = " + DDP_CLIP.split(" = ", 1)[1],
         },
         test="tests/test_equivalence.py::test_variable_lengths_match_one_process[ddp-3x4-accum]",
         # The one-process twins accumulate too: they clip their partial gradients as the candidate does, and
