@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.harness import wrappers
+from tests.harness import record_reads, wrappers
 from tests.harness.runs import REPO
 
 TESTS = REPO / "tests"
@@ -92,3 +92,13 @@ def test_every_wrapper_path_is_a_file() -> None:
     paths = {name: value for name, value in vars(wrappers).items() if name.isupper() and value.endswith(".py")}
     assert len(paths) == 6
     assert not [path for path in paths.values() if not (REPO / path).is_file()]
+
+
+def test_two_launches_on_one_port_are_two_generations_of_reads() -> None:
+    """A stopped run and its resume, launched one after the other, may be given the same store port; their run
+    ids differ, and the reads of each must count as their own (they resume at other steps)."""
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "0"}
+    first = record_reads.generation_of({**launch, "TORCHELASTIC_RUN_ID": "a1"}, world_size=2, pid=1)
+    second = record_reads.generation_of({**launch, "TORCHELASTIC_RUN_ID": "b2"}, world_size=2, pid=1)
+    assert first != second
+    assert record_reads.generation_of({}, world_size=1, pid=7) != record_reads.generation_of({}, world_size=1, pid=8)

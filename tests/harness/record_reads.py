@@ -20,17 +20,24 @@ import os
 import runpy
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from torch.utils.data import Dataset
 
-# What tells two generations of one job's processes apart: a new torchrun, an in-job restart, a requeue.
+# What tells two generations of one job's processes apart: a new torchrun (its run id: a later launch may be
+# given the port an earlier one let go of), an in-job restart, a requeue.
 GENERATION_VARIABLES = (
-    *("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"),
+    *("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"),
     *("SLURM_JOB_ID", "SLURM_RESTART_COUNT"),
 )
+
+
+def generation_of(environ: Mapping[str, str], world_size: int, pid: int) -> list[Any]:
+    """This process's generation: what its launcher set, or, for a process alone in its world (`python
+    script.py` sets none of the variables), the process itself."""
+    return [environ.get(name) for name in GENERATION_VARIABLES] if world_size > 1 else [pid]
 
 
 class ReadsRecorded(Dataset):
@@ -63,8 +70,7 @@ def main() -> None:
         out.write(json.dumps(record) + "\n")
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    # A process alone in its world is a generation of its own: `python script.py` sets none of the variables.
-    generation = [os.environ.get(name) for name in GENERATION_VARIABLES] if world_size > 1 else [os.getpid()]
+    generation = generation_of(os.environ, world_size, os.getpid())
     log({
         "rank": int(os.environ.get("RANK", "0")),
         "world_size": world_size,
