@@ -168,14 +168,6 @@ class ProgressReporter:
             self._interval_seconds += time.perf_counter() - self._running_since
             self._running_since = None
 
-    def watch_loss(self, loss: torch.Tensor, step: int, read: bool) -> None:
-        """Note optimizer step ``step``'s loss; ``read``: stop every rank now if any loss so far was not finite."""
-        self.finite_loss.watch(loss, step, read)
-
-    def check_loss(self, step: int) -> None:
-        """Before a checkpoint: stop every rank if any loss so far was not finite (a collective)."""
-        self.finite_loss.check(step)
-
     def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         """``grad_norm`` is the global norm, already the same on every rank."""
         self._stop_clock()
@@ -218,9 +210,9 @@ class ProgressReporter:
         }
 
 
-def throughput_fields(progress: ProgressReporter | None, model: nn.Module, ctx: DistContext) -> dict[str, float]:
+def throughput_fields(progress: ProgressReporter, model: nn.Module, ctx: DistContext) -> dict[str, float]:
     """Throughput and, for the transformer on a GPU whose peak is known, MFU."""
-    fields = progress.throughput() if progress is not None else {}
+    fields = progress.throughput()
     peak = peak_flops(ctx.device)
     flops_per_token = transformer_flops_per_token(model) if peak is not None else None
     if "tokens_per_s" in fields and flops_per_token is not None:
@@ -233,12 +225,12 @@ def finish_run(
     ctx: DistContext,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    progress: ProgressReporter | None = None,
+    progress: ProgressReporter,
     **fields: Any,
 ) -> dict[str, Any]:
     """Write the final record (memory figures are the largest over ranks) and print a summary."""
     state_bytes = max_state_bytes(model, optimizer, ctx)
-    trained_peak = progress.peak_memory if progress is not None else None
+    trained_peak = progress.peak_memory  # None: the run trained no last step (it resumed at its end)
     (peak,) = max_over_ranks([float(trained_peak if trained_peak is not None else peak_memory_bytes(ctx.device))], ctx)
     record = {
         **fields,

@@ -58,12 +58,24 @@ class DistContext:
         return self.rank == 0
 
     def rendezvous_store(self, timeout: timedelta) -> dist.Store:
-        """The store where this job's ranks meet for init_process_group (``rendezvous_store``)."""
-        return rendezvous_store(self, timeout)
+        """Where the ranks meet for init_process_group: torchrun's store, one generation at a time (see
+        generation_store).
+
+        A plain ``python script.py`` has no torchrun: a world of one meets in memory, so DDP and FSDP
+        wrap exactly as they do under torchrun, and no port is taken.
+        """
+        if "MASTER_ADDR" not in os.environ:
+            return dist.HashStore()
+        return generation_store(self.rank, self.world_size, timeout)
 
     def with_host_group(self) -> DistContext:
-        """This context with its host group, made right after the process group (``add_host_group``)."""
-        return add_host_group(self)
+        """This context with the group in which ranks agree on host-side facts: gloo beside NCCL on a GPU run.
+
+        Every rank creates it right after the process group, so all create their groups in the same order.
+        """
+        if self.backend == "gloo":
+            return self  # the default group is gloo already
+        return replace(self, host_group=dist.new_group(backend="gloo"))
 
 
 def print0(*args: object, **kwargs: object) -> None:
@@ -157,27 +169,6 @@ def launch_context(requested_device: str) -> DistContext:
     return DistContext(rank, local_rank, world_size, local_world_size, device, backend)
 
 
-def rendezvous_store(ctx: DistContext, timeout: timedelta) -> dist.Store:
-    """Where the ranks meet: torchrun's store, one generation at a time (see generation_store).
-
-    A plain ``python script.py`` has no torchrun: a world of one meets in memory, so DDP and FSDP
-    wrap exactly as they do under torchrun, and no port is taken.
-    """
-    if "MASTER_ADDR" not in os.environ:
-        return dist.HashStore()
-    return generation_store(ctx.rank, ctx.world_size, timeout)
-
-
-def add_host_group(ctx: DistContext) -> DistContext:
-    """``ctx`` with the group in which ranks agree on host-side facts: gloo beside NCCL on a GPU run.
-
-    Every rank creates it right after the process group, so all create their groups in the same order.
-    """
-    if ctx.backend == "gloo":
-        return ctx  # the default group is gloo already
-    return replace(ctx, host_group=dist.new_group(backend="gloo"))
-
-
 @contextmanager
 def clean_teardown() -> Iterator[None]:
     """Around ``dist.destroy_process_group()``: free what still holds the groups first.
@@ -236,14 +227,14 @@ def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             ctx.backend,
-            store=rendezvous_store(ctx, timeout),
+            store=ctx.rendezvous_store(timeout),
             rank=ctx.rank,
             world_size=ctx.world_size,
             timeout=timeout,
             device_id=ctx.device if ctx.device.type == "cuda" else None,
         )
         try:
-            yield add_host_group(ctx)
+            yield ctx.with_host_group()
         finally:
             teardown_distributed()
 

@@ -92,7 +92,7 @@ def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
     if args.deterministic and args.dropout > 0:
         parser.error("--deterministic needs --dropout 0: dropout masks differ with the world size")
     # What --mixed-precision computes in: None for fp32, which needs no cast.
-    args.compute_dtype = COMPUTE_DTYPES[args.mixed_precision] if hasattr(args, "mixed_precision") else None
+    args.compute_dtype = COMPUTE_DTYPES[args.mixed_precision]
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     check_model_size(parser, args)

@@ -19,16 +19,16 @@ from torch.utils.data import DataLoader, TensorDataset
 from common.distributed import DistContext, FatalError, all_ranks_agree
 from common.training import check_every_rank_has_data, lockstep_batches, sum_over_ranks
 
-# What torchvision's MNIST reads from DATA_DIR/MNIST/raw/ (unpacked).
 # Mean and standard deviation of MNIST's training pixels, as everyone normalises them.
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 SYNTHETIC_TRAIN_SIZE, SYNTHETIC_TEST_SIZE = 10_000, 2_000
+# What torchvision's MNIST reads from DATA_DIR/MNIST/raw/ (unpacked).
 MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
 def _open_mnist(data_dir: Path, download: bool) -> tuple[TensorDataset, TensorDataset]:
-    # Imported here: torchvision takes seconds to import, and the transformer
-    # scripts, which share this module's loaders, never need it.
+    # Imported here: torchvision takes seconds to import, and a --synthetic run, like the
+    # commands that only build the CNN (tools.estimates), never needs it.
     from torchvision import datasets
 
     def images_and_labels(train: bool) -> TensorDataset:

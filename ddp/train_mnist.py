@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
         timeout = timedelta(seconds=args.dist_timeout)
         # DISTRIBUTED: every rank waits here until all WORLD_SIZE ranks have joined: NCCL between
-        # GPUs, gloo between CPU processes. They meet in torchrun's store (rendezvous_store).
+        # GPUs, gloo between CPU processes. They meet in torchrun's store (ctx.rendezvous_store).
         dist.init_process_group(  # DISTRIBUTED
             ctx.backend,
             store=ctx.rendezvous_store(timeout),
