@@ -31,7 +31,7 @@ import torch.nn as nn
 from common.checkpoint import Resumed
 from common.collectives import StepObserver
 from common.data import TokenData
-from common.distributed import DistContext, all_ranks_agree, max_over_ranks, print0, shard_group_size
+from common.distributed import AgreementInFlight, DistContext, max_over_ranks, print0, shard_group_size
 from common.outputs import write_text
 from common.run_dir import STOP_FILE
 from common.training import (
@@ -43,6 +43,7 @@ from common.training import (
     peak_memory_bytes,
     progress_line,
     reset_peak_memory,
+    synchronize,
     transformer_flops_per_token,
 )
 
@@ -61,6 +62,7 @@ class StopRequest:
         self.stop_file = run_dir / STOP_FILE
         self.marker = run_dir / PREEMPTED_FILE
         self.received: str | None = None
+        self.answers: AgreementInFlight | None = None  # the ranks' answers of the last call, on their way
         for number in STOP_SIGNALS:
             signal.signal(number, self._on_signal)
         for number in SECOND_TIME_STOPS_AT_ONCE:
@@ -80,17 +82,29 @@ class StopRequest:
             signal.signal(number, SECOND_TIME_STOPS_AT_ONCE[number])
 
     def requested(self) -> bool:
-        """True on every rank if any rank got a signal or rank 0 sees the STOP file.
+        """True on every rank at the same step, once any rank got a signal or rank 0 saw the STOP file.
 
-        A collective, so every rank must call it at the same step. It reads no GPU value.
+        A collective: every rank calls it once a step. Each call sends this step's answer and reads the one
+        the ranks sent a step before, so the exchange runs beside the step instead of holding it, and a stop
+        takes effect one step after it was asked for, on every rank alike. It reads no GPU value.
         """
         # Only rank 0 looks at the file: one stat per step instead of one per rank.
         asked = self.received is not None or (self.ctx.is_main and self.stop_file.exists())
+        if self.ctx.world_size == 1:
+            return asked
         # On the host group (CPU tensors, gloo): the GPU's queue of work is neither read nor waited for.
-        return not all_ranks_agree(not asked, self.ctx)
+        answers, self.answers = self.answers, AgreementInFlight(not asked, self.ctx)
+        return answers is not None and not answers.all_agree()
+
+    def settle(self) -> None:
+        """Read the last answers sent, so that no exchange is left in flight when the ranks part."""
+        if self.answers is not None:
+            self.answers.all_agree()
+            self.answers = None
 
     def exit(self, step: int, checkpoint: Path) -> NoReturn:
         """Leave the PREEMPTED marker and end this process (exit code 0: nothing failed)."""
+        self.settle()
         reason = self.received or ("a STOP file" if self.stop_file.exists() else "a signal to another rank")
         if self.ctx.is_main:
             marker = {"step": step, "checkpoint": str(checkpoint), "reason": reason}
@@ -165,6 +179,9 @@ class ProgressReporter:
 
     def _stop_clock(self) -> None:
         if self._running_since is not None:
+            # A GPU runs behind the host: the interval's work is done when its queue is, not when the host has
+            # queued it. Only where the run reads values next anyway (a report, an evaluation, a checkpoint).
+            synchronize(self.ctx.device)
             self._interval_seconds += time.perf_counter() - self._running_since
             self._running_since = None
 
@@ -369,6 +386,7 @@ class Bookkeeping:
             loss = record.evaluation["loss"]
             above = f"{loss - floor:+.4f} nats/token above the best possible"
             print0(f"held-out loss {loss:.4f} vs. floor {floor:.4f}: {above}")
+        self.stop_request.settle()  # type: ignore[union-attr]
         wall_s = time.perf_counter() - self.started
         fields = {**record.fields(), "wall_s": wall_s, **self.observer.record()}
         finish_run(self.log, self.ctx, model, optimizer, self.progress, **fields)  # type: ignore[arg-type]

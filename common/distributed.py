@@ -253,6 +253,23 @@ def all_ranks_agree(ok: bool, ctx: DistContext) -> bool:
     return bool(flag.item())
 
 
+class AgreementInFlight:
+    """``all_ranks_agree`` sent now and read later: the ranks exchange their answers while the step runs.
+
+    A collective on the host group, so every rank starts one at the same point, and reads it back (or
+    ``settle``s it) before leaving; on a GPU cluster it is a round trip of gloo between every host, which
+    would otherwise hold each step until the slowest host had answered.
+    """
+
+    def __init__(self, ok: bool, ctx: DistContext) -> None:
+        self.flag = torch.tensor([1 if ok else 0])
+        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MIN, group=ctx.host_group, async_op=True)
+
+    def all_agree(self) -> bool:
+        self.work.wait()
+        return bool(self.flag.item())
+
+
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank."""
     box = [obj]

@@ -13,5 +13,10 @@ python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version
 # tools.estimates.estimate_memory's peak per rank against torch.cuda.max_memory_allocated (tests/test_activations.py).
 python -m pytest -m cuda -v -p no:cacheprovider
 python -m tools.benchmarks.benchmark --out runs/benchmark/gpu.json --overwrite  # a second check replaces the first
-# What the harness costs a step where steps are short: the tiny preset, the script beside a bare loop.
-python -m tools.benchmarks.benchmark --overhead --model tiny --out runs/benchmark/gpu-overhead.json --overwrite
+# What the harness costs a step where steps are short: the tiny preset, the script beside a bare loop, under
+# DDP and FSDP2, on every GPU (docs/performance.md, "What the harness costs a step").
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+for strategy in ddp fsdp2; do
+  python -m tools.benchmarks.benchmark --overhead --model tiny --strategy "$strategy" --nproc "$gpus" \
+    --out "runs/benchmark/gpu-overhead-$strategy.json" --overwrite
+done

@@ -40,7 +40,9 @@ SCRIPTS = sorted(str(path.relative_to(REPO)) for path in [*REPO.glob("ddp/*.py")
 
 def is_command(path: Path) -> bool:
     module = ast.parse(path.read_text(), filename=str(path))
-    return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in module.body)
+    runs = any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in module.body)
+    # A worker that a command starts reads its command's file, not flags (tests/test_layout.py names them).
+    return runs and any(isinstance(node, ast.FunctionDef) and node.name == "parse_args" for node in module.body)
 
 
 COMMANDS = sorted(

@@ -18,10 +18,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from common import bookkeeping
 from common.data import CompactDistributedSampler, MarkovSource, train_loader
-from common.distributed import DistContext, set_cpu_threads
+from common.distributed import DistContext, distributed, set_cpu_threads
 from common.mnist import _open_mnist, normalize_images
 from common.models import GPT, GPT_PRESETS, GPTConfig, count_parameters
+from common.training import MetricsLog
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.per_image_mnist import per_image_mnist
 from tests.harness.runs import Run, run_script
@@ -36,7 +38,7 @@ SHORT_TRANSFORMER = ["--block-size", "32", "--train-sequences", "320", "--heldou
 # Reads of tensors that stay on the host in a GPU run too, so that the GPU never waits for them.
 # Matched against the project's own line that asked (first) or torch's line that read (second).
 HOST_SIDE = (
-    "common/distributed.py:all_ranks_agree",  # the stop agreement: CPU tensors on the gloo host group
+    "common/distributed.py:all_agree",  # the stop agreement: CPU tensors on the gloo host group
     "torch/optim/optimizer.py:_get_value",  # the optimizer's step counters, which torch keeps on the host
     "torch/utils/data/",  # the sampler's indices and the loader's seeds, drawn on the host
     "common/data.py:__iter__",  # CompactDistributedSampler's order, a host tensor read in chunks
@@ -191,22 +193,48 @@ def test_the_benchmark_compares_ddp_fsdp1_and_fsdp2_in_bf16(
     assert "| fsdp2 | 1 |" in capsys.readouterr().out
 
 
-def test_the_overhead_benchmark_times_the_script_beside_a_bare_loop_of_the_same_model(
+@NEEDS_FSDP2_ON_CPU
+def test_the_overhead_benchmark_times_a_script_beside_a_bare_loop_that_trains_the_same_numbers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`python -m tools.benchmarks.benchmark --overhead`, in this process, with its runs as subprocesses: a round
-    of each,
-    the same model's bytes trained by both (the bare loop builds the script's own preset), and the ratio of
-    their medians. The times themselves are a benchmark's, not a test's (docs/performance.md)."""
+    """`python -m tools.benchmarks.benchmark --overhead --strategy fsdp2 --nproc 2`, in this process, with its
+    runs under torchrun: a round of each, the same shards trained by both (rank 0's share of the tiny preset),
+    and the same last loss to the bit, or the command fails: on CPU a step's time depends on its numbers
+    (subnormals), so a bare loop that trained others would measure them. The times themselves are a
+    benchmark's, not a test's (docs/performance.md)."""
     out = tmp_path / "overhead.json"
-    flags = ["--overhead", "--model", "tiny", "--warmup", "2", "--steps", "3", "--rounds", "1", "--out", str(out)]
-    assert benchmark.main(flags) == 0
+    flags = ["--overhead", "--model", "tiny", "--strategy", "fsdp2", "--nproc", "2", "--warmup", "2", "--steps", "3"]
+    assert benchmark.main([*flags, "--rounds", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     tiny = GPT(GPTConfig(vocab_size=MarkovSource().vocab_size, **GPT_PRESETS["tiny"]))  # the script's default data
-    assert result["parameter_bytes"] == 4 * count_parameters(tiny), result
+    rank_0_share = sum(-(-p.shape[0] // 2) * p[0].numel() for p in tiny.parameters())  # FSDP2 cuts dimension 0
+    assert result["parameter_bytes"] == 4 * rank_0_share < 4 * count_parameters(tiny), result
+    assert result["processes"] == 2 and result["strategy"] == "fsdp2", result
     assert len(result["script_ms"]) == len(result["bare_ms"]) == 1 and min(result["script_ms"] + result["bare_ms"]) > 0
+    assert len(result["last_losses"]) == 1 and 0 < result["last_losses"][0] < 10, result
     assert result["ratio"] == result["script_median_ms"] / result["bare_median_ms"]
-    assert "| tiny |" in capsys.readouterr().out
+    assert "| tiny | fsdp2 | 2 |" in capsys.readouterr().out
+
+
+def test_the_clock_of_an_interval_stops_once_the_device_has_done_its_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU runs behind the host: an interval of steps takes until the device's queue is done, or steps that
+    only queue their kernels would look as fast as the host queues them. Here the host queues two steps in
+    1 s and the device is done 4 s later: 2.5 s a step, not 0.5."""
+    now = [0.0]
+    monkeypatch.setattr(bookkeeping.time, "perf_counter", lambda: now[0])
+
+    def queued_work_done(device: torch.device) -> None:
+        now[0] += 4.0
+
+    monkeypatch.setattr(bookkeeping, "synchronize", queued_work_done)
+    with distributed("cpu", 60) as ctx:
+        reporter = bookkeeping.ProgressReporter(MetricsLog(tmp_path, ctx), ctx, 2, 10, "tokens")
+        now[0] += 1.0
+        reporter.report(2, 1, torch.tensor(1.0), torch.tensor(1.0), 0.1)
+    (record,) = Run([], 0, "", tmp_path).events("train")
+    assert record["step_ms"] == 2500.0, record
 
 
 def test_one_process_with_every_core_keeps_torchs_own_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:

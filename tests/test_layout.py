@@ -35,17 +35,29 @@ def module_name(path: Path) -> str:
     return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
 
 
-def is_command(module: ast.Module) -> bool:
+def is_program(module: ast.Module) -> bool:
     return any(
         isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test)
         for node in module.body
     )
 
 
+def is_command(module: ast.Module) -> bool:
+    """A program a user runs: it parses flags (tests/test_every_flag.py and test_bad_input.py try them)."""
+    return is_program(module) and any(
+        isinstance(node, ast.FunctionDef) and node.name == "parse_args" for node in module.body
+    )
+
+
+# Programs that a command starts and a user never does: each reads what its command wrote, not flags.
+WORKERS = {"tools.benchmarks.bare_loop"}
+
+
 SOURCES = {module_name(path): path for path in sorted([*REPO.glob("common/*.py"), *REPO.glob("tools/**/*.py")])}
 MODULES = {name: parsed(path) for name, path in SOURCES.items()}
 LIBRARY = {name for name in MODULES if name.startswith("common.")}
 COMMANDS = {name for name, module in MODULES.items() if is_command(module)}
+PROGRAMS = {name for name, module in MODULES.items() if is_program(module)}
 
 
 def imported_modules(module: ast.Module) -> set[str]:
@@ -138,6 +150,11 @@ def test_the_import_graph_has_no_cycles() -> None:
     assert cycle_through(graph) == []
 
 
+def test_every_program_is_a_command_or_a_named_worker() -> None:
+    """A program without flags escapes the flag tests: only the workers named here may be one."""
+    assert PROGRAMS - COMMANDS == WORKERS
+
+
 def test_every_command_is_on_the_front_page() -> None:
     listed = set(re.findall(r"python -m (tools\.\w+\.\w+)", (REPO / "README.md").read_text()))
     assert not COMMANDS - listed, "commands README.md does not list"
@@ -170,3 +187,24 @@ def test_a_command_strips_every_variable_by_which_torchrun_places_a_process() ->
     from tools.processes import TORCHRUN_VARIABLES
 
     assert {*LAUNCH_VARIABLES, "MASTER_ADDR", "MASTER_PORT"} <= set(TORCHRUN_VARIABLES)
+
+
+def test_the_bare_loop_takes_the_model_the_data_and_the_schedule_and_nothing_of_the_bookkeeping() -> None:
+    """tools/benchmarks/bare_loop.py is what the harness's cost is measured against: a reader must see at
+    its imports that it runs none of what it is compared with (stop checks, loss checks, logging)."""
+    tree = ast.parse((REPO / "tools/benchmarks/bare_loop.py").read_text())
+    imported = {
+        (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in {"common", "tools"}
+        for alias in node.names
+    }
+    plain = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    assert imported == {
+        ("common.data", "CompactDistributedSampler"),
+        ("common.data", "markov_data"),
+        ("common.models", "GPT"),
+        ("common.models", "GPTConfig"),
+        ("common.training", "warmup_cosine"),
+    }
+    assert not [name for name in plain if name.split(".")[0] in {"common", "tools"}], plain

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from common.bookkeeping import StopRequest
 from common.checkpoint import Checkpointer
@@ -78,3 +80,25 @@ def test_a_stop_signal_ends_the_run_with_a_checkpoint(
     (checkpoint,) = complete_checkpoints(tmp_path)
     marker = json.loads((tmp_path / "PREEMPTED").read_text())
     assert marker == {"step": STEP, "checkpoint": str(checkpoint), "reason": number.name}
+
+
+def test_the_ranks_answers_travel_during_a_step_and_every_rank_stops_one_step_after_the_request(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 of a world of 2 (torch's fake backend: a collective returns at once and leaves this rank's
+    tensor as it was, so each answer read is the one this rank sent). The step after the STOP file
+    appears only sends the request; the step after that reads it back and stops. No step waits for the
+    exchange it started, and before the run leaves, the last exchange is read (``settle``)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), "fake")
+        stop = StopRequest(tmp_path, ctx)
+        assert not stop.requested()
+        (tmp_path / "STOP").touch()
+        assert not stop.requested(), "the answers of the step just begun cannot be known yet"
+        assert stop.requested()
+        assert stop.answers is not None, "each step sends its own answers"
+        stop.settle()
+        assert stop.answers is None
+    finally:
+        dist.destroy_process_group()

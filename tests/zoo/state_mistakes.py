@@ -151,7 +151,10 @@ SIGNALS = [
     Mistake(
         name="each-rank-decides-to-stop-alone",
         path="common/bookkeeping.py",
-        edits={"return not all_ranks_agree(not asked, self.ctx)": "return asked"},
+        edits={
+            "        answers, self.answers = self.answers, AgreementInFlight(not asked, self.ctx)\n"
+            "        return answers is not None and not answers.all_agree()\n": "        return asked\n"
+        },
         test=f"{STOP_AND_RESUME}[ddp-transformer]",
         reason=STOP_FAILED,
         harm="rank 0 sees the STOP file and leaves to checkpoint while the other ranks go on with the next step's "

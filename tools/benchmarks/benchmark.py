@@ -2,7 +2,8 @@
 
     python -m tools.benchmarks.benchmark                         # every visible GPU; the gpt2 preset in bf16
     python -m tools.benchmarks.benchmark --nproc 2 --out b.json  # on CPU: the tiny preset, 2 processes
-    python -m tools.benchmarks.benchmark --overhead --model tiny  # what the harness costs a step (overhead.py)
+    python -m tools.benchmarks.benchmark --overhead --model tiny --strategy fsdp2 --nproc 2  # what the harness
+                                                          # costs a step, beside a bare loop (overhead.py)
 
 Each strategy trains the same model, in bf16, on the same global batch, for --warmup steps
 that are not measured (the first collectives, allocations, compilation) and then --steps
@@ -27,7 +28,7 @@ from common.flags import positive_int
 from common.models import GPT_PRESETS
 from common.outputs import OutputExists, output_folder, write_text
 from tools.benchmarks.compare_strategies import STRATEGIES, launch
-from tools.benchmarks.overhead import measure, overhead_table
+from tools.benchmarks.overhead import OVERHEAD_STRATEGIES, measure, overhead_table
 from tools.command_flags import output_file
 from tools.output_checks import add_overwrite_flag, check_output_path, check_run_folders, finished_run_in
 from tools.processes import exit_code_of
@@ -45,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--nproc",
         type=positive_int,
         default=None,
-        help="processes (default: the GPUs, else 2)",
+        help="processes (default: the GPUs, else 2; --overhead: 1)",
     )
     parser.add_argument(
         "--model",
@@ -68,8 +69,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--overhead",
         action="store_true",
-        help="instead: the DDP transformer script's ms per step beside a bare loop of the same training, one "
-        "process each, in turns (tools/benchmarks/overhead.py); --warmup, --steps and --rounds apply, the others not",
+        help="instead: a transformer script's ms per step beside a bare loop of the same training, both under "
+        "torchrun, in turns (tools/benchmarks/overhead.py); --nproc, --model, --strategy, --warmup, --steps and "
+        "--rounds apply",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=OVERHEAD_STRATEGIES,
+        default=None,
+        help="--overhead: the script and the bare loop's wrap (default: ddp)",
     )
     parser.add_argument(
         "--rounds", type=positive_int, default=3, help="--overhead: runs of each, interleaved (default: %(default)s)"
@@ -83,11 +91,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    if args.overhead and (args.nproc is not None or args.batch_size is not None):
-        parser.error(
-            "--overhead runs one process of the script at its own batch: --nproc and --batch-size do not apply"
-        )
-    args.nproc = args.nproc or torch.cuda.device_count() or 2
+    if args.overhead and args.batch_size is not None:
+        parser.error("--overhead runs the script at its own batch: --batch-size does not apply")
+    if not args.overhead and args.strategy is not None:
+        parser.error("--strategy applies to --overhead; the benchmark runs every strategy in its table")
+    args.strategy = args.strategy or "ddp"
+    args.nproc = args.nproc or (1 if args.overhead else torch.cuda.device_count() or 2)
     args.batch_size = args.batch_size or (16 if on_gpu else 8)
     if args.warmup is None:
         args.warmup = 25 if args.overhead else 5
@@ -163,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def overhead_main(args: argparse.Namespace) -> int:
-    result = measure(args.model, args.warmup, args.steps, args.rounds)
+    result = measure(args.model, args.strategy, args.nproc, args.warmup, args.steps, args.rounds)
     return print_and_write(overhead_table(result), result, args)
 
 

@@ -1,10 +1,12 @@
-"""What the harness costs a step: the DDP transformer script against a bare loop of the same training.
+"""What the harness costs a step: a training script against a bare loop of the same training, at any world size.
 
-``python -m tools.benchmarks.benchmark --overhead [--model PRESET]`` runs both, one process each, in turns
-(script, bare, script, bare...), so that a machine that slows down meanwhile slows both. The bare
-loop trains the same GPT (the script's own defaults for the preset), on the same synthetic Markov
-data, with the same batch, AdamW and gradient clipping, and nothing else: no wrapper, no schedule,
-no evaluation, no logging, no checkpoints. Both time the steps after the same warm-up.
+``python -m tools.benchmarks.benchmark --overhead [--model PRESET] [--strategy ddp|fsdp2] [--nproc N]`` runs
+both under torchrun, in turns (script, bare, script, bare...), so that a machine that slows down meanwhile
+slows both. The bare loop (tools/benchmarks/bare_loop.py) trains the same GPT with the script's own defaults
+for the preset, on the same synthetic Markov data, with the same per-rank batch, AdamW, gradient clipping and
+wrap, and nothing else. Both time the steps after the same warm-up: the script's final record leaves out its
+first log interval, and the bare loop starts its clock after as many steps. One thread per process unless
+OMP_NUM_THREADS says otherwise: the ranks share the machine's cores, and a thread count is part of the setup.
 """
 
 from __future__ import annotations
@@ -13,112 +15,112 @@ import json
 import runpy
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from common.training import synchronize
-from tools.processes import output_of, scratch_folder
-from tools.records import final_record
+from tools.processes import output_of, outside_any_job, scratch_folder
+from tools.records import final_record, read_records
+from tools.strategies import BY_NAME, Strategy
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = "ddp/train_transformer.py"
+BARE_LOOP = "tools/benchmarks/bare_loop.py"
+OVERHEAD_STRATEGIES = ("ddp", "fsdp2")  # the bare loop wraps as these scripts do
 
 
-def script_defaults(model: str, run_dir: Path) -> Any:
+def script_defaults(strategy: Strategy, model: str, run_dir: Path) -> Any:
     """The script's flags as its parser fills them for ``--model``: the training the bare loop repeats.
     ``run_dir``: a folder that does not exist, so that no earlier run in the default one refuses them."""
-    parse_args = runpy.run_path(str(REPO / SCRIPT))["parse_args"]
-    return parse_args(["--model", model, "--device", "cpu", "--run-dir", str(run_dir)])
+    parse_args = runpy.run_path(str(REPO / strategy.script))["parse_args"]
+    return parse_args([*strategy.flags, "--model", model, "--device", "cpu", "--run-dir", str(run_dir)])
 
 
-def bare_loop(model: str, warmup: int, steps: int, run_dir: Path) -> dict[str, float]:
-    """Mean ms a step of the bare loop over ``steps`` steps after ``warmup``, in this process, and the bytes of
-    the parameters it trained (the script's final record says its own)."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader
-
-    from common.data import markov_data
-    from common.models import GPT, gpt_config
-
-    args = script_defaults(model, run_dir)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as the script's --device auto
-    torch.manual_seed(args.seed)
-    data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences)
-    gpt = GPT(gpt_config(args, data.vocab_size), seed=args.seed).to(device)
-    optimizer = torch.optim.AdamW(gpt.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    loader = DataLoader(data.train, batch_size=args.batch_size, shuffle=True, drop_last=True)
-    batches = iter(loader)
-    started = 0.0
-    for step in range(warmup + steps):
-        if step == warmup:
-            synchronize(device)
-            started = time.perf_counter()
-        try:
-            inputs, targets = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            inputs, targets = next(batches)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        loss = F.cross_entropy(gpt(inputs).flatten(0, 1), targets.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(gpt.parameters(), args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    synchronize(device)
-    step_ms = 1000 * (time.perf_counter() - started) / steps
-    return {"step_ms": step_ms, "parameter_bytes": sum(p.numel() * p.element_size() for p in gpt.parameters())}
+def bare_settings(strategy: Strategy, model: str, warmup: int, steps: int, scratch: Path) -> dict[str, Any]:
+    """What the bare loop reads: the script's defaults for the preset, the strategy, and the clock's steps."""
+    args = script_defaults(strategy, model, scratch / "never-written")
+    return {
+        "strategy": strategy.name,
+        "model": {name: getattr(args, name) for name in ("block_size", "n_layer", "n_head", "d_model", "dropout")},
+        **{name: getattr(args, name) for name in ("block_size", "train_sequences", "heldout_sequences", "seed")},
+        **{name: getattr(args, name) for name in ("batch_size", "lr", "weight_decay", "grad_clip")},
+        **{name: getattr(args, name) for name in ("warmup_steps", "min_lr_ratio")},
+        "warmup": warmup,
+        "steps": steps,
+    }
 
 
-def script_run(model: str, warmup: int, steps: int, run_dir: Path) -> dict[str, float]:
-    """The script's own mean step time (its final record's step_ms, which leaves out the first log interval:
-    the warm-up), run as ``python ddp/train_transformer.py``."""
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def launch_environment() -> dict[str, str]:
+    env = outside_any_job()
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def script_run(strategy: Strategy, model: str, nproc: int, warmup: int, steps: int, run_dir: Path) -> dict[str, float]:
+    """The script's own mean step time: its final record's step_ms, which leaves out the first log interval."""
     total = warmup + steps
     command = [
-        *(sys.executable, SCRIPT, "--model", model, "--device", "auto", "--run-dir", str(run_dir)),
+        *torchrun(nproc),
+        *(strategy.script, *strategy.flags, "--model", model, "--device", "auto", "--run-dir", str(run_dir)),
         *("--max-steps", str(total), "--log-interval", str(warmup), "--eval-interval", str(total)),
     ]
-    returncode, output = output_of(command, cwd=REPO)
+    returncode, output = output_of(command, env=launch_environment(), cwd=REPO)
     if returncode != 0:
         sys.exit(f"{' '.join(command)} failed (exit code {returncode}):\n{output}")
     record = final_record(run_dir)
-    return {"step_ms": record["step_ms"], "parameter_bytes": record["local_state_bytes"]["params"]}
+    last_loss = read_records(run_dir).of("train")[-1]["loss"]  # the last step logs
+    return {
+        "step_ms": record["step_ms"],
+        "last_loss": last_loss,
+        "parameter_bytes": record["local_state_bytes"]["params"],
+    }
 
 
-def bare_run(model: str, warmup: int, steps: int, run_dir: Path) -> dict[str, float]:
-    """``bare_loop`` in a process of its own, as the script has one."""
-    call = f"bare_loop({model!r}, {warmup}, {steps}, Path({str(run_dir)!r}))"
-    code = (
-        "import json; from pathlib import Path; from tools.benchmarks.overhead import bare_loop; "
-        f"print(json.dumps({call}))"
-    )
-    returncode, output = output_of([sys.executable, "-c", code], cwd=REPO)
-    if returncode != 0:
-        sys.exit(f"the bare loop failed (exit code {returncode}):\n{output}")
-    return json.loads(output.strip().splitlines()[-1])
+def bare_run(settings_file: Path, nproc: int) -> dict[str, float]:
+    """The bare loop under torchrun, as the script runs."""
+    command = [*torchrun(nproc), BARE_LOOP, str(settings_file)]
+    returncode, output = output_of(command, env=launch_environment(), cwd=REPO)
+    results = [line for line in output.splitlines() if line.startswith('{"rank": 0')]
+    if returncode != 0 or len(results) != 1:
+        sys.exit(f"{' '.join(command)} failed (exit code {returncode}):\n{output}")
+    return json.loads(results[0])
 
 
-def measure(model: str, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
+def measure(model: str, strategy_name: str, nproc: int, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
     """Interleaved runs of the script and the bare loop; their medians and the ratio."""
-    ours, bare, parameter_bytes = [], [], set()
+    strategy = BY_NAME[strategy_name]
+    ours, bare, last_losses, parameter_bytes = [], [], [], set()
     with scratch_folder("overhead-") as scratch:
+        settings_file = scratch / "bare-loop.json"
+        settings_file.write_text(json.dumps(bare_settings(strategy, model, warmup, steps, scratch)))
         for round_ in range(rounds):
-            script = script_run(model, warmup, steps, scratch / f"script-{round_}")
-            loop = bare_run(model, warmup, steps, scratch / "bare-loop")
+            script = script_run(strategy, model, nproc, warmup, steps, scratch / f"script-{round_}")
+            loop = bare_run(settings_file, nproc)
+            last_losses.append(loop["last_loss"])
             ours.append(script["step_ms"])
             bare.append(loop["step_ms"])
             parameter_bytes |= {script["parameter_bytes"], loop["parameter_bytes"]}
+            if script["last_loss"] != loop["last_loss"]:
+                sys.exit(
+                    f"the bare loop trained other numbers than the script: last loss {loop['last_loss']!r} "
+                    f"against the script's {script['last_loss']!r}"
+                )
             print(f"round {round_ + 1}/{rounds}: script {ours[-1]:.2f} ms/step, bare loop {bare[-1]:.2f}", flush=True)
     if len(parameter_bytes) != 1:
         sys.exit(f"the script and the bare loop trained models of other sizes: {sorted(parameter_bytes)} bytes")
     script_median, bare_median = statistics.median(ours), statistics.median(bare)
     return {
         "model": model,
+        "strategy": strategy_name,
+        "processes": nproc,
+        "threads_per_process": launch_environment()["OMP_NUM_THREADS"],  # as given: torch reads it, not this
         "warmup": warmup,
         "steps": steps,
         "script_ms": ours,
         "bare_ms": bare,
+        "last_losses": last_losses,  # each round's, the script's and the bare loop's alike
         "script_median_ms": script_median,
         "bare_median_ms": bare_median,
         "ratio": script_median / bare_median,
@@ -128,8 +130,8 @@ def measure(model: str, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
 
 def overhead_table(result: dict[str, Any]) -> str:
     return "\n".join([
-        "| model | script ms/step | bare loop ms/step | ratio |",
-        "| --- | ---: | ---: | ---: |",
-        f"| {result['model']} | {result['script_median_ms']:.2f} | {result['bare_median_ms']:.2f} "
-        f"| {result['ratio']:.3f} |",
+        "| model | strategy | processes | script ms/step | bare loop ms/step | ratio |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+        f"| {result['model']} | {result['strategy']} | {result['processes']} | {result['script_median_ms']:.2f} "
+        f"| {result['bare_median_ms']:.2f} | {result['ratio']:.3f} |",
     ])  # fmt: skip
