@@ -51,14 +51,17 @@ def check_launch_environment(parser: Parser) -> None:
     sys.exit(2)
 
 
-def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
+def check_training_flags(parser: Parser, args: argparse.Namespace, tp_size: int = 1) -> None:
     """The flags every script has; first records them as given in ``args.training_settings``, before the checks
-    derive values (a per-rank batch, a preset's width) that would differ at another world size unasked."""
+    derive values (a per-rank batch, a preset's width) that would differ at another world size unasked.
+
+    ``tp_size``: ranks that share each slice of the batch (a tensor-parallel group); the batch is split over
+    the world size divided by it."""
     args.training_settings = training_settings(parser, args)
     check_launch_environment(parser)
     if args.epochs is None and args.max_steps is None:
         parser.error("give --epochs or --max-steps")
-    resolve_batch_size(parser, args)
+    resolve_batch_size(parser, args, tp_size)
     if args.device == "cuda":
         import torch
 
@@ -66,18 +69,19 @@ def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
             parser.error("--device cuda: CUDA is not available on this machine")
 
 
-def resolve_batch_size(parser: Parser, args: argparse.Namespace) -> None:
+def resolve_batch_size(parser: Parser, args: argparse.Namespace, tp_size: int = 1) -> None:
     """Set ``args.batch_size`` (per rank) from --batch-size, --global-batch-size or the default."""
     if args.global_batch_size is None:
         args.batch_size = args.batch_size or args.default_batch_size
         return
     if args.batch_size is not None:
         parser.error("give --batch-size (per rank) or --global-batch-size, not both")
-    world_size = env_world_size()
+    world_size = env_world_size() // tp_size
     slices = world_size * args.grad_accum_steps
     if args.global_batch_size % slices:
+        ranks = f"{world_size} rank(s)" if tp_size == 1 else f"{world_size} data-parallel group(s)"
         parser.error(
-            f"--global-batch-size {args.global_batch_size} does not divide into {world_size} rank(s) "
+            f"--global-batch-size {args.global_batch_size} does not divide into {ranks} "
             f"x {args.grad_accum_steps} micro-step(s)"
         )
     args.batch_size = args.global_batch_size // slices
@@ -120,6 +124,37 @@ def check_fsdp2_flags(parser: Parser, args: argparse.Namespace) -> None:
     check_fsdp_flags(parser, args)
     if args.replicate_degree is None:
         args.replicate_degree = 1
+
+
+def tensor_parallel_size(parser: Parser, tp_degree: int) -> int:
+    """The ranks each Block is split over: --tp-degree, which must divide the world size; 1 in a world of one,
+    which trains the whole model unsplit, the run a split one is compared with (tools.checks.check_equivalence
+    gives its one-process reference the candidate's flags)."""
+    world_size = env_world_size()
+    if world_size == 1:
+        return 1
+    if world_size % tp_degree:
+        parser.error(
+            f"--tp-degree {tp_degree} does not divide the world size {world_size}: each tensor-parallel group "
+            f"needs {tp_degree} ranks. Launch a multiple of {tp_degree} processes, or give a --tp-degree dividing "
+            f"{world_size}"
+        )
+    return tp_degree
+
+
+def check_tensor_parallel_flags(parser: Parser, args: argparse.Namespace) -> None:
+    """What a split of each Block over ``args.tp_size`` ranks rules out; after check_transformer_flags, which
+    fills in the preset's heads."""
+    if args.tp_size == 1:
+        return
+    if args.n_head % args.tp_size:
+        parser.error(
+            f"--tp-degree {args.tp_size} must divide the attention heads ({args.n_head}): a rank holds whole heads"
+        )
+    if args.lora_rank is not None:
+        parser.error("--lora-rank with --tp-degree above 1: the adapters' layers are not split across ranks here")
+    if args.replicate_degree != 1:
+        parser.error("--replicate-degree with --tp-degree above 1: HSDP plus tensor parallelism is a 3-D mesh")
 
 
 # torch 2.14.1: FSDP1's HYBRID_SHARD falls back to NO_SHARD inside a shard group of one rank and then reduces
