@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_map, tree_map_only
 
 from common.compat import full_state_dict_options, quiet_internal_warnings
 from common.distributed import (
@@ -393,6 +393,13 @@ class Checkpointer:
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             state = tree_map_only(torch.Tensor, self.sharded_view, {"model": model_state, "optimizer": optimizer_state})
             self._agree(path, lambda: self._load_sharded(path, state), every_rank=True)
+            # DCP fills tensors in place (through the views, so model_state's own), but a value that is no
+            # tensor it replaces in ``state``, the copy tree_map_only made: take those from there.
+            model_state, optimizer_state = tree_map(
+                lambda own, loaded: own if isinstance(own, torch.Tensor) else loaded,
+                (model_state, optimizer_state),
+                (state["model"], state["optimizer"]),
+            )
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
         else:
             # Two calls, not set_state_dict: given an empty model dict (as the
