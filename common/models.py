@@ -264,9 +264,23 @@ class FusedColwiseParallel(ColwiseParallel):
             module.register_parameter(key, nn.Parameter(split, requires_grad=parameter.requires_grad))
 
 
+def _tp_placement(tensor: torch.Tensor) -> object:
+    """``tensor``'s placement on the mesh dimension named "tp", or None.
+
+    Only that one: FSDP2, sharding a column-wise weight over "dp" on top of its "tp" rows, places its own
+    _StridedShard(0, split_factor=tp) on "dp". Taken for the q|k|v split, it had the MLP's weights saved
+    as (tp, rows / tp, ...) boxes that hold other rows at another mesh shape (a 2 x 2 checkpoint resumed
+    at 1 x 2 trained on scrambled MLP weights from the first step).
+    """
+    if not isinstance(tensor, DTensor):
+        return None
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return tensor.placements[names.index("tp")] if "tp" in names else None
+
+
 def split_in_parts(parameter: torch.Tensor) -> bool:
-    """Whether FusedColwiseParallel split ``parameter``."""
-    return isinstance(parameter, DTensor) and any(isinstance(p, _StridedShard) for p in parameter.placements)
+    """Whether FusedColwiseParallel split ``parameter``: a _StridedShard on the "tp" mesh dimension."""
+    return isinstance(_tp_placement(parameter), _StridedShard)
 
 
 def parts_apart(tensor: torch.Tensor) -> torch.Tensor:
@@ -274,13 +288,18 @@ def parts_apart(tensor: torch.Tensor) -> torch.Tensor:
     piece of that is one box, which DCP can save and load in place. Of (3 d, d) split in thirds over "tp", a rank
     holds rows of q, of k and of v, three boxes: DCP (torch 2.14.1) writes them as one and refuses the overlap.
     Any other tensor as it is."""
-    if not isinstance(tensor, DTensor) or not split_in_parts(tensor):
+    split = _tp_placement(tensor)
+    if not isinstance(split, _StridedShard):
         return tensor
-    parts = next(p.split_factor for p in tensor.placements if isinstance(p, _StridedShard))
+    assert isinstance(tensor, DTensor)
+    others = [p for p in tensor.placements if p is not split]
+    # FSDP2 shards the q|k|v weights by their columns (shard_placement_fn), never by strided rows.
+    if any(isinstance(p, _StridedShard) for p in others):
+        raise ValueError(f"q|k|v weights placed {tensor.placements}: only one strided split is laid out here")
     placements = [
-        Shard(1) if isinstance(p, _StridedShard) else Shard(p.dim + 1) if isinstance(p, Shard) else p
-        for p in tensor.placements
+        Shard(1) if p is split else Shard(p.dim + 1) if isinstance(p, Shard) else p for p in tensor.placements
     ]
+    parts = split.split_factor
     local = tensor.to_local()
     shape = torch.Size((parts, tensor.shape[0] // parts, *tensor.shape[1:]))
     stride = torch.empty(shape, device="meta").stride()
