@@ -358,19 +358,6 @@ def add_fsdp2_flags(parser: Parser) -> None:
     )
 
 
-def add_tensor_parallel_flags(parser: Parser) -> None:
-    """The FSDP2 + tensor-parallel script's own flag: how many ranks split each Block between them."""
-    parser.add_argument_group("tensor parallelism").add_argument(
-        "--tp-degree",
-        type=positive_int,
-        default=2,
-        metavar="N",
-        help="ranks of each tensor-parallel group: they split every Block's attention heads and MLP between "
-        "them and train on the same batch; FSDP2 shards across the world size / N groups, which N must "
-        "divide. One process runs the whole model unsplit",
-    )
-
-
 def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
     """Checkpoint and resume flags; ``sharded`` adds --checkpoint-format (the FSDP scripts)."""
     group = parser.add_argument_group("checkpoints")

@@ -126,37 +126,6 @@ def check_fsdp2_flags(parser: Parser, args: argparse.Namespace) -> None:
         args.replicate_degree = 1
 
 
-def tensor_parallel_size(parser: Parser, tp_degree: int) -> int:
-    """The ranks each Block is split over: --tp-degree, which must divide the world size; 1 in a world of one,
-    which trains the whole model unsplit, the run a split one is compared with (tools.checks.check_equivalence
-    gives its one-process reference the candidate's flags)."""
-    world_size = env_world_size()
-    if world_size == 1:
-        return 1
-    if world_size % tp_degree:
-        parser.error(
-            f"--tp-degree {tp_degree} does not divide the world size {world_size}: each tensor-parallel group "
-            f"needs {tp_degree} ranks. Launch a multiple of {tp_degree} processes, or give a --tp-degree dividing "
-            f"{world_size}"
-        )
-    return tp_degree
-
-
-def check_tensor_parallel_flags(parser: Parser, args: argparse.Namespace) -> None:
-    """What a split of each Block over ``args.tp_size`` ranks rules out; after check_transformer_flags, which
-    fills in the preset's heads."""
-    if args.tp_size == 1:
-        return
-    if args.n_head % args.tp_size:
-        parser.error(
-            f"--tp-degree {args.tp_size} must divide the attention heads ({args.n_head}): a rank holds whole heads"
-        )
-    if args.lora_rank is not None:
-        parser.error("--lora-rank with --tp-degree above 1: the adapters' layers are not split across ranks here")
-    if args.replicate_degree != 1:
-        parser.error("--replicate-degree with --tp-degree above 1: HSDP plus tensor parallelism is a 3-D mesh")
-
-
 # torch 2.14.1: FSDP1's HYBRID_SHARD falls back to NO_SHARD inside a shard group of one rank and then reduces
 # the gradients over that group alone: the replicas never average, and each rank trains on its own data
 # (2 ranks, 20 steps: weights 0.059 from DDP's, eval loss 2.5011 against 2.4772). No error, no warning of it.

@@ -16,10 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -243,65 +240,3 @@ def compile_layers(layers: Iterable[nn.Module]) -> None:
     """torch.compile each layer in place, so the parameter names (and state dicts) do not change."""
     for layer in layers:
         layer.compile()
-
-
-class FusedColwiseParallel(ColwiseParallel):
-    """ColwiseParallel for a projection whose output is several tensors side by side (the attention's q, k
-    and v): each rank takes its slice of every part, so it holds the same heads of q, k and v.
-
-    A plain ColwiseParallel cuts the fused rows into contiguous pieces: at 2 ranks the first would hold all
-    of q and half of k. _StridedShard(0, split_factor=parts) cuts each part apart instead, and the output,
-    kept in that layout, is this rank's [q | k | v] for its own heads, which CausalSelfAttention splits in 3.
-    """
-
-    def __init__(self, parts: int) -> None:
-        super().__init__(output_layouts=_StridedShard(2, split_factor=parts))
-        self.parts = parts
-
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        for key, parameter in list(module.named_parameters(recurse=False)):
-            split = distribute_tensor(parameter, device_mesh, [_StridedShard(0, split_factor=self.parts)])
-            module.register_parameter(key, nn.Parameter(split, requires_grad=parameter.requires_grad))
-
-
-def _tp_placement(tensor: torch.Tensor) -> object:
-    """``tensor``'s placement on the mesh dimension named "tp", or None.
-
-    Only that one: FSDP2, sharding a column-wise weight over "dp" on top of its "tp" rows, places its own
-    _StridedShard(0, split_factor=tp) on "dp". Taken for the q|k|v split, it had the MLP's weights saved
-    as (tp, rows / tp, ...) boxes that hold other rows at another mesh shape (a 2 x 2 checkpoint resumed
-    at 1 x 2 trained on scrambled MLP weights from the first step).
-    """
-    if not isinstance(tensor, DTensor):
-        return None
-    names = tensor.device_mesh.mesh_dim_names or ()
-    return tensor.placements[names.index("tp")] if "tp" in names else None
-
-
-def split_in_parts(parameter: torch.Tensor) -> bool:
-    """Whether FusedColwiseParallel split ``parameter``: a _StridedShard on the "tp" mesh dimension."""
-    return isinstance(_tp_placement(parameter), _StridedShard)
-
-
-def parts_apart(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor that FusedColwiseParallel split, as the same memory seen as (parts, rows / parts, ...): each rank's
-    piece of that is one box, which DCP can save and load in place. Of (3 d, d) split in thirds over "tp", a rank
-    holds rows of q, of k and of v, three boxes: DCP (torch 2.14.1) writes them as one and refuses the overlap.
-    Any other tensor as it is."""
-    split = _tp_placement(tensor)
-    if not isinstance(split, _StridedShard):
-        return tensor
-    assert isinstance(tensor, DTensor)
-    others = [p for p in tensor.placements if p is not split]
-    # FSDP2 shards the q|k|v weights by their columns (shard_placement_fn), never by strided rows.
-    if any(isinstance(p, _StridedShard) for p in others):
-        raise ValueError(f"q|k|v weights placed {tensor.placements}: only one strided split is laid out here")
-    placements = [
-        Shard(1) if p is split else Shard(p.dim + 1) if isinstance(p, Shard) else p for p in tensor.placements
-    ]
-    parts = split.split_factor
-    local = tensor.to_local()
-    shape = torch.Size((parts, tensor.shape[0] // parts, *tensor.shape[1:]))
-    stride = torch.empty(shape, device="meta").stride()
-    view = local.view(parts, local.shape[0] // parts, *local.shape[1:])
-    return DTensor.from_local(view, tensor.device_mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -11,7 +11,7 @@ import os
 import random
 import resource
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
@@ -196,24 +195,6 @@ def evaluate_language_model(
     totals = sum_over_ranks(torch.stack([loss_sum, tokens, sequences]))
     loss_sum, tokens, sequences = (total / copies for total in totals)
     return {"loss": loss_sum / tokens, "samples": int(sequences), "tokens": int(tokens)}
-
-
-def clip_grad_norm_over_meshes(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ for DTensor gradients that live on different meshes; the global norm, a plain tensor.
-
-    Under FSDP2 plus tensor parallelism a Block's split weights live on the 2-D mesh and everything else
-    (norms, embeddings, head) on the data-parallel one, and torch's clip_grad_norm_ refuses to stack their
-    norms. Each mesh's part is combined over its own ranks first, as torchtitan does.
-    """
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for parameter in parameters:
-        if parameter.grad is not None:
-            by_mesh.setdefault(getattr(parameter.grad, "device_mesh", None), []).append(parameter)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
-    total = torch.stack([norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]).norm()
-    for group in by_mesh.values():  # one mesh at a time too: torch's foreach ops refuse a mix
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:

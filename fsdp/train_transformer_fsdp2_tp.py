@@ -29,8 +29,10 @@ the candidate's own flags.
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -40,42 +42,169 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from common import cli, flag_checks
 from common.bookkeeping import Bookkeeping, FinalRecord
 from common.checkpoint import Checkpointer
+from common.cli import Parser
 from common.compat import full_state_dict_options
 from common.data import CompactDistributedSampler, eval_loader, train_loader
-from common.distributed import DistContext, clean_teardown, errors_reported_once, launch_context, print0
+from common.distributed import DistContext, clean_teardown, env_world_size, errors_reported_once, launch_context, print0
 from common.fine_tuning import add_adapters, freeze, merge_adapters
+from common.flags import positive_int
 from common.models import (
     GPT,
-    FusedColwiseParallel,
     checkpoint_activations,
     compile_layers,
     count_parameters,
     gpt_config,
     init_parameters,
-    parts_apart,
-    split_in_parts,
 )
 from common.run_dir import RunDirLock
 from common.tokens import check_data_flags, transformer_data
 from common.training import (
     TokenCount,
-    clip_grad_norm_over_meshes,
     evaluate_language_model,
     plan_total_steps,
     seed_everything,
     warmup_cosine,
 )
+
+# TENSOR PARALLELISM: what this script alone needs, kept here rather than in common/, so that a copy of any
+# other script carries none of it (tests/test_layout.py's budget), and a reader sees all that TP adds in one file.
+
+
+def add_tensor_parallel_flags(parser: Parser) -> None:
+    """The FSDP2 + tensor-parallel script's own flag: how many ranks split each Block between them."""
+    parser.add_argument_group("tensor parallelism").add_argument(
+        "--tp-degree",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="ranks of each tensor-parallel group: they split every Block's attention heads and MLP between "
+        "them and train on the same batch; FSDP2 shards across the world size / N groups, which N must "
+        "divide. One process runs the whole model unsplit",
+    )
+
+
+def tensor_parallel_size(parser: Parser, tp_degree: int) -> int:
+    """The ranks each Block is split over: --tp-degree, which must divide the world size; 1 in a world of one,
+    which trains the whole model unsplit, the run a split one is compared with (tools.checks.check_equivalence
+    gives its one-process reference the candidate's flags)."""
+    world_size = env_world_size()
+    if world_size == 1:
+        return 1
+    if world_size % tp_degree:
+        parser.error(
+            f"--tp-degree {tp_degree} does not divide the world size {world_size}: each tensor-parallel group "
+            f"needs {tp_degree} ranks. Launch a multiple of {tp_degree} processes, or give a --tp-degree dividing "
+            f"{world_size}"
+        )
+    return tp_degree
+
+
+def check_tensor_parallel_flags(parser: Parser, args: argparse.Namespace) -> None:
+    """What a split of each Block over ``args.tp_size`` ranks rules out; after check_transformer_flags, which
+    fills in the preset's heads."""
+    if args.tp_size == 1:
+        return
+    if args.n_head % args.tp_size:
+        parser.error(
+            f"--tp-degree {args.tp_size} must divide the attention heads ({args.n_head}): a rank holds whole heads"
+        )
+    if args.lora_rank is not None:
+        parser.error("--lora-rank with --tp-degree above 1: the adapters' layers are not split across ranks here")
+    if args.replicate_degree != 1:
+        parser.error("--replicate-degree with --tp-degree above 1: HSDP plus tensor parallelism is a 3-D mesh")
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for a projection whose output is several tensors side by side (the attention's q, k
+    and v): each rank takes its slice of every part, so it holds the same heads of q, k and v.
+
+    A plain ColwiseParallel cuts the fused rows into contiguous pieces: at 2 ranks the first would hold all
+    of q and half of k. _StridedShard(0, split_factor=parts) cuts each part apart instead, and the output,
+    kept in that layout, is this rank's [q | k | v] for its own heads, which CausalSelfAttention splits in 3.
+    """
+
+    def __init__(self, parts: int) -> None:
+        super().__init__(output_layouts=_StridedShard(2, split_factor=parts))
+        self.parts = parts
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for key, parameter in list(module.named_parameters(recurse=False)):
+            split = distribute_tensor(parameter, device_mesh, [_StridedShard(0, split_factor=self.parts)])
+            module.register_parameter(key, nn.Parameter(split, requires_grad=parameter.requires_grad))
+
+
+def _tp_placement(tensor: torch.Tensor) -> object:
+    """``tensor``'s placement on the mesh dimension named "tp", or None.
+
+    Only that one: FSDP2, sharding a column-wise weight over "dp" on top of its "tp" rows, places its own
+    _StridedShard(0, split_factor=tp) on "dp". Taken for the q|k|v split, it had the MLP's weights saved
+    as (tp, rows / tp, ...) boxes that hold other rows at another mesh shape (a 2 x 2 checkpoint resumed
+    at 1 x 2 trained on scrambled MLP weights from the first step).
+    """
+    if not isinstance(tensor, DTensor):
+        return None
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return tensor.placements[names.index("tp")] if "tp" in names else None
+
+
+def split_in_parts(parameter: torch.Tensor) -> bool:
+    """Whether FusedColwiseParallel split ``parameter``: a _StridedShard on the "tp" mesh dimension."""
+    return isinstance(_tp_placement(parameter), _StridedShard)
+
+
+def parts_apart(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor that FusedColwiseParallel split, as the same memory seen as (parts, rows / parts, ...): each rank's
+    piece of that is one box, which DCP can save and load in place. Of (3 d, d) split in thirds over "tp", a rank
+    holds rows of q, of k and of v, three boxes: DCP (torch 2.14.1) writes them as one and refuses the overlap.
+    Any other tensor as it is."""
+    split = _tp_placement(tensor)
+    if not isinstance(split, _StridedShard):
+        return tensor
+    assert isinstance(tensor, DTensor)
+    others = [p for p in tensor.placements if p is not split]
+    # FSDP2 shards the q|k|v weights by their columns (shard_placement_fn), never by strided rows.
+    if any(isinstance(p, _StridedShard) for p in others):
+        raise ValueError(f"q|k|v weights placed {tensor.placements}: only one strided split is laid out here")
+    placements = [
+        Shard(1) if p is split else Shard(p.dim + 1) if isinstance(p, Shard) else p for p in tensor.placements
+    ]
+    parts = split.split_factor
+    local = tensor.to_local()
+    shape = torch.Size((parts, tensor.shape[0] // parts, *tensor.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    view = local.view(parts, local.shape[0] // parts, *local.shape[1:])
+    return DTensor.from_local(view, tensor.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def clip_grad_norm_over_meshes(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ for DTensor gradients that live on different meshes; the global norm, a plain tensor.
+
+    Under FSDP2 plus tensor parallelism a Block's split weights live on the 2-D mesh and everything else
+    (norms, embeddings, head) on the data-parallel one, and torch's clip_grad_norm_ refuses to stack their
+    norms. Each mesh's part is combined over its own ranks first, as torchtitan does.
+    """
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for parameter in parameters:
+        if parameter.grad is not None:
+            by_mesh.setdefault(getattr(parameter.grad, "device_mesh", None), []).append(parameter)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
+    total = torch.stack([norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]).norm()
+    for group in by_mesh.values():  # one mesh at a time too: torch's foreach ops refuse a mix
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def parse_args(argv: list[str] | None = None):
@@ -87,16 +216,16 @@ def parse_args(argv: list[str] | None = None):
     cli.add_compute_flags(parser, precisions=["fp32", "bf16"])
     cli.add_fsdp_flags(parser)
     cli.add_fsdp2_flags(parser)
-    cli.add_tensor_parallel_flags(parser)
+    add_tensor_parallel_flags(parser)
     cli.add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
-    args.tp_size = flag_checks.tensor_parallel_size(parser, args.tp_degree)  # 1 in a world of one
+    args.tp_size = tensor_parallel_size(parser, args.tp_degree)  # 1 in a world of one
     flag_checks.check_training_flags(parser, args, tp_size=args.tp_size)
     flag_checks.check_checkpoint_flags(parser, args)
     flag_checks.check_transformer_flags(parser, args)
     check_data_flags(parser, args)
     flag_checks.check_fsdp2_flags(parser, args)
-    flag_checks.check_tensor_parallel_flags(parser, args)
+    check_tensor_parallel_flags(parser, args)
     return args
 
 
