@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.utils._pytree import tree_map, tree_map_only
 
 from common.compat import full_state_dict_options, quiet_internal_warnings
 from common.distributed import (
@@ -130,6 +131,7 @@ class Checkpointer:
         keep: int,
         trust: bool = False,
         check_before_save: Callable[[int], None] | None = None,
+        sharded_view: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor,
     ) -> None:
         self.ctx = ctx
         self.folder = run_dir / CHECKPOINTS
@@ -151,6 +153,8 @@ class Checkpointer:
         self.keep = keep
         self.trust = trust
         self.check_before_save = check_before_save
+        # What DCP writes and reads in place of each tensor: the same numbers (a view), laid out as it can write.
+        self.sharded_view = sharded_view
         self.last_saved: Path | None = None
         self._check_room()
 
@@ -264,7 +268,7 @@ class Checkpointer:
         # metadata (which rank holds which slice) last, from rank 0. A rank that
         # fails to write makes dcp.save fail on every rank.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state = tree_map_only(torch.Tensor, self.sharded_view, {"model": model_state, "optimizer": optimizer_state})
         failure = write_failure(lambda: dcp.save(state, checkpoint_id=temporary))
         if self.ctx.is_main and failure is None:
             failure = write_failure(lambda: save_atomic(trainer, temporary / TRAINER_FILE))
@@ -387,8 +391,15 @@ class Checkpointer:
             # DISTRIBUTED: DCP fills this rank's shards in place, reading whichever
             # slices of the saved shards overlap them (so the world size may change).
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_state, "optimizer": optimizer_state}
+            state = tree_map_only(torch.Tensor, self.sharded_view, {"model": model_state, "optimizer": optimizer_state})
             self._agree(path, lambda: self._load_sharded(path, state), every_rank=True)
+            # DCP fills tensors in place (through the views, so model_state's own), but a value that is no
+            # tensor it replaces in ``state``, the copy tree_map_only made: take those from there.
+            model_state, optimizer_state = tree_map(
+                lambda own, loaded: own if isinstance(own, torch.Tensor) else loaded,
+                (model_state, optimizer_state),
+                (state["model"], state["optimizer"]),
+            )
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
         else:
             # Two calls, not set_state_dict: given an empty model dict (as the

@@ -51,14 +51,17 @@ def check_launch_environment(parser: Parser) -> None:
     sys.exit(2)
 
 
-def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
+def check_training_flags(parser: Parser, args: argparse.Namespace, tp_size: int = 1) -> None:
     """The flags every script has; first records them as given in ``args.training_settings``, before the checks
-    derive values (a per-rank batch, a preset's width) that would differ at another world size unasked."""
+    derive values (a per-rank batch, a preset's width) that would differ at another world size unasked.
+
+    ``tp_size``: ranks that share each slice of the batch (a tensor-parallel group); the batch is split over
+    the world size divided by it."""
     args.training_settings = training_settings(parser, args)
     check_launch_environment(parser)
     if args.epochs is None and args.max_steps is None:
         parser.error("give --epochs or --max-steps")
-    resolve_batch_size(parser, args)
+    resolve_batch_size(parser, args, tp_size)
     if args.device == "cuda":
         import torch
 
@@ -66,18 +69,19 @@ def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
             parser.error("--device cuda: CUDA is not available on this machine")
 
 
-def resolve_batch_size(parser: Parser, args: argparse.Namespace) -> None:
+def resolve_batch_size(parser: Parser, args: argparse.Namespace, tp_size: int = 1) -> None:
     """Set ``args.batch_size`` (per rank) from --batch-size, --global-batch-size or the default."""
     if args.global_batch_size is None:
         args.batch_size = args.batch_size or args.default_batch_size
         return
     if args.batch_size is not None:
         parser.error("give --batch-size (per rank) or --global-batch-size, not both")
-    world_size = env_world_size()
+    world_size = env_world_size() // tp_size
     slices = world_size * args.grad_accum_steps
     if args.global_batch_size % slices:
+        ranks = f"{world_size} rank(s)" if tp_size == 1 else f"{world_size} data-parallel group(s)"
         parser.error(
-            f"--global-batch-size {args.global_batch_size} does not divide into {world_size} rank(s) "
+            f"--global-batch-size {args.global_batch_size} does not divide into {ranks} "
             f"x {args.grad_accum_steps} micro-step(s)"
         )
     args.batch_size = args.global_batch_size // slices

@@ -68,13 +68,15 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
+        batch, time, _ = x.shape
+        # Thirds of the projection's output and heads of self.n_head, not of the width: under tensor
+        # parallelism a rank computes only its own heads' q, k and v, and n_head counts those heads.
+        q, k, v = self.qkv(x).chunk(3, dim=2)
         # (batch, time, channels) -> (batch, heads, time, head_dim)
         q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, time, channels)
+        y = y.transpose(1, 2).reshape(batch, time, -1)
         return self.proj(y)
 
 

@@ -118,12 +118,16 @@ class TokenCount:
     pads, the number every step has (every target counts), known before the run: no step counts or sends it.
     On a GPU that is one NCCL collective a step fewer, and no host sum over every micro-batch's targets."""
 
-    def __init__(self, padded: bool, targets_per_step: int, ctx: DistContext) -> None:
-        self.padded, self.ctx = padded, ctx
+    def __init__(self, padded: bool, targets_per_step: int, ctx: DistContext, copies: int = 1) -> None:
+        # copies: ranks that train on the same batches (a tensor-parallel group); the sum over every rank
+        # counts each target that many times.
+        self.padded, self.ctx, self.copies = padded, ctx, copies
         self.every_target = torch.tensor(targets_per_step, device=ctx.device)  # int64, as the count is
 
     def __call__(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        return global_token_count(micro_batches, self.ctx) if self.padded else self.every_target
+        if not self.padded:
+            return self.every_target
+        return global_token_count(micro_batches, self.ctx) // self.copies
 
 
 def lockstep_batches(loader: DataLoader, ctx: DistContext) -> Iterator[tuple[Any, bool]]:
@@ -167,11 +171,13 @@ def logits_of(output: Any) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_language_model(
-    model: nn.Module, loader: DataLoader, ctx: DistContext, autocast: torch.dtype | None = None
+    model: nn.Module, loader: DataLoader, ctx: DistContext, autocast: torch.dtype | None = None, copies: int = 1
 ) -> dict[str, float]:
     """Mean next-token cross-entropy (nats per token) over every held-out sequence.
 
     ``autocast``: the dtype a DDP run trains in under torch.autocast, so that it evaluates the same way.
+    ``copies``: ranks that evaluate the same sequences together (a tensor-parallel group), whose sums over
+    every rank hold each sequence that many times.
     """
     check_every_rank_has_data(loader, ctx)
     model.eval()
@@ -186,7 +192,8 @@ def evaluate_language_model(
             tokens += (targets != IGNORE_INDEX).sum()
             sequences += targets.shape[0]
     model.train()
-    loss_sum, tokens, sequences = sum_over_ranks(torch.stack([loss_sum, tokens, sequences]))
+    totals = sum_over_ranks(torch.stack([loss_sum, tokens, sequences]))
+    loss_sum, tokens, sequences = (total / copies for total in totals)
     return {"loss": loss_sum / tokens, "samples": int(sequences), "tokens": int(tokens)}
 
 

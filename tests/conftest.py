@@ -74,6 +74,7 @@ LONGEST_FIRST = (
     "tests/test_slurm.py",
     "tests/test_equivalence.py::test_check_equivalence_says_same",
     "tests/test_checkpoint.py",
+    "tests/test_tensor_parallel.py::test_2x2",
     "tests/test_failures.py",
     "tests/test_ddp.py",
     "tests/test_commands_end.py::test_a_command_stopped_mid_run_leaves_nothing",

@@ -119,6 +119,39 @@ def test_global_batch_must_divide_over_the_ranks(
     assert output.count("--global-batch-size 25 does not divide into 2 rank(s) x 1 micro-step(s)") == 1, output
 
 
+TP_SCRIPT = "fsdp/train_transformer_fsdp2_tp.py"
+
+
+@pytest.mark.parametrize(
+    ("world_size", "flags", "message"),
+    [
+        ("3", ["--tp-degree", "2"], "--tp-degree 2 does not divide the world size 3: each tensor-parallel group"),
+        ("4", ["--tp-degree", "4", "--n-head", "2", "--d-model", "64"], "--tp-degree 4 must divide the attention"),
+        ("4", ["--global-batch-size", "5"], "--global-batch-size 5 does not divide into 2 data-parallel group(s) x 1"),
+    ],
+    ids=["world-3", "heads-2", "batch-5"],
+)
+def test_a_mesh_the_world_size_or_the_model_cannot_make_is_refused(
+    world_size: str,
+    flags: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What rank 0 of torchrun --nproc_per_node=WORLD sees: one message before any process group exists."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+
+    def got_past_the_checks(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run went on to rendezvous with a mesh it cannot make")
+
+    monkeypatch.setattr("common.distributed.generation_store", got_past_the_checks)
+    code, output = run_in_process(TP_SCRIPT, flags, tmp_path / "run", capsys)
+    assert code == 2, output
+    assert output.count(message) == 1, output
+
+
 @pytest.mark.parametrize(
     ("world_size", "flags"),
     [

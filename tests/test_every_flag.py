@@ -287,8 +287,8 @@ def single_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_every_program_is_found() -> None:
-    """The discovery sees what test_layout.py and README.md count: 5 scripts, 11 commands."""
-    assert len(SCRIPTS) == 5, SCRIPTS
+    """The discovery sees what test_layout.py and README.md count: 6 scripts, 11 commands."""
+    assert len(SCRIPTS) == 6, SCRIPTS
     assert {"tools.runs.sample", "tools.checks.preflight", "tools.checks.comm_check"} <= set(COMMANDS) and len(
         COMMANDS
     ) >= 11

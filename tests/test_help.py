@@ -15,7 +15,7 @@ from tools.estimates import estimate_communication, estimate_memory
 from tools.runs import compare_runs, export_checkpoint
 
 SCRIPTS = ["ddp/train_mnist.py", "ddp/train_transformer.py", "fsdp/train_mnist.py", "fsdp/train_transformer.py"]
-SCRIPTS += ["fsdp/train_transformer_fsdp2.py"]
+SCRIPTS += ["fsdp/train_transformer_fsdp2.py", "fsdp/train_transformer_fsdp2_tp.py"]
 COMMANDS: dict[str, Callable[[list[str]], object]] = {
     "tools.benchmarks.benchmark": benchmark.main,
     "tools.checks.check_equivalence": check_equivalence.main,

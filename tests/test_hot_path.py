@@ -31,6 +31,9 @@ from tests.harness.wrappers import OBSERVE, PER_IMAGE_MNIST
 from tools.benchmarks import benchmark
 from tools.benchmarks.compare_strategies import Strategy
 
+# Not fsdp/train_transformer_fsdp2_tp.py: its loop is the FSDP2 script's line for line (diff the two: they differ in
+# wrap_model and in the counts of ranks), and tensor parallelism adds DTensor collectives, which read nothing on the
+# host. A run of it here would cost about 15 CPU-seconds of the suite's budget to find what the FSDP2 run finds.
 TRANSFORMERS = ["ddp/train_transformer.py", "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"]
 SCRIPTS = ["ddp/train_mnist.py", "fsdp/train_mnist.py", *TRANSFORMERS]
 SHORT_TRANSFORMER = ["--block-size", "32", "--train-sequences", "320", "--heldout-sequences", "40"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import launcher
-from tests.harness.cases import FSDP2_SCRIPT, cases
+from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU, cases
 from tests.harness.runs import REPO, clean_env, run_command
 from tools.checks import lockstep, preflight
 
@@ -32,10 +32,9 @@ def data_flags(script: str, mnist_dir: Path) -> list[str]:
     return [*MNIST, "--data-dir", str(mnist_dir)] if "mnist" in script else TINY
 
 
-def run_preflight(script: str, flags: list[str], root: Path) -> tuple[preflight.Verdict, float]:
-    """A 2-rank pre-flight of ``script`` with its ranks forked from the warm server; the verdict and the seconds
-    it took."""
-    nproc = 2
+def run_preflight(script: str, flags: list[str], root: Path, nproc: int = 2) -> tuple[preflight.Verdict, float]:
+    """An ``nproc``-rank pre-flight of ``script`` with its ranks forked from the warm server; the verdict and the
+    seconds it took."""
     planned = preflight.plan(script, flags, root, WAIT_S)
     started = time.monotonic()
     finished = launcher.launch(str(REPO / "tools/checks/preflight.py"), planned.rank_argv, clean_env(), nproc, 120)
@@ -48,6 +47,15 @@ def run_preflight(script: str, flags: list[str], root: Path) -> tuple[preflight.
 SCRIPTS = [(name, name) for name in
            ["ddp/train_mnist.py", "ddp/train_transformer.py", "fsdp/train_mnist.py", "fsdp/train_transformer.py",
             FSDP2_SCRIPT]]  # fmt: skip
+
+
+@NEEDS_FSDP2_ON_CPU
+def test_the_tensor_parallel_script_passes_on_a_2x2_mesh(tmp_path: Path) -> None:
+    """At 4 ranks, 2 x 2: the only shape where FSDP2's collectives over "dp" and TP's over "tp" both run, and a
+    rank that took the wrong group would wait on the other dimension's."""
+    verdict, _ = run_preflight("fsdp/train_transformer_fsdp2_tp.py", TINY, tmp_path, nproc=4)
+    assert verdict.code == preflight.OK, verdict.text
+    assert "at 4 rank(s)" in verdict.text and "reduce_scatter" in verdict.text, verdict.text
 
 
 @pytest.mark.parametrize("script", cases(SCRIPTS, keep_id=False))
