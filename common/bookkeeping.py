@@ -84,9 +84,8 @@ class StopRequest:
     def requested(self) -> bool:
         """True on every rank at the same step, once any rank got a signal or rank 0 saw the STOP file.
 
-        A collective: every rank calls it once a step. Each call sends this step's answer and reads the one
-        the ranks sent a step before, so the exchange runs beside the step instead of holding it, and a stop
-        takes effect one step after it was asked for, on every rank alike. It reads no GPU value.
+        A collective, once a step: each call sends this step's answer and reads the one sent a step before, so
+        the exchange runs beside the step and a stop comes a step later, on every rank alike. No GPU value.
         """
         # Only rank 0 looks at the file: one stat per step instead of one per rank.
         asked = self.received is not None or (self.ctx.is_main and self.stop_file.exists())

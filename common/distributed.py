@@ -254,12 +254,8 @@ def all_ranks_agree(ok: bool, ctx: DistContext) -> bool:
 
 
 class AgreementInFlight:
-    """``all_ranks_agree`` sent now and read later: the ranks exchange their answers while the step runs.
-
-    A collective on the host group, so every rank starts one at the same point, and reads it back (or
-    ``settle``s it) before leaving; on a GPU cluster it is a round trip of gloo between every host, which
-    would otherwise hold each step until the slowest host had answered.
-    """
+    """``all_ranks_agree`` sent now and read later, so that no step waits for a round trip between every host.
+    A collective on the host group: every rank starts one at the same point and reads it before leaving."""
 
     def __init__(self, ok: bool, ctx: DistContext) -> None:
         self.flag = torch.tensor([1 if ok else 0])
