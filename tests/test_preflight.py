@@ -1,4 +1,5 @@
-"""tools.checks.preflight: the five scripts pass; broken copies are named at their line, quickly, and nothing hangs.
+"""tools.checks.preflight: the six scripts pass (the FSDP2 + TP one at 2 x 2); broken copies are named at their
+line, quickly, and nothing hangs.
 
 The ranks start from the warm launcher (tests/harness/launcher.py) and the verdict is read in process with
 ``preflight.judge``; one test runs the real command, torchrun and all, on a broken copy.
