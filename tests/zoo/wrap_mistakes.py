@@ -230,4 +230,43 @@ DDP = [
     ),
 ]
 
-MISTAKES: list[Mistake] = [*DDP, *PRECISION, *UNITS, *MESHES, *CLIPPING, *SOME_RANKS_ONLY]
+FSDP2_TP = "fsdp/train_transformer_fsdp2_tp.py"
+TP_ALONE = "tests/test_tensor_parallel.py::test_tensor_parallel_alone_1x2_matches_one_process"
+TENSOR_PARALLEL = [
+    Mistake(
+        name="tp-fused-qkv-split-as-one-weight",
+        path=FSDP2_TP,
+        edits={'"attn.qkv": FusedColwiseParallel(parts=3),': '"attn.qkv": ColwiseParallel(),'},
+        test=TP_ALONE,
+        reason=TRAINS_DIFFERENTLY,
+        harm="a plain column-wise split of the fused q|k|v weight gives rank 0 all of q and half of k: each rank's "
+        "heads attend with another head's keys, and the model is no longer the one described",
+        notice="the loss falls more slowly than without TP from the first step; nothing fails, shapes all fit",
+    ),
+    Mistake(
+        name="tp-row-wise-layer-split-by-its-outputs",
+        path=FSDP2_TP,
+        edits={'"mlp.proj": RowwiseParallel(),': '"mlp.proj": ColwiseParallel(),'},
+        test=TP_ALONE,
+        reason=r"a and b must have same reduction dim",
+        harm="the MLP's second layer is cut along its outputs instead of its inputs: it receives a slice of the "
+        "hidden units where it expects them all",
+        notice="the first forward fails on a shape mismatch in the MLP, on every rank",
+    ),
+    Mistake(
+        name="tp-group-ranks-draw-different-batches",
+        path=FSDP2_TP,
+        edits={
+            "sampler = CompactDistributedSampler(data.train, dp_size, dp_rank, seed=args.seed)": (
+                "sampler = CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)"
+            )
+        },
+        test=TP_ALONE,
+        reason=TRAINS_DIFFERENTLY,
+        harm="the ranks of a tensor-parallel group compute one layer together on different examples: each adds "
+        "its partial sums to another example's, and the loss meets targets the logits were not computed for",
+        notice="the loss is far above a run without TP, and the ranks of a group log different losses",
+    ),
+]
+
+MISTAKES: list[Mistake] = [*DDP, *PRECISION, *UNITS, *MESHES, *CLIPPING, *SOME_RANKS_ONLY, *TENSOR_PARALLEL]
