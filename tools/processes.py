@@ -272,3 +272,16 @@ def outside_any_job() -> dict[str, str]:
     """This process's environment without torchrun's variables: what a command passes to the ranks it
     starts, which must make a job of their own, not join the one this command may run in."""
     return {key: value for key, value in os.environ.items() if key not in TORCHRUN_VARIABLES}
+
+
+def standalone_torchrun(nproc: int) -> list[str]:
+    """``torchrun --standalone --nproc_per_node=N`` with this interpreter: a job of its own on this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def one_thread_per_rank() -> dict[str, str]:
+    """``outside_any_job()`` with one thread per process unless OMP_NUM_THREADS says otherwise: torchrun's own
+    default for several workers, given to one process as well, so that every run of a comparison has it."""
+    env = outside_any_job()
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

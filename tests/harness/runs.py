@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import launcher
-from tools.processes import descendants
+from tools.processes import descendants, standalone_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,8 +105,7 @@ def launcher_prefix(nproc: int | None) -> list[str]:
     """What starts a script as a user would: ``python``, or ``torchrun`` with ``nproc`` processes."""
     if nproc is None:
         return [sys.executable]
-    # --standalone: a rendezvous on a free port, so parallel tests never collide.
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return standalone_torchrun(nproc)  # a rendezvous on a free port, so parallel tests never collide
 
 
 def start(command: list[str], env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.Popen:

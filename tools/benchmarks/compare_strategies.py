@@ -52,7 +52,7 @@ from tools.output_checks import (
     check_run_folders,
     finished_run_in,
 )
-from tools.processes import exit_code_of, output_of
+from tools.processes import exit_code_of, output_of, standalone_torchrun
 from tools.records import UnreadableRecord, final_record, read_records
 from tools.runs.plot import FORMATS as FIGURE_FORMATS
 from tools.runs.plot import PlotError, pyplot, save_figure_or_exit
@@ -73,7 +73,7 @@ STRATEGIES = [strategy for strategy in ALL_STRATEGIES if strategy.name != "fsdp1
 def launch(strategy: Strategy, world_size: int, run_dir: Path, common_flags: list[str]) -> dict:
     """One torchrun; the final record of its metrics.jsonl. Exits with the run's output if it fails."""
     command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}"),
+        *standalone_torchrun(world_size),
         strategy.script,
         *strategy.flags,
         *("--run-dir", str(run_dir)),

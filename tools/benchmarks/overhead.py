@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tools.processes import output_of, outside_any_job, scratch_folder
+from tools.processes import one_thread_per_rank, output_of, scratch_folder, standalone_torchrun
 from tools.records import final_record, read_records
 from tools.strategies import BY_NAME, Strategy
 
@@ -48,25 +48,15 @@ def bare_settings(strategy: Strategy, model: str, warmup: int, steps: int, scrat
     }
 
 
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-
-
-def launch_environment() -> dict[str, str]:
-    env = outside_any_job()
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 def script_run(strategy: Strategy, model: str, nproc: int, warmup: int, steps: int, run_dir: Path) -> dict[str, float]:
     """The script's own mean step time: its final record's step_ms, which leaves out the first log interval."""
     total = warmup + steps
     command = [
-        *torchrun(nproc),
+        *standalone_torchrun(nproc),
         *(strategy.script, *strategy.flags, "--model", model, "--device", "auto", "--run-dir", str(run_dir)),
         *("--max-steps", str(total), "--log-interval", str(warmup), "--eval-interval", str(total)),
     ]
-    returncode, output = output_of(command, env=launch_environment(), cwd=REPO)
+    returncode, output = output_of(command, env=one_thread_per_rank(), cwd=REPO)
     if returncode != 0:
         sys.exit(f"{' '.join(command)} failed (exit code {returncode}):\n{output}")
     record = final_record(run_dir)
@@ -80,8 +70,8 @@ def script_run(strategy: Strategy, model: str, nproc: int, warmup: int, steps: i
 
 def bare_run(settings_file: Path, nproc: int) -> dict[str, float]:
     """The bare loop under torchrun, as the script runs."""
-    command = [*torchrun(nproc), BARE_LOOP, str(settings_file)]
-    returncode, output = output_of(command, env=launch_environment(), cwd=REPO)
+    command = [*standalone_torchrun(nproc), BARE_LOOP, str(settings_file)]
+    returncode, output = output_of(command, env=one_thread_per_rank(), cwd=REPO)
     results = [line for line in output.splitlines() if line.startswith('{"rank": 0')]
     if returncode != 0 or len(results) != 1:
         sys.exit(f"{' '.join(command)} failed (exit code {returncode}):\n{output}")
@@ -115,7 +105,7 @@ def measure(model: str, strategy_name: str, nproc: int, warmup: int, steps: int,
         "model": model,
         "strategy": strategy_name,
         "processes": nproc,
-        "threads_per_process": launch_environment()["OMP_NUM_THREADS"],  # as given: torch reads it, not this
+        "threads_per_process": one_thread_per_rank()["OMP_NUM_THREADS"],  # as given: torch reads it, not this
         "warmup": warmup,
         "steps": steps,
         "script_ms": ours,

@@ -34,7 +34,7 @@ from pathlib import Path
 from common.cli import HelpFormatter
 from common.flags import existing_file, output_dir, positive_float, positive_int
 from common.outputs import write_text
-from tools.processes import exit_code_of, output_of, outside_any_job
+from tools.processes import exit_code_of, one_thread_per_rank, output_of, standalone_torchrun
 from tools.runs.compare_runs import NOISE_FACTOR, compare_with_noise, noise_report
 
 DEFAULT_STEPS = 20
@@ -136,13 +136,11 @@ def plan(flags: list[str], nproc: int) -> list[Planned]:
 
 def run_in_subprocess(script: str, flags: list[str], nproc: int | None, run_dir: Path) -> tuple[int, str]:
     """``python SCRIPT`` or ``torchrun --standalone``, in a clean launcher environment."""
-    launcher = [sys.executable]
-    if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = outside_any_job()  # a check started inside a job must not join it
-    # One thread per process in every run, torchrun's own default for its workers: on the CPU two
-    # threads add a layer's partial sums in another order than one, which the twins would not share.
-    env.setdefault("OMP_NUM_THREADS", "1")
+    launcher = [sys.executable] if nproc is None else standalone_torchrun(nproc)
+    # Outside any job (a check started inside one must not join it), and one thread per process in every
+    # run: on the CPU two threads add a layer's partial sums in another order than one, which the twins
+    # would not share.
+    env = one_thread_per_rank()
     # In a process tree that ends with this command, stopped or not (tools.processes).
     return output_of([*launcher, script, *flags, "--run-dir", str(run_dir)], env=env)
 

@@ -36,7 +36,7 @@ from common.flags import existing_file, float_in_range, output_dir, positive_int
 from common.outputs import open_log
 from common.run_dir import CHECKPOINTS, MODEL_FILE
 from tools.checks.lockstep import read_reports, run_rank
-from tools.processes import exit_code_of, outside_any_job, run_tree, scratch_folder
+from tools.processes import exit_code_of, outside_any_job, run_tree, scratch_folder, standalone_torchrun
 from tools.records import UnreadableRecord, read_records
 
 STEPS = 3  # the third step is the one StepObserver measures: collectives_per_step needs it
@@ -286,8 +286,7 @@ def preflight(script: str, flags: list[str], nproc: int, wait_s: float, timeout:
     env = rank_env(project)
     with scratch_folder("preflight-") as root:
         planned = plan(script, flags, root, wait_s)
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        command = [*torchrun, "--max-restarts=0", "-m", "tools.checks.preflight", *planned.rank_argv]
+        command = [*standalone_torchrun(nproc), "--max-restarts=0", "-m", "tools.checks.preflight", *planned.rank_argv]
         launched = launch_ranks(command, env, timeout, planned.report_dir, nproc, root / "ranks.log")
         if launched.timed_out:
             reports = read_reports(planned.report_dir)
