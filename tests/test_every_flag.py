@@ -33,22 +33,16 @@ from pathlib import Path
 import pytest
 
 from common import flags
+from tests.harness.cases import is_command
 from tests.harness.runs import REPO, clean_env
 
 SCRIPTS = sorted(str(path.relative_to(REPO)) for path in [*REPO.glob("ddp/*.py"), *REPO.glob("fsdp/*.py")])
 
 
-def is_command(path: Path) -> bool:
-    module = ast.parse(path.read_text(), filename=str(path))
-    runs = any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) for node in module.body)
-    # A worker that a command starts reads its command's file, not flags (tests/test_layout.py names them).
-    return runs and any(isinstance(node, ast.FunctionDef) and node.name == "parse_args" for node in module.body)
-
-
 COMMANDS = sorted(
     ".".join(path.relative_to(REPO).with_suffix("").parts)
     for path in (REPO / "tools").rglob("*.py")
-    if is_command(path)
+    if is_command(ast.parse(path.read_text(), filename=str(path)))
 )
 
 # Values a flag of that kind must refuse; an output flag is also tried with an input of its command.

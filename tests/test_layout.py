@@ -13,6 +13,7 @@ import ast
 import re
 from pathlib import Path
 
+from tests.harness.cases import is_command, is_program
 from tests.harness.runs import REPO
 
 SCRIPTS = sorted([*REPO.glob("ddp/*.py"), *REPO.glob("fsdp/*.py")])
@@ -33,20 +34,6 @@ def parsed(path: Path) -> ast.Module:
 
 def module_name(path: Path) -> str:
     return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-
-
-def is_program(module: ast.Module) -> bool:
-    return any(
-        isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test)
-        for node in module.body
-    )
-
-
-def is_command(module: ast.Module) -> bool:
-    """A program a user runs: it parses flags (tests/test_every_flag.py and test_bad_input.py try them)."""
-    return is_program(module) and any(
-        isinstance(node, ast.FunctionDef) and node.name == "parse_args" for node in module.body
-    )
 
 
 # Programs that a command starts and a user never does: each reads what its command wrote, not flags.

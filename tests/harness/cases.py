@@ -7,6 +7,7 @@ supported torch) and skipping the FSDP2 script's rows where FSDP2 cannot run on 
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Collection
 
 import pytest
@@ -50,3 +51,19 @@ def cases(rows: list[tuple], floor: Collection[str] = (), keep_id: bool = True) 
             marks.append(NEEDS_FSDP2_ON_CPU)
         params.append(pytest.param(*(row if keep_id else row[1:]), id=row[0], marks=marks))
     return params
+
+
+def is_program(module: ast.Module) -> bool:
+    """A module that runs as a program: an ``if __name__ == "__main__":`` at its top level."""
+    return any(
+        isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test)
+        for node in module.body
+    )
+
+
+def is_command(module: ast.Module) -> bool:
+    """A program a user runs: it parses flags (test_every_flag.py and test_bad_input.py try them). A worker that
+    a command starts reads its command's file instead (test_layout.py names them)."""
+    return is_program(module) and any(
+        isinstance(node, ast.FunctionDef) and node.name == "parse_args" for node in module.body
+    )
