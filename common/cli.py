@@ -1,34 +1,15 @@
 """The flags the training scripts share: their names, types, defaults and help, grouped as --help shows them.
-
-Each number and path flag reads its value with a type of common.flags, as the commands' flags do, so
-a value no flag means is refused while parsing. The parser prints its usage, help and errors once
-(rank 0), not once per rank. What only a combination of flags rules out is common.flag_checks' job.
-"""
+Each number and path flag reads its value with a type of common.flags, so a value no flag means is refused while
+parsing; usage, help and errors print once (rank 0). What only a combination of flags rules out is flag_checks'."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import IO
 
+import common.flags as flags
 from common.distributed import env_rank
-from common.flags import (
-    existing_file,
-    existing_path,
-    folder,
-    int_in_range,
-    learning_rate,
-    name_pattern,
-    non_negative_float,
-    non_negative_int,
-    output_dir,
-    positive_float,
-    positive_int,
-    probability,
-    seed_value,
-    timeout_seconds,
-)
 from common.models import GPT_PRESETS
 
 
@@ -46,18 +27,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage, help and errors appear once, not once per rank."""
 
-    def print_usage(self, file: IO[str] | None = None) -> None:
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:  # usage, help and exit's message
         if env_rank() == 0:
-            super().print_usage(file)
-
-    def print_help(self, file: IO[str] | None = None) -> None:
-        if env_rank() == 0:
-            super().print_help(file)
-
-    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
-        if message and env_rank() == 0:
-            sys.stderr.write(message)
-        sys.exit(status)
+            super()._print_message(message, file)
 
 
 def add_device_flag(container: argparse._ActionsContainer) -> None:
@@ -77,34 +49,27 @@ def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> 
     add_device_flag(run)
     run.add_argument(
         "--dist-timeout",
-        type=timeout_seconds,
+        type=flags.timeout_seconds,
         default=600.0,
         metavar="SECONDS",
-        help="how long a collective waits for the other ranks before failing (default: %(default)s)",
+        help="how long a collective waits for the other ranks before failing",
     )
     run.add_argument(
-        "--seed",
-        type=seed_value,
-        default=1,
-        help="seeds the initial weights, the data order and dropout, the same on every rank",
+        "--seed", type=flags.seed_value, default=1, help="seeds the weights, data order and dropout alike on every rank"
     )
     run.add_argument(
-        "--run-dir",
-        type=output_dir,
-        default=Path(run_dir),
-        help="where metrics.jsonl and model.pt go (default: %(default)s)",
+        "--run-dir", type=flags.output_dir, default=Path(run_dir), help="where metrics.jsonl and model.pt go"
     )
     run.add_argument(
         "--log-interval",
-        type=positive_int,
+        type=flags.positive_int,
         default=log_interval,
         metavar="STEPS",
-        help="a metrics.jsonl record and a console line every this many steps; only these steps read values "
-        "from the GPU",
+        help="a metrics.jsonl record and a console line every this many steps; only these steps read from the GPU",
     )
     run.add_argument(
         "--profile",
-        type=non_negative_int,
+        type=flags.non_negative_int,
         default=0,
         metavar="N",
         help="write a torch.profiler trace of N steps after a warm-up step, one file per rank, into "
@@ -119,36 +84,34 @@ def add_training_flags(
     group = parser.add_argument_group("training")
     parser.set_defaults(default_batch_size=batch_size)
     group.add_argument(
-        "--batch-size",
-        type=positive_int,
-        help=f"examples per rank per micro-step (default: {batch_size})",
+        "--batch-size", type=flags.positive_int, help=f"examples per rank per micro-step (default: {batch_size})"
     )
     group.add_argument(
         "--global-batch-size",
-        type=positive_int,
+        type=flags.positive_int,
         metavar="N",
         help="examples per optimizer step over all ranks and micro-steps; the per-rank batch becomes "
         "N / (world size x --grad-accum-steps), so the same N trains the same way at any world size",
     )
     group.add_argument(
         "--grad-accum-steps",
-        type=positive_int,
+        type=flags.positive_int,
         default=1,
         help="micro-steps per optimizer step; gradients sync only on the last one",
     )
-    group.add_argument("--lr", type=learning_rate, default=lr, help="peak learning rate (default: %(default)s)")
+    group.add_argument("--lr", type=flags.learning_rate, default=lr, help="peak learning rate")
     group.add_argument(
-        "--epochs", type=positive_int, default=epochs, help="passes over the training set (default: %(default)s)"
+        "--epochs", type=flags.positive_int, default=epochs, help="passes over the training set (default: %(default)s)"
     )
     group.add_argument(
         "--max-steps",
-        type=non_negative_int,
+        type=flags.non_negative_int,
         default=max_steps,
         help="stop after this many optimizer steps; 0 only evaluates (default: %(default)s)",
     )
     group.add_argument(
         "--grad-clip",
-        type=non_negative_float,
+        type=flags.non_negative_float,
         default=grad_clip,
         help="clip the global gradient norm to this; 0 turns clipping off (default: %(default)s)",
     )
@@ -163,80 +126,58 @@ def add_schedule_flags(parser: Parser, *, warmup_steps: int, min_lr_ratio: float
     """AdamW's weight decay and the warm-up-then-cosine schedule of the transformer scripts."""
     group = parser.add_argument_group("schedule")
     group.add_argument(
-        "--warmup-steps",
-        type=non_negative_int,
-        default=warmup_steps,
-        help="steps of linear warm-up to the peak lr",
+        "--warmup-steps", type=flags.non_negative_int, default=warmup_steps, help="linear warm-up steps to the peak lr"
     )
     group.add_argument(
-        "--min-lr-ratio",
-        type=probability,
-        default=min_lr_ratio,
-        help="the cosine schedule ends at lr times this",
+        "--min-lr-ratio", type=flags.probability, default=min_lr_ratio, help="the cosine schedule ends at lr times this"
     )
     group.add_argument(
-        "--weight-decay",
-        type=non_negative_float,
-        default=weight_decay,
-        help="AdamW's decoupled weight decay",
+        "--weight-decay", type=flags.non_negative_float, default=weight_decay, help="AdamW's decoupled weight decay"
     )
 
 
 def add_mnist_flags(parser: Parser, *, gamma: float) -> None:
     group = parser.add_argument_group("MNIST")
     group.add_argument(
-        "--data-dir",
-        type=folder,
-        default=Path("./data"),
-        help="holds MNIST/raw/; downloaded there if missing (default: %(default)s)",
+        "--data-dir", type=flags.folder, default=Path("./data"), help="holds MNIST/raw/; downloaded there if missing"
     )
     group.add_argument(
-        "--synthetic",
-        action="store_true",
-        help="train on generated 28x28 images instead of MNIST (smoke tests, no data needed)",
+        "--synthetic", action="store_true", help="generated 28x28 images instead of MNIST (smoke tests: no data needed)"
     )
     group.add_argument(
-        "--test-batch-size", type=positive_int, default=1000, help="images per rank per evaluation batch"
+        "--test-batch-size", type=flags.positive_int, default=1000, help="images per rank per evaluation batch"
     )
-    group.add_argument("--gamma", type=positive_float, default=gamma, help="StepLR's lr decay per epoch")
-
-
-# 128 Ki tokens: attention scores at that length already take 64 GiB per head and sequence in fp32.
-context_length = int_in_range(1, 2**17, name="context_length")
+    group.add_argument("--gamma", type=flags.positive_float, default=gamma, help="StepLR's lr decay per epoch")
 
 
 def add_transformer_flags(parser: Parser) -> None:
     group = parser.add_argument_group("transformer")
-    group.add_argument("--model", choices=sorted(GPT_PRESETS), default="tiny", help="size preset (default: tiny)")
-    group.add_argument("--n-layer", type=positive_int, help="override the preset's number of Blocks")
-    group.add_argument("--n-head", type=positive_int, help="override the preset's attention heads")
-    group.add_argument("--d-model", type=positive_int, help="override the preset's width")
+    group.add_argument("--model", choices=sorted(GPT_PRESETS), default="tiny", help="size preset")
+    group.add_argument("--n-layer", type=flags.positive_int, help="override the preset's number of Blocks")
+    group.add_argument("--n-head", type=flags.positive_int, help="override the preset's attention heads")
+    group.add_argument("--d-model", type=flags.positive_int, help="override the preset's width")
+    # At most 128 Ki tokens: attention scores at that length already take 64 GiB per head and sequence in fp32.
+    context_length = flags.int_in_range(1, 2**17, name="context_length")
     group.add_argument("--block-size", type=context_length, help="override the preset's context length")
-    group.add_argument("--dropout", type=probability, default=0.0, help="dropout probability in every Block")
+    group.add_argument("--dropout", type=flags.probability, default=0.0, help="dropout probability in every Block")
     group.add_argument(
-        "--text-file",
-        type=existing_file,
-        help="train character-level on this UTF-8 file instead of the synthetic Markov tokens",
+        "--text-file", type=flags.existing_file, help="train on this UTF-8 file, character-level, not synthetic tokens"
     )
     group.add_argument(
         "--token-file",
-        type=existing_file,
+        type=flags.existing_file,
         metavar="TOKENS",
         help="train on a file of token ids that python -m tools.runs.prepare_tokens wrote, read a window at a time: a "
         "corpus of any size; its last 10%% is held out",
     )
     group.add_argument(
-        "--train-sequences",
-        type=positive_int,
-        default=20_000,
-        help="synthetic training sequences (default: %(default)s)",
+        "--train-sequences", type=flags.positive_int, default=20_000, help="synthetic training sequences"
     )
     group.add_argument(
         "--heldout-sequences",
-        type=positive_int,
+        type=flags.positive_int,
         default=1_000,
-        help="held-out sequences: synthetic ones, or the last windows of a --token-file, at most a tenth of it "
-        "(default: %(default)s)",
+        help="held-out sequences: synthetic ones, or the last windows of a --token-file, at most a tenth of it",
     )
     group.add_argument(
         "--variable-length",
@@ -245,10 +186,10 @@ def add_transformer_flags(parser: Parser) -> None:
         "rest (ignore_index), as real text of uneven lengths is; each token still weighs the same in the loss",
     )
     group.add_argument(
-        "--eval-interval", type=positive_int, default=100, metavar="STEPS", help="evaluate every this many steps"
+        "--eval-interval", type=flags.positive_int, default=100, metavar="STEPS", help="evaluate every this many steps"
     )
     group.add_argument(
-        "--eval-batch-size", type=positive_int, default=100, help="held-out sequences per rank per evaluation batch"
+        "--eval-batch-size", type=flags.positive_int, default=100, help="held-out sequences per rank per eval batch"
     )
     add_fine_tuning_flags(parser)
 
@@ -259,7 +200,7 @@ def add_fine_tuning_flags(parser: Parser, *, title: str = "fine-tuning", alpha: 
     tuning = parser.add_argument_group(title)
     tuning.add_argument(
         "--freeze",
-        type=name_pattern,
+        type=flags.name_pattern,
         action="append",
         default=[],
         metavar="PATTERN",
@@ -269,19 +210,19 @@ def add_fine_tuning_flags(parser: Parser, *, title: str = "fine-tuning", alpha: 
     )
     tuning.add_argument(
         "--lora-rank",
-        type=positive_int,
+        type=flags.positive_int,
         help="train LoRA adapters of this rank beside the linear layers --lora-targets names, and freeze every "
         "other parameter; model.pt holds the adapters merged into the weights (default: no adapters)",
     )
     if alpha:
         tuning.add_argument(
             "--lora-alpha",
-            type=positive_float,
+            type=flags.positive_float,
             help="the adapters' update is scaled by alpha / rank (default: 2 x --lora-rank, a scale of 2)",
         )
     tuning.add_argument(
         "--lora-targets",
-        type=name_pattern,
+        type=flags.name_pattern,
         action="append",
         metavar="PATTERN",
         help="glob over module names: the linear layers that get adapters (repeatable; default: "
@@ -297,8 +238,7 @@ def add_compute_flags(parser: Parser, *, precisions: list[str]) -> None:
         choices=precisions,
         default="fp32",
         help="dtype of the matrix multiplications in forward and backward (DDP: torch.autocast; FSDP: the "
-        "dtype its gathered parameters take); weights, optimizer state and gradient reduction stay fp32 "
-        "(default: %(default)s)",
+        "dtype its gathered parameters take); weights, optimizer state and gradient reduction stay fp32",
     )
     group.add_argument(
         "--activation-checkpointing",
@@ -320,7 +260,7 @@ def add_fsdp_flags(parser: Parser) -> None:
     )
     group.add_argument(
         "--replicate-degree",
-        type=positive_int,
+        type=flags.positive_int,
         metavar="R",
         help="hybrid sharding: R groups each hold a full sharded copy, shard within a group, "
         "all-reduce across groups; must divide the world size",
@@ -335,15 +275,14 @@ def add_fsdp1_flags(parser: Parser) -> None:
         choices=["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"],
         default="full_shard",
         help="full_shard: ZeRO-3, parameters too; shard_grad_op: ZeRO-2, parameters stay gathered between "
-        "forward and backward; hybrid_shard: full_shard within a group, replicated across groups; "
-        "no_shard: DDP (default: %(default)s)",
+        "forward and backward; hybrid_shard: full_shard within a group, replicated across groups; no_shard: DDP",
     )
     group.add_argument(
         "--backward-prefetch",
         choices=["pre", "post", "none"],
         default="pre",
         help="when to all-gather the next unit's parameters in backward: before (pre) or after (post) the "
-        "current unit's gradient computation, or not ahead of time (none) (default: %(default)s)",
+        "current unit's gradient computation, or not ahead of time (none)",
     )
 
 
@@ -363,7 +302,7 @@ def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
     group = parser.add_argument_group("checkpoints")
     group.add_argument(
         "--checkpoint-interval",
-        type=non_negative_int,
+        type=flags.non_negative_int,
         default=0,
         metavar="STEPS",
         help="save a checkpoint into RUN_DIR/checkpoints every this many steps; 0: only when asked to stop "
@@ -371,25 +310,25 @@ def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
     )
     group.add_argument(
         "--keep-checkpoints",
-        type=positive_int,
+        type=flags.positive_int,
         default=2,
         metavar="K",
-        help="keep the newest K checkpoints, delete older ones (default: %(default)s)",
+        help="keep the newest K checkpoints, delete older ones",
     )
     group.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest checkpoint in --run-dir; start from step 0 if there is none",
+        help="continue from --run-dir's newest checkpoint; from step 0 if there is none",
     )
     group.add_argument(
         "--resume-from",
-        type=existing_path,
+        type=flags.existing_path,
         metavar="PATH",
         help="continue from this checkpoint (RUN_DIR/checkpoints/step-N)",
     )
     group.add_argument(
         "--init-from",
-        type=existing_path,
+        type=flags.existing_path,
         metavar="PATH",
         help="start from these weights: a state dict of this model (a run's model.pt, or python -m "
         "tools.runs.export_checkpoint's output), at step 0 with a fresh optimizer; with --resume, a checkpoint "
@@ -401,7 +340,7 @@ def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
             choices=["sharded", "full"],
             default="sharded",
             help="sharded: each rank writes its own shard (torch.distributed.checkpoint), resumable at another "
-            "world size; full: rank 0 gathers everything into one file (default: %(default)s)",
+            "world size; full: rank 0 gathers everything into one file",
         )
         add_trust_flag(group)
 
