@@ -284,13 +284,13 @@ class Settings:
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> Settings:
         groups = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
-        schedulers = {
-            name: {
-                k: v for k, v in obj.state_dict().items() if isinstance(v, (int, float)) and k not in SCHEDULER_COUNTERS
-            }
-            for name, obj in extra.items()
-            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
-        }
+        schedulers = {}
+        for name, obj in extra.items():
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                state = obj.state_dict().items()
+                schedulers[name] = {
+                    k: v for k, v in state if isinstance(v, int | float) and k not in SCHEDULER_COUNTERS
+                }
         return cls(groups, schedulers)
 
     def apply(self, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, list[Any]]:
@@ -298,7 +298,7 @@ class Settings:
         changed: dict[str, list[Any]] = {}
         for wanted, group in zip(self.groups, optimizer.param_groups, strict=True):
             for key, value in wanted.items():
-                if key in group and plain(group[key]) == plain(value):
+                if key in group and plain_setting(group[key]) == plain_setting(value):
                     group[key] = value  # Adam's betas come back from a checkpoint as a list
                 elif key in group:
                     if key == "initial_lr":  # the same point of the schedule, from the new peak
@@ -314,10 +314,6 @@ class Settings:
             scheduler.base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
             scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
         return changed
-
-
-def plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
 
 
 def with_strategy_change(recorded: Any, current: str, changed: dict[str, list[Any]]) -> dict[str, list[Any]]:
