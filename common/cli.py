@@ -1,34 +1,15 @@
 """The flags the training scripts share: their names, types, defaults and help, grouped as --help shows them.
-
-Each number and path flag reads its value with a type of common.flags, as the commands' flags do, so
-a value no flag means is refused while parsing. The parser prints its usage, help and errors once
-(rank 0), not once per rank. What only a combination of flags rules out is common.flag_checks' job.
-"""
+Each number and path flag reads its value with a type of common.flags, so a value no flag means is refused while
+parsing; usage, help and errors print once (rank 0). What only a combination of flags rules out is flag_checks'."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import IO
 
+import common.flags as flags
 from common.distributed import env_rank
-from common.flags import (
-    existing_file,
-    existing_path,
-    folder,
-    int_in_range,
-    learning_rate,
-    name_pattern,
-    non_negative_float,
-    non_negative_int,
-    output_dir,
-    positive_float,
-    positive_int,
-    probability,
-    seed_value,
-    timeout_seconds,
-)
 from common.models import GPT_PRESETS
 
 
@@ -46,28 +27,15 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage, help and errors appear once, not once per rank."""
 
-    def print_usage(self, file: IO[str] | None = None) -> None:
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:  # usage, help and exit's message
         if env_rank() == 0:
-            super().print_usage(file)
-
-    def print_help(self, file: IO[str] | None = None) -> None:
-        if env_rank() == 0:
-            super().print_help(file)
-
-    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
-        if message and env_rank() == 0:
-            sys.stderr.write(message)
-        sys.exit(status)
+            super()._print_message(message, file)
 
 
 def add_device_flag(container: argparse._ActionsContainer) -> None:
     """--device as every script and the commands that start ranks take it."""
-    container.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="auto: this process's GPU with NCCL if CUDA is available, else CPU with gloo",
-    )
+    text = "auto: this process's GPU with NCCL if CUDA is available, else CPU with gloo"
+    container.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help=text)
 
 
 def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> Parser:
@@ -75,41 +43,19 @@ def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> 
     parser = Parser(description=description, formatter_class=HelpFormatter)
     run = parser.add_argument_group("run")
     add_device_flag(run)
-    run.add_argument(
-        "--dist-timeout",
-        type=timeout_seconds,
-        default=600.0,
-        metavar="SECONDS",
-        help="how long a collective waits for the other ranks before failing (default: %(default)s)",
+    text = "how long a collective waits for the other ranks before failing"
+    run.add_argument("--dist-timeout", type=flags.timeout_seconds, default=600.0, metavar="SECONDS", help=text)
+    text = "seeds the initial weights, the data order and dropout, the same on every rank"
+    run.add_argument("--seed", type=flags.seed_value, default=1, help=text)
+    text = "where metrics.jsonl and model.pt go"
+    run.add_argument("--run-dir", type=flags.output_dir, default=Path(run_dir), help=text)
+    text = "a metrics.jsonl record and a console line every this many steps; only these steps read values from the GPU"
+    run.add_argument("--log-interval", type=flags.positive_int, default=log_interval, metavar="STEPS", help=text)
+    text = (
+        "write a torch.profiler trace of N steps after a warm-up step, one file per rank, into RUN_DIR/profile/ (open "
+        "it in ui.perfetto.dev or chrome://tracing); 0: no trace (default: %(default)s)"
     )
-    run.add_argument(
-        "--seed",
-        type=seed_value,
-        default=1,
-        help="seeds the initial weights, the data order and dropout, the same on every rank",
-    )
-    run.add_argument(
-        "--run-dir",
-        type=output_dir,
-        default=Path(run_dir),
-        help="where metrics.jsonl and model.pt go (default: %(default)s)",
-    )
-    run.add_argument(
-        "--log-interval",
-        type=positive_int,
-        default=log_interval,
-        metavar="STEPS",
-        help="a metrics.jsonl record and a console line every this many steps; only these steps read values "
-        "from the GPU",
-    )
-    run.add_argument(
-        "--profile",
-        type=non_negative_int,
-        default=0,
-        metavar="N",
-        help="write a torch.profiler trace of N steps after a warm-up step, one file per rank, into "
-        "RUN_DIR/profile/ (open it in ui.perfetto.dev or chrome://tracing); 0: no trace (default: %(default)s)",
-    )
+    run.add_argument("--profile", type=flags.non_negative_int, default=0, metavar="N", help=text)
     return parser
 
 
@@ -118,138 +64,78 @@ def add_training_flags(
 ) -> None:
     group = parser.add_argument_group("training")
     parser.set_defaults(default_batch_size=batch_size)
-    group.add_argument(
-        "--batch-size",
-        type=positive_int,
-        help=f"examples per rank per micro-step (default: {batch_size})",
+    text = f"examples per rank per micro-step (default: {batch_size})"
+    group.add_argument("--batch-size", type=flags.positive_int, help=text)
+    text = (
+        "examples per optimizer step over all ranks and micro-steps; the per-rank batch becomes N / (world size x "
+        "--grad-accum-steps), so the same N trains the same way at any world size"
     )
-    group.add_argument(
-        "--global-batch-size",
-        type=positive_int,
-        metavar="N",
-        help="examples per optimizer step over all ranks and micro-steps; the per-rank batch becomes "
-        "N / (world size x --grad-accum-steps), so the same N trains the same way at any world size",
-    )
-    group.add_argument(
-        "--grad-accum-steps",
-        type=positive_int,
-        default=1,
-        help="micro-steps per optimizer step; gradients sync only on the last one",
-    )
-    group.add_argument("--lr", type=learning_rate, default=lr, help="peak learning rate (default: %(default)s)")
-    group.add_argument(
-        "--epochs", type=positive_int, default=epochs, help="passes over the training set (default: %(default)s)"
-    )
-    group.add_argument(
-        "--max-steps",
-        type=non_negative_int,
-        default=max_steps,
-        help="stop after this many optimizer steps; 0 only evaluates (default: %(default)s)",
-    )
-    group.add_argument(
-        "--grad-clip",
-        type=non_negative_float,
-        default=grad_clip,
-        help="clip the global gradient norm to this; 0 turns clipping off (default: %(default)s)",
-    )
-    group.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="deterministic kernels and no dropout, so runs at different world sizes can be compared step by step",
-    )
+    group.add_argument("--global-batch-size", type=flags.positive_int, metavar="N", help=text)
+    text = "micro-steps per optimizer step; gradients sync only on the last one"
+    group.add_argument("--grad-accum-steps", type=flags.positive_int, default=1, help=text)
+    group.add_argument("--lr", type=flags.learning_rate, default=lr, help="peak learning rate")
+    text = "passes over the training set (default: %(default)s)"
+    group.add_argument("--epochs", type=flags.positive_int, default=epochs, help=text)
+    text = "stop after this many optimizer steps; 0 only evaluates (default: %(default)s)"
+    group.add_argument("--max-steps", type=flags.non_negative_int, default=max_steps, help=text)
+    text = "clip the global gradient norm to this; 0 turns clipping off (default: %(default)s)"
+    group.add_argument("--grad-clip", type=flags.non_negative_float, default=grad_clip, help=text)
+    text = "deterministic kernels and no dropout, so runs at different world sizes can be compared step by step"
+    group.add_argument("--deterministic", action="store_true", help=text)
 
 
 def add_schedule_flags(parser: Parser, *, warmup_steps: int, min_lr_ratio: float, weight_decay: float) -> None:
     """AdamW's weight decay and the warm-up-then-cosine schedule of the transformer scripts."""
     group = parser.add_argument_group("schedule")
-    group.add_argument(
-        "--warmup-steps",
-        type=non_negative_int,
-        default=warmup_steps,
-        help="steps of linear warm-up to the peak lr",
-    )
-    group.add_argument(
-        "--min-lr-ratio",
-        type=probability,
-        default=min_lr_ratio,
-        help="the cosine schedule ends at lr times this",
-    )
-    group.add_argument(
-        "--weight-decay",
-        type=non_negative_float,
-        default=weight_decay,
-        help="AdamW's decoupled weight decay",
-    )
+    text = "steps of linear warm-up to the peak lr"
+    group.add_argument("--warmup-steps", type=flags.non_negative_int, default=warmup_steps, help=text)
+    text = "the cosine schedule ends at lr times this"
+    group.add_argument("--min-lr-ratio", type=flags.probability, default=min_lr_ratio, help=text)
+    text = "AdamW's decoupled weight decay"
+    group.add_argument("--weight-decay", type=flags.non_negative_float, default=weight_decay, help=text)
 
 
 def add_mnist_flags(parser: Parser, *, gamma: float) -> None:
     group = parser.add_argument_group("MNIST")
-    group.add_argument(
-        "--data-dir",
-        type=folder,
-        default=Path("./data"),
-        help="holds MNIST/raw/; downloaded there if missing (default: %(default)s)",
-    )
-    group.add_argument(
-        "--synthetic",
-        action="store_true",
-        help="train on generated 28x28 images instead of MNIST (smoke tests, no data needed)",
-    )
-    group.add_argument(
-        "--test-batch-size", type=positive_int, default=1000, help="images per rank per evaluation batch"
-    )
-    group.add_argument("--gamma", type=positive_float, default=gamma, help="StepLR's lr decay per epoch")
-
-
-# 128 Ki tokens: attention scores at that length already take 64 GiB per head and sequence in fp32.
-context_length = int_in_range(1, 2**17, name="context_length")
+    text = "holds MNIST/raw/; downloaded there if missing"
+    group.add_argument("--data-dir", type=flags.folder, default=Path("./data"), help=text)
+    text = "train on generated 28x28 images instead of MNIST (smoke tests, no data needed)"
+    group.add_argument("--synthetic", action="store_true", help=text)
+    text = "images per rank per evaluation batch"
+    group.add_argument("--test-batch-size", type=flags.positive_int, default=1000, help=text)
+    group.add_argument("--gamma", type=flags.positive_float, default=gamma, help="StepLR's lr decay per epoch")
 
 
 def add_transformer_flags(parser: Parser) -> None:
     group = parser.add_argument_group("transformer")
-    group.add_argument("--model", choices=sorted(GPT_PRESETS), default="tiny", help="size preset (default: tiny)")
-    group.add_argument("--n-layer", type=positive_int, help="override the preset's number of Blocks")
-    group.add_argument("--n-head", type=positive_int, help="override the preset's attention heads")
-    group.add_argument("--d-model", type=positive_int, help="override the preset's width")
+    group.add_argument("--model", choices=sorted(GPT_PRESETS), default="tiny", help="size preset")
+    group.add_argument("--n-layer", type=flags.positive_int, help="override the preset's number of Blocks")
+    group.add_argument("--n-head", type=flags.positive_int, help="override the preset's attention heads")
+    group.add_argument("--d-model", type=flags.positive_int, help="override the preset's width")
+    # At most 128 Ki tokens: attention scores at that length already take 64 GiB per head and sequence in fp32.
+    context_length = flags.int_in_range(1, 2**17, name="context_length")
     group.add_argument("--block-size", type=context_length, help="override the preset's context length")
-    group.add_argument("--dropout", type=probability, default=0.0, help="dropout probability in every Block")
-    group.add_argument(
-        "--text-file",
-        type=existing_file,
-        help="train character-level on this UTF-8 file instead of the synthetic Markov tokens",
+    group.add_argument("--dropout", type=flags.probability, default=0.0, help="dropout probability in every Block")
+    text = "train character-level on this UTF-8 file instead of the synthetic Markov tokens"
+    group.add_argument("--text-file", type=flags.existing_file, help=text)
+    text = (
+        "train on a file of token ids that python -m tools.runs.prepare_tokens wrote, read a window at a time: a "
+        "corpus of any size; its last 10%% is held out"
     )
-    group.add_argument(
-        "--token-file",
-        type=existing_file,
-        metavar="TOKENS",
-        help="train on a file of token ids that python -m tools.runs.prepare_tokens wrote, read a window at a time: a "
-        "corpus of any size; its last 10%% is held out",
+    group.add_argument("--token-file", type=flags.existing_file, metavar="TOKENS", help=text)
+    text = "synthetic training sequences"
+    group.add_argument("--train-sequences", type=flags.positive_int, default=20_000, help=text)
+    text = "held-out sequences: synthetic ones, or the last windows of a --token-file, at most a tenth of it"
+    group.add_argument("--heldout-sequences", type=flags.positive_int, default=1_000, help=text)
+    text = (
+        "cut each synthetic sequence to 1 to --block-size tokens, drawn from the data's seed, and pad the rest "
+        "(ignore_index), as real text of uneven lengths is; each token still weighs the same in the loss"
     )
-    group.add_argument(
-        "--train-sequences",
-        type=positive_int,
-        default=20_000,
-        help="synthetic training sequences (default: %(default)s)",
-    )
-    group.add_argument(
-        "--heldout-sequences",
-        type=positive_int,
-        default=1_000,
-        help="held-out sequences: synthetic ones, or the last windows of a --token-file, at most a tenth of it "
-        "(default: %(default)s)",
-    )
-    group.add_argument(
-        "--variable-length",
-        action="store_true",
-        help="cut each synthetic sequence to 1 to --block-size tokens, drawn from the data's seed, and pad the "
-        "rest (ignore_index), as real text of uneven lengths is; each token still weighs the same in the loss",
-    )
-    group.add_argument(
-        "--eval-interval", type=positive_int, default=100, metavar="STEPS", help="evaluate every this many steps"
-    )
-    group.add_argument(
-        "--eval-batch-size", type=positive_int, default=100, help="held-out sequences per rank per evaluation batch"
-    )
+    group.add_argument("--variable-length", action="store_true", help=text)
+    text = "evaluate every this many steps"
+    group.add_argument("--eval-interval", type=flags.positive_int, default=100, metavar="STEPS", help=text)
+    text = "held-out sequences per rank per evaluation batch"
+    group.add_argument("--eval-batch-size", type=flags.positive_int, default=100, help=text)
     add_fine_tuning_flags(parser)
 
 
@@ -257,160 +143,112 @@ def add_fine_tuning_flags(parser: Parser, *, title: str = "fine-tuning", alpha: 
     """--freeze, --lora-rank, --lora-alpha and --lora-targets: the transformer scripts', and the estimators'
     (which do without --lora-alpha: it changes no byte)."""
     tuning = parser.add_argument_group(title)
-    tuning.add_argument(
-        "--freeze",
-        type=name_pattern,
-        action="append",
-        default=[],
-        metavar="PATTERN",
-        help="train without the parameters whose names match this glob (repeatable): they keep their starting "
-        "values (--init-from's) and get no gradient, no optimizer state and no all-reduce, e.g. --freeze 'tok_emb.*' "
-        "--freeze 'blocks.0.*'",
+    text = (
+        "train without the parameters whose names match this glob (repeatable): they keep their starting values "
+        "(--init-from's) and get no gradient, no optimizer state and no all-reduce, e.g. --freeze 'tok_emb.*' --freeze "
+        "'blocks.0.*'"
     )
-    tuning.add_argument(
-        "--lora-rank",
-        type=positive_int,
-        help="train LoRA adapters of this rank beside the linear layers --lora-targets names, and freeze every "
-        "other parameter; model.pt holds the adapters merged into the weights (default: no adapters)",
+    tuning.add_argument("--freeze", type=flags.name_pattern, action="append", default=[], metavar="PATTERN", help=text)
+    text = (
+        "train LoRA adapters of this rank beside the linear layers --lora-targets names, and freeze every other "
+        "parameter; model.pt holds the adapters merged into the weights (default: no adapters)"
     )
+    tuning.add_argument("--lora-rank", type=flags.positive_int, help=text)
     if alpha:
-        tuning.add_argument(
-            "--lora-alpha",
-            type=positive_float,
-            help="the adapters' update is scaled by alpha / rank (default: 2 x --lora-rank, a scale of 2)",
-        )
-    tuning.add_argument(
-        "--lora-targets",
-        type=name_pattern,
-        action="append",
-        metavar="PATTERN",
-        help="glob over module names: the linear layers that get adapters (repeatable; default: "
-        "'blocks.*.attn.*' and 'blocks.*.mlp.*', every linear layer of the Blocks)",
+        text = "the adapters' update is scaled by alpha / rank (default: 2 x --lora-rank, a scale of 2)"
+        tuning.add_argument("--lora-alpha", type=flags.positive_float, help=text)
+    text = (
+        "glob over module names: the linear layers that get adapters (repeatable; default: 'blocks.*.attn.*' and "
+        "'blocks.*.mlp.*', every linear layer of the Blocks)"
     )
+    tuning.add_argument("--lora-targets", type=flags.name_pattern, action="append", metavar="PATTERN", help=text)
 
 
 def add_compute_flags(parser: Parser, *, precisions: list[str]) -> None:
     """How the transformer scripts compute: the same flags under DDP and FSDP, so they compare fairly."""
     group = parser.add_argument_group("compute")
-    group.add_argument(
-        "--mixed-precision",
-        choices=precisions,
-        default="fp32",
-        help="dtype of the matrix multiplications in forward and backward (DDP: torch.autocast; FSDP: the "
-        "dtype its gathered parameters take); weights, optimizer state and gradient reduction stay fp32 "
-        "(default: %(default)s)",
+    text = (
+        "dtype of the matrix multiplications in forward and backward (DDP: torch.autocast; FSDP: the dtype its "
+        "gathered parameters take); weights, optimizer state and gradient reduction stay fp32"
     )
-    group.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="keep only each Block's input in forward and recompute the rest in backward: less memory, more compute",
-    )
-    group.add_argument(
-        "--compile", action="store_true", help="torch.compile each Block (the first steps are slow while it compiles)"
-    )
+    group.add_argument("--mixed-precision", choices=precisions, default="fp32", help=text)
+    text = "keep only each Block's input in forward and recompute the rest in backward: less memory, more compute"
+    group.add_argument("--activation-checkpointing", action="store_true", help=text)
+    text = "torch.compile each Block (the first steps are slow while it compiles)"
+    group.add_argument("--compile", action="store_true", help=text)
 
 
 def add_fsdp_flags(parser: Parser) -> None:
     """Flags both FSDP transformer scripts have; each script adds its own on top."""
     group = parser.add_argument_group("FSDP")
-    group.add_argument(
-        "--cpu-offload",
-        action="store_true",
-        help="keep the sharded parameters, gradients and optimizer state in host memory (CUDA runs only)",
+    text = "keep the sharded parameters, gradients and optimizer state in host memory (CUDA runs only)"
+    group.add_argument("--cpu-offload", action="store_true", help=text)
+    text = (
+        "hybrid sharding: R groups each hold a full sharded copy, shard within a group, all-reduce across groups; must "
+        "divide the world size"
     )
-    group.add_argument(
-        "--replicate-degree",
-        type=positive_int,
-        metavar="R",
-        help="hybrid sharding: R groups each hold a full sharded copy, shard within a group, "
-        "all-reduce across groups; must divide the world size",
-    )
+    group.add_argument("--replicate-degree", type=flags.positive_int, metavar="R", help=text)
 
 
 def add_fsdp1_flags(parser: Parser) -> None:
     """The FSDP1 transformer script's own flags: what it shards, and when backward gathers ahead."""
     group = parser.add_argument_group("FSDP1")
-    group.add_argument(
-        "--sharding-strategy",
-        choices=["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"],
-        default="full_shard",
-        help="full_shard: ZeRO-3, parameters too; shard_grad_op: ZeRO-2, parameters stay gathered between "
-        "forward and backward; hybrid_shard: full_shard within a group, replicated across groups; "
-        "no_shard: DDP (default: %(default)s)",
+    strategies = ["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"]
+    text = (
+        "full_shard: ZeRO-3, parameters too; shard_grad_op: ZeRO-2, parameters stay gathered between forward and "
+        "backward; hybrid_shard: full_shard within a group, replicated across groups; no_shard: DDP"
     )
-    group.add_argument(
-        "--backward-prefetch",
-        choices=["pre", "post", "none"],
-        default="pre",
-        help="when to all-gather the next unit's parameters in backward: before (pre) or after (post) the "
-        "current unit's gradient computation, or not ahead of time (none) (default: %(default)s)",
+    group.add_argument("--sharding-strategy", choices=strategies, default="full_shard", help=text)
+    text = (
+        "when to all-gather the next unit's parameters in backward: before (pre) or after (post) the current unit's "
+        "gradient computation, or not ahead of time (none)"
     )
+    group.add_argument("--backward-prefetch", choices=["pre", "post", "none"], default="pre", help=text)
 
 
 def add_fsdp2_flags(parser: Parser) -> None:
     """The FSDP2 transformer script's own flag: whether a Block's gathered parameters wait for backward."""
-    parser.add_argument_group("FSDP2").add_argument(
-        "--reshard-after-forward",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="free each Block's gathered parameters after its forward and gather them again for backward; "
-        "--no-reshard-after-forward keeps them (ZeRO-2-like: more memory, one all-gather less per step)",
+    group = parser.add_argument_group("FSDP2")
+    text = (
+        "free each Block's gathered parameters after its forward and gather them again for backward; "
+        "--no-reshard-after-forward keeps them (ZeRO-2-like: more memory, one all-gather less per step)"
     )
+    group.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help=text)
 
 
 def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
     """Checkpoint and resume flags; ``sharded`` adds --checkpoint-format (the FSDP scripts)."""
     group = parser.add_argument_group("checkpoints")
-    group.add_argument(
-        "--checkpoint-interval",
-        type=non_negative_int,
-        default=0,
-        metavar="STEPS",
-        help="save a checkpoint into RUN_DIR/checkpoints every this many steps; 0: only when asked to stop "
-        "(SIGTERM, SIGUSR1 or a RUN_DIR/STOP file) (default: %(default)s)",
+    text = (
+        "save a checkpoint into RUN_DIR/checkpoints every this many steps; 0: only when asked to stop (SIGTERM, "
+        "SIGUSR1 or a RUN_DIR/STOP file) (default: %(default)s)"
     )
-    group.add_argument(
-        "--keep-checkpoints",
-        type=positive_int,
-        default=2,
-        metavar="K",
-        help="keep the newest K checkpoints, delete older ones (default: %(default)s)",
+    group.add_argument("--checkpoint-interval", type=flags.non_negative_int, default=0, metavar="STEPS", help=text)
+    text = "keep the newest K checkpoints, delete older ones"
+    group.add_argument("--keep-checkpoints", type=flags.positive_int, default=2, metavar="K", help=text)
+    text = "continue from the newest checkpoint in --run-dir; start from step 0 if there is none"
+    group.add_argument("--resume", action="store_true", help=text)
+    text = "continue from this checkpoint (RUN_DIR/checkpoints/step-N)"
+    group.add_argument("--resume-from", type=flags.existing_path, metavar="PATH", help=text)
+    text = (
+        "start from these weights: a state dict of this model (a run's model.pt, or python -m "
+        "tools.runs.export_checkpoint's output), at step 0 with a fresh optimizer; with --resume, a checkpoint in "
+        "--run-dir comes first"
     )
-    group.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest checkpoint in --run-dir; start from step 0 if there is none",
-    )
-    group.add_argument(
-        "--resume-from",
-        type=existing_path,
-        metavar="PATH",
-        help="continue from this checkpoint (RUN_DIR/checkpoints/step-N)",
-    )
-    group.add_argument(
-        "--init-from",
-        type=existing_path,
-        metavar="PATH",
-        help="start from these weights: a state dict of this model (a run's model.pt, or python -m "
-        "tools.runs.export_checkpoint's output), at step 0 with a fresh optimizer; with --resume, a checkpoint "
-        "in --run-dir comes first",
-    )
+    group.add_argument("--init-from", type=flags.existing_path, metavar="PATH", help=text)
     if sharded:
-        group.add_argument(
-            "--checkpoint-format",
-            choices=["sharded", "full"],
-            default="sharded",
-            help="sharded: each rank writes its own shard (torch.distributed.checkpoint), resumable at another "
-            "world size; full: rank 0 gathers everything into one file (default: %(default)s)",
+        text = (
+            "sharded: each rank writes its own shard (torch.distributed.checkpoint), resumable at another world size; "
+            "full: rank 0 gathers everything into one file"
         )
+        group.add_argument("--checkpoint-format", choices=["sharded", "full"], default="sharded", help=text)
         add_trust_flag(group)
 
 
 def add_trust_flag(group: argparse._ActionsContainer) -> None:
     """--trust-checkpoint, for the training scripts and tools.runs.export_checkpoint alike."""
-    group.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
-        help="load a sharded checkpoint even if its .metadata holds more than DCP's own records; that file "
-        "is a pickle, so this runs whatever code it names: only for checkpoints from someone you trust",
+    text = (
+        "load a sharded checkpoint even if its .metadata holds more than DCP's own records; that file is a pickle, so "
+        "this runs whatever code it names: only for checkpoints from someone you trust"
     )
+    group.add_argument("--trust-checkpoint", action="store_true", help=text)

@@ -1,13 +1,7 @@
-"""The training scripts' flags checked against each other and against how the run was launched, then
-recorded as the run's training settings, which a resume compares with the checkpoint's.
-
-Parsing gives each flag a valid value on its own; what only a combination rules out (--resume with
---resume-from, a global batch the world size does not divide, a --run-dir that already holds a run)
-and what the flags leave to fill in (the per-rank batch, the preset's model dimensions) are decided
-here, after parsing and before any process group: a mistake costs a second, not a queue wait, and is
-one message with exit code 2. Each checkpoint records the settings as given (``training_settings``);
-a resume names every one that differs, and refuses another model (``identity_mismatch``).
-"""
+"""What only a combination of the scripts' flags or the launch rules out (--resume with --resume-from, a global batch
+the world size does not divide), and what the flags leave to fill in (the per-rank batch, the preset's dimensions):
+decided after parsing, before any process group, so a mistake costs a second and is one message with exit code 2.
+Each checkpoint records the flags as given (``training_settings``); a resume names every one that differs."""
 
 from __future__ import annotations
 
@@ -31,11 +25,8 @@ from common.safetensors_weights import holds_safetensors, safetensors_files
 
 
 def check_launch_environment(parser: Parser) -> None:
-    """Ranks and a world size without torchrun's rendezvous (MASTER_ADDR) are refused.
-
-    Without it the run would start a world of one, yet take its share of the data as rank RANK of
-    WORLD_SIZE: half the data at WORLD_SIZE=2, and a final record that claims two processes.
-    """
+    """Ranks and a world size without torchrun's rendezvous (MASTER_ADDR) are refused: the run would start a world
+    of one, yet take its share of the data as rank RANK of WORLD_SIZE (half the data at WORLD_SIZE=2)."""
     if "MASTER_ADDR" in os.environ:
         return
     given = {name: os.environ[name] for name in LAUNCH_VARIABLES if name in os.environ}
@@ -52,21 +43,15 @@ def check_launch_environment(parser: Parser) -> None:
 
 
 def check_training_flags(parser: Parser, args: argparse.Namespace, tp_size: int = 1) -> None:
-    """The flags every script has; first records them as given in ``args.training_settings``, before the checks
-    derive values (a per-rank batch, a preset's width) that would differ at another world size unasked.
-
-    ``tp_size``: ranks that share each slice of the batch (a tensor-parallel group); the batch is split over
-    the world size divided by it."""
+    """The flags every script has, first recorded as given in ``args.training_settings``. ``tp_size``: ranks that
+    share each slice of the batch (a tensor-parallel group); the batch is split over the world size divided by it."""
     args.training_settings = training_settings(parser, args)
     check_launch_environment(parser)
     if args.epochs is None and args.max_steps is None:
         parser.error("give --epochs or --max-steps")
     resolve_batch_size(parser, args, tp_size)
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: CUDA is not available on this machine")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine")
 
 
 def resolve_batch_size(parser: Parser, args: argparse.Namespace, tp_size: int = 1) -> None:
@@ -115,8 +100,7 @@ def check_fsdp_flags(parser: Parser, args: argparse.Namespace) -> None:
 
 
 def check_fsdp2_flags(parser: Parser, args: argparse.Namespace) -> None:
-    """check_fsdp_flags, what this torch's FSDP2 can do, and --replicate-degree 1 by default (plain FSDP: one
-    copy, sharded across every rank)."""
+    """check_fsdp_flags, what this torch's FSDP2 can do, and --replicate-degree 1 (plain FSDP) by default."""
     if args.cpu_offload:
         require_torch(parser, FSDP2_CPU_OFFLOAD, "--cpu-offload with FSDP2")
     if not wants_cuda(args.device):
@@ -138,8 +122,7 @@ ONE_RANK_SHARD_GROUPS = (
 
 
 def check_fsdp1_flags(parser: Parser, args: argparse.Namespace) -> None:
-    """check_fsdp_flags, and --replicate-degree as FSDP1 takes it: for hybrid_shard only, one replica a machine
-    by default."""
+    """check_fsdp_flags, and --replicate-degree as FSDP1 takes it: hybrid_shard only, one replica a node by default."""
     if args.sharding_strategy != "hybrid_shard" and args.replicate_degree is not None:
         parser.error("--replicate-degree only applies to --sharding-strategy hybrid_shard")
     check_fsdp_flags(parser, args)
@@ -153,8 +136,7 @@ def check_fsdp1_flags(parser: Parser, args: argparse.Namespace) -> None:
             "process use ddp/train_transformer.py or fsdp/train_transformer_fsdp2.py"
         )
     if args.sharding_strategy == "hybrid_shard" and args.replicate_degree is None:
-        # One replica per machine: sharding stays on the fast links inside a node
-        # and only the gradient all-reduce crosses the network.
+        # One replica per machine: sharding stays on a node's fast links, only the all-reduce crosses the network.
         args.replicate_degree = env_num_nodes()
         if args.replicate_degree == 1:
             # A single machine has no nodes to replicate across; pretend it has two.
@@ -171,10 +153,8 @@ def check_init_from(parser: Parser, path: Path) -> None:
     """--init-from names a state dict file, a .safetensors file or a Hugging Face folder, and the folder holds
     the files its index names; whether they fit the model is known once it is built."""
     if path.is_dir() and (path / ".metadata").exists():
-        parser.error(
-            f"--init-from {path} is a sharded checkpoint; "
-            f"python -m tools.runs.export_checkpoint {path} weights.pt makes a state dict of one"
-        )
+        export = f"python -m tools.runs.export_checkpoint {path} weights.pt"
+        parser.error(f"--init-from {path} is a sharded checkpoint; {export} makes a state dict of one")
     if path.is_dir():
         try:
             safetensors_files(path)
@@ -211,11 +191,8 @@ def machine_memory() -> int:
 
 
 def check_model_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A model whose fp32 weights alone exceed this machine's memory is refused now, not by the allocator.
-
-    Its Blocks' weights (12 d^2 each) and position embeddings are counted; the vocabulary's rows, which
-    depend on the data, are left out, so this refuses only what cannot be built.
-    """
+    """A model whose fp32 weights alone exceed this machine's memory is refused now, not by the allocator: its Blocks'
+    (12 d^2 each) and position embeddings; not the vocabulary's rows (the data's), so only what cannot be built."""
     weights = 4 * (12 * args.n_layer * args.d_model**2 + args.block_size * args.d_model)
     if weights > machine_memory():
         parser.error(
@@ -237,28 +214,22 @@ def check_synthetic_size(parser: argparse.ArgumentParser, args: argparse.Namespa
         )
 
 
-# Flags that only say where the run writes or computes, what it reports, how it saves, or where it starts
-# from: none of them changes what is trained, so a resume may change them without a word. Every other flag
-# of a script, one added later included, is a training setting: recorded in each checkpoint, compared on
-# resume, and each change named.
-NOT_TRAINING_SETTINGS = frozenset(
-    {
-        *("--run-dir", "--data-dir", "--device", "--dist-timeout"),  # where, and how long a collective waits
-        *("--log-interval", "--profile"),  # what is reported; neither touches the weights or the data order
-        *("--eval-interval", "--eval-batch-size", "--test-batch-size"),  # evaluation never updates a weight
-        *("--checkpoint-interval", "--keep-checkpoints", "--checkpoint-format", "--trust-checkpoint"),  # saving
-        *("--resume", "--resume-from", "--init-from"),  # where the run starts; a resume starts from a checkpoint
-    }
-)
+# Flags that only say where the run writes or computes, what it reports, how it saves, or where it starts: a resume
+# may change them without a word. Every other flag, one added later included, is a training setting: recorded in
+# each checkpoint, compared on resume, and each change named.
+NOT_TRAINING_SETTINGS = {
+    *("--run-dir", "--data-dir", "--device", "--dist-timeout"),  # where, and how long a collective waits
+    *("--log-interval", "--profile"),  # what is reported; neither touches the weights or the data order
+    *("--eval-interval", "--eval-batch-size", "--test-batch-size"),  # evaluation never updates a weight
+    *("--checkpoint-interval", "--keep-checkpoints", "--checkpoint-format", "--trust-checkpoint"),  # saving
+    *("--resume", "--resume-from", "--init-from"),  # where the run starts; a resume starts from a checkpoint
+}
 
 
 def training_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
-    """Every flag of ``parser`` but NOT_TRAINING_SETTINGS, by its long name, with the value ``args`` holds.
-
-    Taken from the parser, not from a list, so that a flag a script gains later is recorded from the day
-    it is added. Call it on what the user gave (right after parsing), before checks fill in derived values
-    (a per-rank batch, a preset's width) that would differ at another world size without being asked for.
-    """
+    """Every flag of ``parser`` (so also one added later) but NOT_TRAINING_SETTINGS, by its long name, with its value
+    in ``args``. Call it right after parsing, before checks derive values (a per-rank batch, a preset's width) that
+    would differ at another world size without being asked for."""
     settings = {}
     for action in parser._actions:
         if action.option_strings and hasattr(args, action.dest):
@@ -282,11 +253,8 @@ NOT_RECORDED = "(not recorded)"  # a flag that the script which wrote the checkp
 
 def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, list[Any]]:
     """``flag: [recorded, current]`` for each training setting that differs."""
-    return {
-        flag: [recorded.get(flag, NOT_RECORDED), value]
-        for flag, value in current.items()
-        if recorded.get(flag, NOT_RECORDED) != value
-    }
+    old = {flag: recorded.get(flag, NOT_RECORDED) for flag in current}
+    return {flag: [old[flag], value] for flag, value in current.items() if old[flag] != value}
 
 
 def describe_changes(changed: dict[str, list[Any]]) -> str:
@@ -300,21 +268,15 @@ def shown(value: Any) -> str:
 
 # Entries of a scheduler's state that count where it is, not how it was set up.
 SCHEDULER_COUNTERS = {"last_epoch", "_step_count", "_last_lr", "base_lrs", "_get_lr_called_within_step", "_is_initial"}
-
-
 # The flag behind each setting, as the scripts name them.
 SETTING_FLAGS = {"initial_lr": "--lr", "weight_decay": "--weight-decay", "gamma": "--gamma"}
 
 
 @dataclass
 class Settings:
-    """The hyperparameters a run was started with: each optimizer group's (its peak lr as ``initial_lr``,
-    which the scheduler sets) and the schedulers' own (StepLR's ``gamma``).
-
-    A checkpoint holds the values it trained with. A resume that asks for others (a lower ``--lr``
-    after a NaN) gets what it asks for from the checkpoint's step on, and is told so: silently
-    training on with the old values would ignore the flags.
-    """
+    """The hyperparameters a run was started with: each optimizer group's (its peak lr as ``initial_lr``, which the
+    scheduler sets) and the schedulers' own (StepLR's ``gamma``). A resume that asks for others than its checkpoint's
+    (a lower ``--lr`` after a NaN) gets them from the checkpoint's step on, and is told so."""
 
     groups: list[dict[str, Any]]
     schedulers: dict[str, dict[str, Any]]
@@ -322,13 +284,13 @@ class Settings:
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> Settings:
         groups = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
-        schedulers = {
-            name: {
-                k: v for k, v in obj.state_dict().items() if isinstance(v, (int, float)) and k not in SCHEDULER_COUNTERS
-            }
-            for name, obj in extra.items()
-            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
-        }
+        schedulers = {}
+        for name, obj in extra.items():
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                state = obj.state_dict().items()
+                schedulers[name] = {
+                    k: v for k, v in state if isinstance(v, int | float) and k not in SCHEDULER_COUNTERS
+                }
         return cls(groups, schedulers)
 
     def apply(self, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, list[Any]]:
@@ -336,7 +298,7 @@ class Settings:
         changed: dict[str, list[Any]] = {}
         for wanted, group in zip(self.groups, optimizer.param_groups, strict=True):
             for key, value in wanted.items():
-                if key in group and plain(group[key]) == plain(value):
+                if key in group and plain_setting(group[key]) == plain_setting(value):
                     group[key] = value  # Adam's betas come back from a checkpoint as a list
                 elif key in group:
                     if key == "initial_lr":  # the same point of the schedule, from the new peak
@@ -354,13 +316,9 @@ class Settings:
         return changed
 
 
-def plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
 def with_strategy_change(recorded: Any, current: str, changed: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    """``changed``, led by the strategy where the checkpoint was written under another one. The flags only
-    the other strategy's script has are no change the user asked for, so they are left out."""
+    """``changed``, led by the strategy where the checkpoint was written under another one; without the flags only the
+    other strategy's script has, which are no change the user asked for."""
     if recorded is None or recorded == current:
         return changed  # the same strategy, or a checkpoint from before strategies were recorded
     kept = {flag: values for flag, values in changed.items() if values[0] != NOT_RECORDED}
@@ -368,15 +326,13 @@ def with_strategy_change(recorded: Any, current: str, changed: dict[str, list[An
 
 
 def identity_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
-    """What makes a checkpoint (its recorded ``identity``) unfit for this run, each difference named; None if
-    it fits. The strategy is not part of it: a checkpoint belongs to a model, not to a script."""
+    """What makes a checkpoint (its recorded ``identity``) unfit for this run, each difference named; None if it fits.
+    The strategy is not part of it: a checkpoint belongs to a model, not to a script."""
     differences = []
     for key, value in ours.items():
-        if key in ("trained", "model") and key not in theirs:
-            # Written before it was recorded (the MNIST scripts recorded only themselves): the state dicts'
-            # own keys are all there is to go by.
-            continue
-        if theirs.get(key) == value:
+        # "trained" and "model" missing there: written before they were recorded (the MNIST scripts recorded only
+        # themselves), and the state dicts' own keys are all there is to go by.
+        if theirs.get(key) == value or (key in ("trained", "model") and key not in theirs):
             continue
         if key == "trained":
             if theirs.get("lora") == ours.get("lora"):  # other adapters train other parameters: said already

@@ -1,15 +1,7 @@
-"""The argparse types of every flag that takes a number or a path: one way to read a flag.
-
-A type refuses what no flag means before any work starts: nan, inf and what overflows to them
-(1e999), a number outside the flag's range, a word where a number goes; an empty path, a name too
-long for the file system, a missing input, a folder where a file goes, a file where a folder goes,
-an output below a file or where nothing can be created.
-argparse prints the refusal once as ``PROG: error: argument --FLAG: ...`` and exits with 2.
-
-Each type carries ``kind`` (INTEGER, NUMBER, EXISTING_FILE, ...): tests/test_every_flag.py reads it to
-choose the hostile values it tries on the flag, and fails on a flag whose type has none.
-No torch here: tools.checks.preflight parses its flags without importing it.
-"""
+"""The argparse types of every number and path flag: each refuses what no flag means (nan, 1e999, a word, a value
+out of range; an empty, missing or too long path, a file where a folder goes, an output nothing can be created in)
+as ``PROG: error: argument --FLAG: ...``, exit 2. Each carries ``kind``, from which tests/test_every_flag.py chooses
+the hostile values it tries. No torch here: tools.checks.preflight parses its flags without importing it."""
 
 from __future__ import annotations
 
@@ -57,13 +49,12 @@ def shown(text: str) -> str:
 
 def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         # Python refuses to read more than 4,300 digits (ValueError): a whole number still, only too large.
         if not text.strip().lstrip("+-").replace("_", "").isdigit():
             raise argparse.ArgumentTypeError(f"must be a whole number, got {shown(text)}") from None
         return INT64_MAX + 1 if text.strip()[0] != "-" else -INT64_MAX - 2
-    return value
 
 
 def _finite(text: str) -> float:
@@ -76,20 +67,18 @@ def _finite(text: str) -> float:
     return value
 
 
-def _int_range_text(low: int, high: int | None) -> str:
-    if high is not None:
-        return f"an integer from {low} to {high}"
-    return {0: "zero or a positive integer", 1: "a positive integer"}.get(low, f"an integer of at least {low}")
-
-
 def int_in_range(low: int, high: int | None = None, *, name: str = "integer") -> Callable[[str], int]:
     """Whole numbers from ``low`` to ``high`` (when None, to the largest 64-bit integer)."""
+    if high is not None:
+        bounds = f"an integer from {low} to {high}"
+    else:
+        bounds = {0: "zero or a positive integer", 1: "a positive integer"}.get(low, f"an integer of at least {low}")
 
     @flag_kind(INTEGER)
     def parse(text: str) -> int:
         value = _integer(text)
         if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {_int_range_text(low, high)}, got {shown(text)}")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {shown(text)}")
         if abs(value) > INT64_MAX:
             raise argparse.ArgumentTypeError(
                 f"must be at most {INT64_MAX:,} (64 bits, what torch and numpy count with), got {shown(text)}"
@@ -104,38 +93,32 @@ def float_in_range(
     low: float, high: float | None = None, *, above_low: bool = False, unit: str = "", name: str = "number"
 ) -> Callable[[str], float]:
     """Finite numbers from ``low`` (excluded with ``above_low``) to ``high`` (no upper end when None)."""
+    if high is not None:
+        bounds = f"above {low:g} and at most {high:g}{unit}" if above_low else f"from {low:g} to {high:g}{unit}"
+    elif low == 0:
+        bounds = "a positive number" if above_low else "zero or a positive number"
+    else:
+        bounds = f"above {low:g}{unit}" if above_low else f"at least {low:g}{unit}"
 
     @flag_kind(NUMBER)
     def parse(text: str) -> float:
         value = _finite(text)
         too_low = value <= low if above_low else value < low
         if too_low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(
-                f"must be {_float_range_text(low, high, above_low, unit)}, got {shown(text)}"
-            )
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {shown(text)}")
         return value
 
     parse.__name__ = name
     return parse
 
 
-def _float_range_text(low: float, high: float | None, above_low: bool, unit: str) -> str:
-    if high is not None:
-        return f"from {low:g} to {high:g}{unit}" if not above_low else f"above {low:g} and at most {high:g}{unit}"
-    if low == 0:
-        return "a positive number" if above_low else "zero or a positive number"
-    return f"above {low:g}{unit}" if above_low else f"at least {low:g}{unit}"
-
-
 positive_int = int_in_range(1, name="positive_int")
-
-
 non_negative_int = int_in_range(0, name="non_negative_int")
 positive_float = float_in_range(0, above_low=True, name="positive_float")
 non_negative_float = float_in_range(0, name="non_negative_float")
 
-SEED_LIMIT = 2**32  # numpy's range, and far from the 64 bits torch's generators take with the epoch added
-seed_value = int_in_range(0, SEED_LIMIT - 1, name="seed_value")
+# numpy's range, and far from the 64 bits torch's generators take with the epoch added
+seed_value = int_in_range(0, 2**32 - 1, name="seed_value")
 
 
 @flag_kind(NUMBER)
@@ -146,8 +129,8 @@ def probability(text: str) -> float:
     return value
 
 
-# The optimizers compute in float32, and Adam's first step divides the lr by 1 - beta1 = 0.1: a larger
-# lr overflows inside AdamW.step (a RuntimeError in torch 2.14, found with --lr 1e38).
+# The optimizers compute in float32, and Adam's first step divides the lr by 1 - beta1 = 0.1: a larger lr
+# overflows inside AdamW.step (a RuntimeError in torch 2.14, found with --lr 1e38).
 LR_LIMIT = 3.4028234663852886e38 / 10
 
 
@@ -187,8 +170,8 @@ def name_pattern(text: str) -> str:
 
 
 def path_kind(kind: str) -> Callable[[Callable[[str], Path]], Callable[[str], Path]]:
-    """``flag_kind`` for a path: also refuses an empty path, and says what the system said of one (a name
-    too long, a loop of links) instead of raising it as a traceback."""
+    """``flag_kind`` for a path: also refuses an empty path, and says what the system said of one (a name too long,
+    a loop of links) instead of raising it as a traceback."""
 
     def mark(check: Callable[[str], Path]) -> Callable[[str], Path]:
         @functools.wraps(check)
@@ -256,8 +239,8 @@ def existing_path(text: str) -> Path:
 
 @path_kind(OUTPUT_DIR)
 def folder(text: str) -> Path:
-    """A folder that is there or can be made: not a file, not below a file. No write is asked of it: a
-    data set on a read-only share is read where it is, and only a download needs to write."""
+    """A folder that is there or can be made: not a file, not below a file. No write is asked of it: a data set on a
+    read-only share is read where it is, and only a download needs to write."""
     path = Path(text)
     _refuse_a_file(text, path)
     _nearest_folder(text, path)
