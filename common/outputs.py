@@ -79,11 +79,9 @@ def name_max(folder: Path) -> int:
 
 
 def temporary_beside(path: Path) -> Path:
-    """``.tmp-STEM.UNIQUE.SUFFIX`` beside ``path``, created empty so that no other writer takes it.
-
-    It keeps the suffix (matplotlib picks the format by it); the stem, then the suffix, is cut short where
-    the name would be longer than the file system allows, so any name it allows for ``path`` can be written.
-    """
+    """``.tmp-STEM.UNIQUE.SUFFIX`` beside ``path``, created empty so that no other writer takes it. It keeps the
+    suffix (matplotlib picks the format by it); the stem, then the suffix, is cut short where the name would be
+    longer than the file system allows, so any name it allows for ``path`` can be written."""
     room = name_max(path.parent)
     while True:
         unique = f"{os.getpid()}.{secrets.token_hex(4)}"
@@ -253,11 +251,9 @@ def holds_something(folder: Path) -> bool:
 
 @contextmanager
 def output_folder(path: Path, overwrite: bool, replaceable: Callable[[Path], bool]) -> Iterator[Path]:
-    """A fresh temporary folder beside ``path`` to fill; it becomes ``path`` if the block completes.
-
-    An earlier ``path`` is replaced only with ``overwrite`` and where ``replaceable`` says it may be (else
-    ``OutputExists``), and only once the new one is complete: a failure leaves it as it was.
-    """
+    """A fresh temporary folder beside ``path`` to fill; it becomes ``path`` if the block completes. An earlier
+    ``path`` is replaced only with ``overwrite`` where ``replaceable`` allows (else ``OutputExists``), and only
+    once the new one is complete: a failure leaves it as it was."""
     path = path.absolute()  # a child that runs elsewhere (torchrun from the repository) fills the same folder
     path.parent.mkdir(parents=True, exist_ok=True)
     with signals_held():

@@ -36,8 +36,7 @@ LOCK_FILE = ".lock"
 PRETRAINED_DIR = "hf"
 RUN_RESULTS = (METRICS_FILE, MODEL_FILE, PRETRAINED_DIR)  # what a run leaves in its run dir besides checkpoints
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
-# What a file system without locks answers (Lustre without -o flock, some FUSE mounts).
-NO_LOCKS_HERE = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}
+NO_LOCKS_HERE = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}  # Lustre without -o flock, some FUSE mounts
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -75,10 +74,8 @@ def check_run_dir(parser: argparse.ArgumentParser, run_dir: Path) -> None:
 def check_run_dir_allows(
     parser: argparse.ArgumentParser, run_dir: Path, *, resume: bool, resume_from: Path | None
 ) -> None:
-    """Refuse a start that would replace or mix with the run ``run_dir`` already holds.
-
-    ``resume_from`` is a checkpoint the caller has already found to exist and to be named like one.
-    """
+    """Refuse a start that would replace or mix with the run ``run_dir`` already holds; ``resume_from`` is a
+    checkpoint the caller has already found to exist and to be named like one."""
     if resume_from is not None and run_dir.resolve() in resume_from.resolve().parents:
         return  # back to an earlier point of this run (its own checkpoints, or abandoned/)
     existing = complete_checkpoints(run_dir)
@@ -136,12 +133,11 @@ def keep_holding(run_dir: Path) -> None:
 class RunDirLock:
     """``with RunDirLock(run_dir, ctx):`` refuses to run while another run holds ``run_dir``.
 
-    Two runs on one folder would interleave metrics.jsonl and prune or replace each other's files. Rank 0
-    flocks ``RUN_DIR/.lock`` for the run's life and all ranks agree on the answer: a refusal is one message
-    and one exit on every rank. The kernel drops the lock however the process ends (SIGKILL and the OOM
-    killer included), so a killed run never leaves the folder locked, and a requeued job takes it again.
-    flock() works across machines on NFS (Linux emulates it with POSIX locks) and on Lustre mounted with
-    ``-o flock``; on a file system without locks the run says so once and goes on unguarded.
+    Two runs on one folder would interleave metrics.jsonl and prune or replace each other's files. Rank 0 flocks
+    ``RUN_DIR/.lock`` for the run's life and all ranks agree on the answer: one message, one exit on every rank.
+    The kernel drops the lock however the process ends (SIGKILL and the OOM killer included), so a killed run
+    never leaves the folder locked. flock() works across machines on NFS (emulated with POSIX locks) and on
+    Lustre mounted with ``-o flock``; on a file system without locks the run says so once and goes on unguarded.
     """
 
     def __init__(self, run_dir: Path, ctx: DistContext) -> None:
