@@ -1,22 +1,9 @@
 """The one way a script or command writes a file: whole or not at all, and never over what it must keep.
 
-Every output is written under a temporary name that belongs to this writer alone (its pid and a
-random part), flushed to the disk, then given its final name in one rename: a reader, a kill or a
-full disk never leaves half a file under the real name, and two writers never share a temporary.
-
-An output never replaces an input of the same command. Nor does it replace a file that exists
-already, unless the user passes ``--overwrite`` (tools/output_checks.py) or the file is this run's
-own (a checkpoint it rotates, its metrics.jsonl, the model.pt of its run dir): those callers say
-``overwrite=True``. A command refuses an output that cannot be written before any work
-starts; a file that appears under the output's name while the work runs is kept, and the writer
-fails with ``OutputExists`` instead of replacing it. Only regular files are replaced: a device,
-a pipe or a socket under the output's name (``/dev/null``, ``/dev/stdout``) is refused, ``--overwrite``
-or not, since a rename would put a file where the system's node was.
-
-Files that belong together (a token file and its metadata) are written with ``write_outputs``: each
-whole under its temporary first, then all renamed, with stopping signals held, so a full disk or a
-stop leaves the earlier pair as it was. A SIGKILL cannot be held: it may leave a temporary
-(``.tmp-NAME.PID.RANDOM``), which no later writer uses and which can be deleted.
+Each output is written under a temporary of this writer's own (``.tmp-NAME.PID.RANDOM``), flushed, then renamed:
+a kill or a full disk never leaves half a file under the real name. An existing file is replaced only with
+``overwrite=True`` (``--overwrite``, or the run's own checkpoints, metrics.jsonl, model.pt); one that appears while
+the work runs is kept (``OutputExists``). Only a SIGKILL, which cannot be held, may leave a temporary behind.
 """
 
 from __future__ import annotations
@@ -27,42 +14,35 @@ import secrets
 import shutil
 import signal
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
 # What ends a command or a run early; a write in progress holds them off until it is whole.
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
 OVERWRITE_FLAG = "--overwrite"
 TEMPORARY_PREFIX = ".tmp-"  # checkpoint pruning deletes what starts with it: leftovers of killed writes
 # Where a hard link cannot be made, publishing without replacing falls back to a check, then a rename.
 NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
-DEFAULT_NAME_MAX = 255  # where the file system does not say
 
 
 class OutputExists(FileExistsError):
     """A file took the output's name while this writer worked; it was kept, and this result not written."""
 
     def __init__(self, path: Path) -> None:
-        super().__init__(
-            errno.EEXIST,
+        message = (
             f"{path} appeared while this command ran (another process wrote it); it was kept, and this "
-            f"command's result was not written. Pass {OVERWRITE_FLAG} to replace it",
-            str(path),
+            f"command's result was not written. Pass {OVERWRITE_FLAG} to replace it"
         )
+        super().__init__(errno.EEXIST, message, str(path))
 
     def __str__(self) -> str:
         return self.strerror
 
 
 def nearest_existing(path: Path) -> Path:
-    """``path`` or the closest of its parents that exists: where a folder not made yet would go.
-
-    A link to nothing counts as there: it holds the name, so no folder can be made in its place.
-    """
+    """``path`` or its closest existing parent; a link to nothing counts as there (it holds the name)."""
     # os.path's answers are False, not an exception, for a name under a file or in a folder one cannot read.
     return next((folder for folder in (path, *path.parents) if os.path.lexists(folder)), Path("."))
 
@@ -75,11 +55,8 @@ def not_a_folder(path: Path) -> str:
 
 
 def creation_failure(folder: Path, make_folders: bool) -> str | None:
-    """Why nothing can be created in the existing ``folder``, found by trying; None if it can.
-
-    access() says yes to root on /proc and on many mounts where creating a file then fails, so the
-    answer comes from creating (and at once removing) a folder or file of this writer's own.
-    """
+    """Why nothing can be created in the existing ``folder``, found by trying (access() says yes to root on /proc
+    and on many mounts where creating then fails); None if it can."""
     probe = folder / f"{TEMPORARY_PREFIX}probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         if make_folders:
@@ -98,35 +75,25 @@ def name_max(folder: Path) -> int:
     try:
         return os.pathconf(nearest_existing(folder), "PC_NAME_MAX")
     except (OSError, ValueError):
-        return DEFAULT_NAME_MAX
+        return 255  # where the file system does not say
 
 
 def temporary_beside(path: Path) -> Path:
-    """A name in ``path``'s folder that no other writer uses, created empty (so no one else takes it).
-
-    It keeps ``path``'s suffix: writers that take a file name (matplotlib) choose the format by it.
-    The stem is shortened where the extra parts would make a name the file system refuses, so any
-    name it allows for ``path`` can be written.
-    """
+    """``.tmp-STEM.UNIQUE.SUFFIX`` beside ``path``, created empty so that no other writer takes it. It keeps the
+    suffix (matplotlib picks the format by it); the stem, then the suffix, is cut short where the name would be
+    longer than the file system allows, so any name it allows for ``path`` can be written."""
+    room = name_max(path.parent)
     while True:
         unique = f"{os.getpid()}.{secrets.token_hex(4)}"
-        temporary = path.with_name(temporary_name(path, unique))
+        suffix = path.suffix if len(os.fsencode(f"{TEMPORARY_PREFIX}.{unique}{path.suffix}")) <= room else ""
+        stem_room = room - len(os.fsencode(f"{TEMPORARY_PREFIX}.{unique}{suffix}"))
+        stem = os.fsdecode(os.fsencode(path.name.removesuffix(suffix))[: max(stem_room, 0)])
+        temporary = path.with_name(f"{TEMPORARY_PREFIX}{stem}.{unique}{suffix}")
         try:
             os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # umask applies, as for open()
         except FileExistsError:
             continue
         return temporary
-
-
-def temporary_name(path: Path, unique: str) -> str:
-    """``.tmp-STEM.UNIQUE.SUFFIX``, within the folder's longest name (the stem, then the suffix, cut short)."""
-    room = name_max(path.parent)
-    suffix = path.suffix
-    if len(os.fsencode(f"{TEMPORARY_PREFIX}.{unique}{suffix}")) > room:
-        suffix = ""
-    stem_room = room - len(os.fsencode(f"{TEMPORARY_PREFIX}.{unique}{suffix}"))
-    stem = os.fsdecode(os.fsencode(path.name.removesuffix(suffix))[: max(stem_room, 0)])
-    return f"{TEMPORARY_PREFIX}{stem}.{unique}{suffix}"
 
 
 @contextmanager
@@ -158,25 +125,22 @@ def publish(temporary: Path, path: Path, overwrite: bool) -> None:
 
 
 def write_output(path: Path, write: Callable[[IO[bytes]], None], overwrite: bool) -> None:
-    """Make ``path`` hold what ``write`` writes to the binary file it is given, or leave it as it was.
-
-    Parent folders are made. The temporary is removed whatever happens (a failed write holds disk
-    space and nothing else); ``OutputExists`` if ``path`` appeared meanwhile and ``overwrite`` is False.
-    """
+    """Make ``path`` hold what ``write`` writes to the binary file it is given, or leave it as it was."""
     write_outputs([(path, write)], overwrite)
 
 
 def write_outputs(writes: Sequence[tuple[Path, Callable[[IO[bytes]], None]]], overwrite: bool) -> None:
-    """``write_output`` for files that belong together: all of them, or none and the earlier ones kept.
+    """``write_output`` for files that belong together (a token file and its metadata): all, or none.
 
-    Each is written whole under its temporary, in order (a later ``write`` may use what an earlier
-    one found), before any takes its name; the renames run with stopping signals held.
-    """
+    Each is written whole under its temporary, in order (a later ``write`` may use what an earlier one found),
+    before any takes its name; the renames run with stopping signals held, so a full disk or a stop leaves the
+    earlier files as they were. Parent folders are made, and removed again on a failure."""
     temporaries: list[Path] = []
-    made: list[Path] = []
+    made: list[Path] = []  # deepest first
     try:
         for path, write in writes:
-            made += make_folders(path.parent)
+            made += [part for part in (path.parent, *path.parent.parents) if not os.path.lexists(part)]
+            path.parent.mkdir(parents=True, exist_ok=True)
             with signals_held():
                 temporaries.append(temporary_beside(path))
             fill(temporaries[-1], write)
@@ -187,21 +151,9 @@ def write_outputs(writes: Sequence[tuple[Path, Callable[[IO[bytes]], None]]], ov
         with signals_held():
             for temporary in temporaries:
                 remove_temporary(temporary)
-            remove_empty(made)
-
-
-def make_folders(folder: Path) -> list[Path]:
-    """Make ``folder`` and the parents it lacks; returns those made, deepest first."""
-    missing = [part for part in (folder, *folder.parents) if not os.path.lexists(part)]
-    folder.mkdir(parents=True, exist_ok=True)
-    return missing
-
-
-def remove_empty(folders: Iterable[Path]) -> None:
-    """Remove ``folders`` (deepest first) that a failed write made and nothing else has filled meanwhile."""
-    for folder in folders:
-        with suppress(OSError):
-            folder.rmdir()
+            for folder in made:
+                with suppress(OSError):  # something else filled it meanwhile
+                    folder.rmdir()
 
 
 def remove_temporary(temporary: Path) -> None:
@@ -228,11 +180,9 @@ def fill(temporary: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 
 def failure_behind(err: Exception) -> BaseException | None:
-    """What ``err`` was raised while handling, where that is the real story: a stop (a signal's exception,
-    Ctrl-C) first, else the system's error (a full disk); None when there is neither.
-
-    torch.save closes its archive when the block inside it ends, however it ends: a stop or an ENOSPC
-    raised mid-write comes out as the archive's RuntimeError ('enforce fail ... unexpected pos').
+    """What ``err`` was raised while handling, where that is the real story: a stop (a signal's exception, Ctrl-C)
+    first, else the system's error; None when there is neither. torch.save closes its archive however its block
+    ends, so a stop or an ENOSPC mid-write comes out as the archive's RuntimeError ('enforce fail ... unexpected pos').
     """
     chain = []
     seen = err.__context__
@@ -259,7 +209,6 @@ def publish_all(temporaries: list[Path], paths: list[Path], overwrite: bool) -> 
 
 
 def write_text(path: Path, text: str, overwrite: bool) -> None:
-    """``write_output`` of ``text`` as UTF-8."""
     write_output(path, lambda file: file.write(text.encode("utf-8")), overwrite)
 
 
@@ -278,7 +227,6 @@ def write_by_name(path: Path, write: Callable[[str], Any], overwrite: bool) -> N
 
 
 def save_torch(obj: Any, path: Path, overwrite: bool) -> None:
-    """``torch.save`` through ``write_output``."""
     import torch  # here, so that commands that save no tensors do not pay for importing torch
 
     write_output(path, lambda file: torch.save(obj, file), overwrite)
@@ -290,11 +238,8 @@ def rename_into_place(temporary: Path, path: Path) -> None:
 
 
 def open_log(path: Path, append: bool) -> IO[str]:
-    """A log that grows a line at a time as the run goes (metrics.jsonl, a child's output): this run's own file.
-
-    It cannot be renamed into place whole, since a reader follows it while it grows; a line cut
-    short by a kill is the reader's to leave out.
-    """
+    """A log that grows a line at a time (metrics.jsonl, a child's output), so it cannot be renamed into place
+    whole: a reader follows it, and leaves out a line cut short by a kill. This run's own file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     return path.open("a" if append else "w", encoding="utf-8")
 
@@ -306,11 +251,9 @@ def holds_something(folder: Path) -> bool:
 
 @contextmanager
 def output_folder(path: Path, overwrite: bool, replaceable: Callable[[Path], bool]) -> Iterator[Path]:
-    """A fresh temporary folder beside ``path`` to fill; it becomes ``path`` if the block completes.
-
-    An earlier ``path`` is replaced only with ``overwrite`` and where ``replaceable`` says it may be (else
-    ``OutputExists``), and only once the new one is complete: a failure leaves it as it was and removes the temporary.
-    """
+    """A fresh temporary folder beside ``path`` to fill; it becomes ``path`` if the block completes. An earlier
+    ``path`` is replaced only with ``overwrite`` where ``replaceable`` allows (else ``OutputExists``), and only
+    once the new one is complete: a failure leaves it as it was."""
     path = path.absolute()  # a child that runs elsewhere (torchrun from the repository) fills the same folder
     path.parent.mkdir(parents=True, exist_ok=True)
     with signals_held():

@@ -1,25 +1,13 @@
-"""The run directory: what it holds, under which names, and the one run that may write it.
+"""The run directory: what it holds, under which names (no other module spells them), and the one run that writes it.
 
-    RUN_DIR/
-        metrics.jsonl       METRICS_FILE: one JSON record a line, the run's whole story
-        model.pt            MODEL_FILE: the final weights, a plain state dict
-        checkpoints/        CHECKPOINTS: step-N.pt (one file) or step-N/ (a sharded DCP folder)
-        profile/            PROFILE_DIR: --profile's traces, one file a rank
-        STOP                STOP_FILE: made by a user, asks the run to checkpoint and exit
-        .lock               LOCK_FILE: held by the run that writes this folder
-
-Every other module asks this one for a name or a listing; none spells them itself.
-
-One run at a time: two runs writing one folder interleave their metrics.jsonl, prune each
-other's checkpoints and replace each other's model.pt. Rank 0 holds an exclusive lock
-on ``RUN_DIR/.lock`` for as long as the run lives. The kernel drops the lock
-when the process ends, however it ends (SIGKILL and the OOM killer included),
-so a killed run never leaves the folder locked and nobody deletes a lock file
-by hand. A requeued or restarted job takes the lock again.
-
-flock() works across machines on NFS (Linux emulates it with POSIX locks) and
-on Lustre mounted with ``-o flock``. Where the file system has no locks at all,
-the run says so once and goes on unguarded rather than refusing to train.
+RUN_DIR/
+    metrics.jsonl       METRICS_FILE: one JSON record a line, the run's whole story
+    model.pt            MODEL_FILE: the final weights, a plain state dict
+    hf/                 PRETRAINED_DIR: a Hugging Face model's final model as a save_pretrained folder too
+    checkpoints/        CHECKPOINTS: step-N.pt (one file) or step-N/ (a sharded DCP folder)
+    profile/            PROFILE_DIR: --profile's traces, one file a rank
+    STOP                STOP_FILE: made by a user, asks the run to checkpoint and exit
+    .lock               LOCK_FILE: held by the run that writes this folder (RunDirLock)
 """
 
 from __future__ import annotations
@@ -32,7 +20,6 @@ import re
 import socket
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 from common.flags import output_dir
@@ -46,11 +33,10 @@ CHECKPOINTS = "checkpoints"
 PROFILE_DIR = "profile"
 STOP_FILE = "STOP"
 LOCK_FILE = ".lock"
-PRETRAINED_DIR = "hf"  # a Hugging Face model's run: its final model as a save_pretrained folder too
+PRETRAINED_DIR = "hf"
 RUN_RESULTS = (METRICS_FILE, MODEL_FILE, PRETRAINED_DIR)  # what a run leaves in its run dir besides checkpoints
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
-# What a file system without locks answers (Lustre without -o flock, some FUSE mounts).
-NO_LOCKS_HERE = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}
+NO_LOCKS_HERE = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}  # Lustre without -o flock, some FUSE mounts
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -78,10 +64,7 @@ def checkpoint_to_resume(run_dir: Path, resume: bool, resume_from: Path | None) 
 
 
 def check_run_dir(parser: argparse.ArgumentParser, run_dir: Path) -> None:
-    """A --run-dir the run cannot write is refused now, not after the model is built or trained.
-
-    The flag's type checks what the user gives; this checks the default too.
-    """
+    """A --run-dir the run cannot write (the default too, which the flag's type never sees) is refused now."""
     try:
         output_dir(str(run_dir))
     except argparse.ArgumentTypeError as err:
@@ -91,10 +74,8 @@ def check_run_dir(parser: argparse.ArgumentParser, run_dir: Path) -> None:
 def check_run_dir_allows(
     parser: argparse.ArgumentParser, run_dir: Path, *, resume: bool, resume_from: Path | None
 ) -> None:
-    """Refuse a start that would replace or mix with the run ``run_dir`` already holds.
-
-    ``resume_from`` is a checkpoint the caller has already found to exist and to be named like one.
-    """
+    """Refuse a start that would replace or mix with the run ``run_dir`` already holds; ``resume_from`` is a
+    checkpoint the caller has already found to exist and to be named like one."""
     if resume_from is not None and run_dir.resolve() in resume_from.resolve().parents:
         return  # back to an earlier point of this run (its own checkpoints, or abandoned/)
     existing = complete_checkpoints(run_dir)
@@ -127,7 +108,7 @@ def holder_description() -> str:
     """Who holds the lock, for the message a second run prints."""
     job = os.environ.get("SLURM_JOB_ID")
     where = f"pid {os.getpid()} on {socket.gethostname()}" + (f", SLURM job {job}" if job else "")
-    return f"{where}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    return f"{where}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
 
 
 def holder_of(fd: int) -> str:
@@ -137,24 +118,13 @@ def holder_of(fd: int) -> str:
     return holder
 
 
-class RunDirTaken(OSError):
-    """Another run locked the run dir after it was deleted or moved under this one."""
-
-    def __init__(self, holder: str) -> None:
-        super().__init__(
-            errno.EBUSY, f"another run took the run dir after it was deleted or moved under this one ({holder})"
-        )
-
-
 _HELD: dict[Path, RunDirLock] = {}  # this process's locks by run dir, for keep_holding
 
 
 def keep_holding(run_dir: Path) -> None:
-    """Lock ``run_dir`` again if this process holds its lock but the lock file left it (an rm -rf, a rename).
-
-    Without this a second run finds no lock in the folder made again, and two runs write it. RunDirTaken
-    if another run was quicker.
-    """
+    """Lock ``run_dir`` again if this process holds its lock but the lock file left it (an rm -rf, a rename):
+    else a second run finds no lock in the folder made again, and two runs write it. OSError (EBUSY) if
+    another run was quicker."""
     lock = _HELD.get(run_dir.absolute())
     if lock is not None:
         lock.retake_if_lost()
@@ -163,8 +133,11 @@ def keep_holding(run_dir: Path) -> None:
 class RunDirLock:
     """``with RunDirLock(run_dir, ctx):`` refuses to run while another run holds ``run_dir``.
 
-    Every rank enters it together: rank 0 tries the lock and all ranks agree on the answer,
-    so a refusal is one message and the same exit on every rank.
+    Two runs on one folder would interleave metrics.jsonl and prune or replace each other's files. Rank 0 flocks
+    ``RUN_DIR/.lock`` for the run's life and all ranks agree on the answer: one message, one exit on every rank.
+    The kernel drops the lock however the process ends (SIGKILL and the OOM killer included), so a killed run
+    never leaves the folder locked. flock() works across machines on NFS (emulated with POSIX locks) and on
+    Lustre mounted with ``-o flock``; on a file system without locks the run says so once and goes on unguarded.
     """
 
     def __init__(self, run_dir: Path, ctx: DistContext) -> None:
@@ -176,8 +149,7 @@ class RunDirLock:
 
     def __enter__(self) -> RunDirLock:
         holder = self._acquire() if self.ctx.is_main else None
-        # Imported here, not above: the lock alone needs torch, and the commands that only read a run's
-        # layout (tools.checks.preflight's launching process) start without it.
+        # Imported here: the lock alone needs torch, and tools.checks.preflight's launcher reads the layout without it.
         from common.distributed import FatalError, all_ranks_agree
 
         if not all_ranks_agree(holder is None, self.ctx):
@@ -189,15 +161,12 @@ class RunDirLock:
             _HELD[self.run_dir.absolute()] = self
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if self.fd is None:
             return
         _HELD.pop(self.run_dir.absolute(), None)
-        # A run that wrote nothing leaves nothing, not even the folder it made for the lock.
-        # Unlinked before the lock goes: a run that opens the old file in between finds it
-        # replaced after locking it and tries again (_acquire).
+        # A run that wrote nothing leaves nothing, not even the folder it made for the lock. Unlinked before
+        # the lock goes: a run that opens the old file in between finds it replaced and tries again (_acquire).
         if [entry.name for entry in self.run_dir.iterdir()] == [LOCK_FILE]:
             self.path.unlink()
             if self.created_run_dir:
@@ -228,20 +197,21 @@ class RunDirLock:
                 break
             os.close(fd)  # locked a file that its holder had just removed; take the new one
         os.ftruncate(fd, 0)
-        os.write(fd, (holder_description() + "\n").encode())
+        os.write(fd, holder_description().encode())
         self.fd = fd
         return None
 
     def retake_if_lost(self) -> None:
-        """Lock a new lock file where this run's has gone from the run dir; RunDirTaken if another run holds it."""
+        """Lock a new lock file where this run's has gone from the run dir; OSError if another run holds it."""
         if self.fd is None or self._still_the_lock_file(self.fd):
             return
         fd = self._open_lock_file()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunDirTaken(holder_of(fd)) from None
-        os.write(fd, (holder_description() + "\n").encode())
+            taken = f"another run took the run dir after it was deleted or moved under this one ({holder_of(fd)})"
+            raise OSError(errno.EBUSY, taken) from None
+        os.write(fd, holder_description().encode())
         os.close(self.fd)
         self.fd = fd
 

@@ -1,14 +1,8 @@
 """The run's tensors in and out, safely: loads that run no code, and saves that every rank answers together.
 
-A full checkpoint, a state dict for --init-from and a sharded checkpoint's ``trainer.pt`` go through
-``torch.load(weights_only=True)``. A sharded (DCP) checkpoint's ``.metadata`` would be read by DCP with a
-plain ``pickle.load``; here it goes through an unpickler that builds DCP's own metadata records and
-refuses anything else (``--trust-checkpoint`` lifts that for checkpoints from someone the user trusts).
-A file that cannot be used becomes one line that says why.
-
-A save goes through ``common.outputs`` (a temporary beside the target, renamed into place), so a failed
-or killed write leaves what was saved before untouched; one rank's failure to write stops all of them
-with one message that says what is still there and what to do next.
+Weights and checkpoints load with ``torch.load(weights_only=True)``, a sharded checkpoint's ``.metadata`` through
+an allow-list unpickler; a file that cannot be used is one line that says why. Saves go through ``common.outputs``,
+and one rank's failure to write stops every rank with one message: what is still there, what to do next.
 """
 
 from __future__ import annotations
@@ -54,17 +48,12 @@ def load_file(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-# -- starting from weights: --init-from -------------------------------------------------------------
-
-
 def start_from_weights(model: torch.nn.Module, path: Path, ctx: DistContext) -> None:
-    """--init-from: the weights of a plain state dict (a run's model.pt, tools.runs.export_checkpoint's
-    output, any state dict of this model) in the wrapped ``model``, for a new run from step 0. A
-    Hugging Face folder or a ``.safetensors`` file goes to ``start_from_safetensors``.
+    """--init-from: a plain state dict (a run's model.pt, export_checkpoint's output) into the wrapped ``model``,
+    for a new run from step 0; a Hugging Face folder or ``.safetensors`` file goes to start_from_safetensors.
 
-    DISTRIBUTED: only rank 0 reads the file. set_model_state_dict broadcasts it one tensor at a time
-    and each rank keeps its own part, so no rank holds more than one whole copy, and a GPU holds at
-    most one whole tensor. Keys, shapes or dtypes that differ stop every rank with one message (exit 2).
+    DISTRIBUTED: only rank 0 reads the file; set_model_state_dict broadcasts it a tensor at a time, so no rank
+    holds more than one whole copy. Keys, shapes or dtypes that differ stop every rank with one message (exit 2).
     """
     if holds_safetensors(path):
         start_from_safetensors(model, path, ctx)
@@ -118,40 +107,22 @@ def describe_failure(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
-# -- sharded checkpoints that someone else wrote -------------------------------------------------
-
-# DCP writes `.metadata` with pickle, and its FileSystemReader reads it back with
-# a plain pickle.load (checked in torch 2.6.0 and 2.14.1), so a crafted file runs any
-# code it names. torch's own restricted unpickler (weights_only) cannot parse it
-# either: it rejects pickle protocol 4's FRAME opcode, which pickle.dump writes.
-# These are all the globals DCP's metadata refers to; each only stores or looks
-# up data when called, so an unpickler that allows nothing else runs no code.
+# DCP's FileSystemReader reads the pickled `.metadata` with a plain pickle.load (checked in torch 2.6.0 and
+# 2.14.1), so a crafted file runs any code it names; torch's weights_only unpickler rejects the FRAME opcode of
+# pickle protocol 4. These are all the globals DCP's metadata names; each only stores or looks up data when called.
+_METADATA_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "_MEM_FORMAT_ENCODING")
+_STORAGE_CLASSES = ("TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata")
+_TORCH_VALUES = torch.dtype | torch.layout | torch.memory_format
 _DCP_METADATA_GLOBALS = frozenset(
     {
-        *(
-            ("torch.distributed.checkpoint.metadata", name)
-            for name in (
-                "Metadata",
-                "MetadataIndex",
-                "StorageMeta",
-                "TensorStorageMetadata",
-                "BytesStorageMetadata",
-                "ChunkStorageMetadata",
-                "TensorProperties",
-                "_MEM_FORMAT_ENCODING",
-            )
-        ),
+        *(("torch.distributed.checkpoint.metadata", name) for name in _METADATA_CLASSES + _STORAGE_CLASSES),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),  # how torch pickles a torch.layout
         # StorageMeta.checkpoint_id: the path the saver was given. Python 3.13 pickles it from pathlib._local.
         ("pathlib", "PosixPath"),
         ("pathlib._local", "PosixPath"),
-        *(
-            ("torch", name)
-            for name, value in vars(torch).items()
-            if isinstance(value, torch.dtype | torch.layout | torch.memory_format)
-        ),
+        *(("torch", name) for name, value in vars(torch).items() if isinstance(value, _TORCH_VALUES)),
     }
 )
 
@@ -207,12 +178,10 @@ class _MetadataReader(FileSystemReader):
 class _CurrentFormatLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, without its guess that a checkpoint is in torch 2.3's format.
 
-    When the checkpoint holds a key that this rank's state dict lacks, DCP takes it for a checkpoint
-    of torch 2.3 or older and re-keys the rank's state in that format, which the checkpoint does not
-    hold either. FSDP1 leaves out of a rank's state dict each parameter it holds no element of (a
-    small LoRA unit at 3 ranks: rank 2 holds none of an adapter's A), so a run could not resume its
-    own checkpoint: "Missing key in checkpoint state_dict: optimizer.param_groups". The checkpoints
-    read here are written by this torch, so the guess is only ever wrong; the keys still must match.
+    When the checkpoint holds a key this rank's state dict lacks, DCP re-keys the rank's state in torch 2.3's
+    format, which the checkpoint does not hold either. FSDP1 leaves out each parameter a rank holds no element
+    of (a small LoRA unit at 3 ranks), so a run could not resume its own checkpoint: "Missing key in checkpoint
+    state_dict: optimizer.param_groups". Checkpoints read here are this torch's, so the keys still must match.
     """
 
     def create_local_plan(self) -> LoadPlan:
@@ -220,12 +189,8 @@ class _CurrentFormatLoadPlanner(DefaultLoadPlanner):
 
 
 class _WeightsOnlyLoadPlanner(_CurrentFormatLoadPlanner):
-    """DCP's planner, but a non-tensor entry must pass ``torch.load(weights_only=True)`` first.
-
-    DCP reads such entries (the optimizer's learning rate, betas, ...) with
-    ``weights_only=False``; what the restricted unpickler accepts is plain data,
-    so reading the same bytes again without it builds only that data.
-    """
+    """DCP's planner, but a non-tensor entry (a learning rate, betas), which DCP reads with ``weights_only=False``,
+    must pass ``torch.load(weights_only=True)`` first: what that accepts is plain data, so DCP then builds only that."""
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         try:
@@ -237,13 +202,8 @@ class _WeightsOnlyLoadPlanner(_CurrentFormatLoadPlanner):
 
 
 def sharded_reader(folder: Path, trust: bool) -> tuple[FileSystemReader, DefaultLoadPlanner]:
-    """The storage reader and load planner for ``dcp.load`` of ``folder``.
-
-    Untrusted (the default), its metadata has been read through the allow-list
-    (UntrustedCheckpoint if it holds anything else) and the planner reads
-    non-tensor entries with weights_only. Trusted, both are DCP's own, which
-    unpickle whatever the checkpoint holds.
-    """
+    """The storage reader and load planner for ``dcp.load`` of ``folder``: through the allow-list
+    (UntrustedCheckpoint) unless ``trust``, when both are DCP's own, which unpickle whatever it holds."""
     if trust:
         return FileSystemReader(folder), _CurrentFormatLoadPlanner()
     return _MetadataReader(folder, read_dcp_metadata(folder)), _WeightsOnlyLoadPlanner()
@@ -257,47 +217,29 @@ def root_failure(err: BaseException) -> BaseException:
 
 
 def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` through ``common.outputs``: a temporary beside it, renamed into place.
-
-    The rename is atomic on POSIX file systems: readers see the old file or the
-    complete new one, never a truncated mix, even if the job dies mid-save. The
-    files saved here are the run's own (its checkpoints, its model.pt), so an
-    earlier one is replaced.
-    """
+    """``torch.save`` of one of the run's own files (a checkpoint, model.pt): a reader, a kill or a full disk
+    finds the earlier file or the complete new one, never a truncated mix (common.outputs)."""
     save_torch(obj, path, overwrite=True)
 
 
 def write_failure(write: Callable[[], None]) -> str | None:
-    """Run ``write``; None if it worked, else one line on why it did not (a full disk, a lost mount)."""
+    """Run ``write``; None if it worked, else one line on why it did not (a full disk, a lost mount): the operating
+    system's reason where there is one, which torch wraps in a RuntimeError of its own."""
     try:
         write()
     # DCP's CheckpointException is a BaseException, so it is named here.
     except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - the caller reports it, once
-        return describe_write_failure(err)
+        seen: BaseException | None = root_failure(err)
+        while seen is not None:
+            if isinstance(seen, OSError) and seen.strerror:
+                return f"{seen.strerror} (errno {seen.errno})"
+            seen = seen.__cause__ or seen.__context__
+        return describe_failure(err)
     return None
 
 
-def describe_write_failure(err: BaseException) -> str:
-    """The operating system's reason where there is one: torch wraps it in a RuntimeError of its own."""
-    seen: BaseException | None = root_failure(err)
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return f"{seen.strerror} (errno {seen.errno})"
-        seen = seen.__cause__ or seen.__context__
-    return describe_failure(err)
-
-
-def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """The names of the tensors that hold a NaN or an infinity."""
-    return [name for name, tensor in tensors.items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
-
-
 def save_model_file(state: dict[str, torch.Tensor] | None, path: Path, ctx: DistContext) -> None:
-    """Rank 0 writes the full state dict ``state`` to ``path``, atomically; other ranks' ``state`` is not read.
-
-    Weights that are not finite are not written. Every rank stops together, with one
-    message, if rank 0 cannot write: the job does not hang on the ranks that could.
-    """
+    """Rank 0 writes the full state dict ``state`` to ``path``, atomically; other ranks' ``state`` is not read."""
     save_on_rank_0(state, path, lambda: save_atomic(state, path), ctx)
 
 
@@ -312,11 +254,12 @@ def save_model_folder(
 def save_on_rank_0(
     state: dict[str, torch.Tensor] | None, path: Path, write: Callable[[], None], ctx: DistContext
 ) -> None:
-    """Rank 0 checks that ``state`` is finite and runs ``write`` (of ``path``); every rank stops together if not."""
+    """Rank 0 runs ``write`` (of ``path``) if ``state`` is finite; else, or if it fails, every rank stops together
+    with one message: the job does not hang on the ranks that could go on."""
     problem = None
     if ctx.is_main:
         assert state is not None, "rank 0 writes the model; give it the full state dict"
-        broken = non_finite_tensors(state)
+        broken = [name for name, tensor in state.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
         if broken:
             problem = (
                 f"the final weights are not finite ({', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}): "
@@ -329,7 +272,7 @@ def save_on_rank_0(
         raise FatalError(problem or "rank 0 could not write the model", exit_code=1)
 
 
-# How describe_write_failure names a full disk and a full quota: only then is freeing space the advice.
+# How write_failure names a full disk and a full quota: only then is freeing space the advice.
 OUT_OF_SPACE = (f"(errno {errno.ENOSPC})", f"(errno {errno.EDQUOT})")
 
 
