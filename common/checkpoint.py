@@ -1,19 +1,10 @@
 """Checkpoints that a killed job never leaves half-written, and exact resume from them.
 
-A checkpoint is taken between two optimizer steps, where model, optimizer,
-LR schedule, data position and random state describe the run completely.
-Two formats, both under ``RUN_DIR/checkpoints/``:
-
-- full, ``step-N.pt``: one file that rank 0 writes (DDP, or FSDP gathering the
-  whole model and optimizer onto rank 0 first);
-- sharded, ``step-N/``: a torch.distributed.checkpoint (DCP) folder in which
-  every rank writes its own shard, so no rank ever holds the whole model; DCP
-  reshards on load, so it resumes at another world size.
-
-Either kind is written under a temporary name and renamed once complete, so
-anything named ``step-N`` is whole: a kill mid-save leaves only a temporary
-that the next save deletes. Reading one back runs none of its code
-(common.safe_io); what a resume may change is common.flag_checks's.
+Taken between two optimizer steps, under ``RUN_DIR/checkpoints/``: full, ``step-N.pt``, one file that rank 0
+writes (FSDP gathers the whole state onto it first); or sharded, ``step-N/``, a torch.distributed.checkpoint
+(DCP) folder where every rank writes its own shard, which DCP reshards on load (so another world size resumes).
+Either is written under a temporary name and renamed once complete: anything named ``step-N`` is whole.
+Reading one back runs none of its code (common.safe_io); what a resume may change is common.flag_checks's.
 """
 
 from __future__ import annotations
@@ -73,12 +64,8 @@ FORMAT_VERSION = 1
 
 
 def capture_rng() -> dict[str, Any]:
-    """The random state that training draws from: dropout, and anything else in Python or torch.
-
-    Every rank seeds the same way and draws the same amount, so rank 0's state
-    stands for all of them. The data order needs none of this: the sampler
-    derives it from the seed and the epoch.
-    """
+    """The random state training draws from (dropout, anything else in Python or torch). Every rank seeds and
+    draws alike, so rank 0's stands for all; the data order needs none (the sampler derives it from seed and epoch)."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -103,15 +90,11 @@ class Resumed:
 class Checkpointer:
     """Saves and restores one run's training state; every rank calls every method together.
 
-    ``identity`` says what the checkpoint belongs to (the script and the model's
-    shape); a checkpoint written for anything else is refused, not half-loaded.
-    ``settings`` are the run's training settings (``training_settings``): each
-    checkpoint records them, and a resume names every one that differs.
-    ``extra`` holds the objects with a ``state_dict`` beside model and optimizer
-    (LR scheduler, gradient scaler). ``trust`` loads a sharded checkpoint whose
-    metadata holds more than DCP's own records (--trust-checkpoint).
-    ``check_before_save(step)`` runs before every save and raises if the state
-    must not be saved (a non-finite loss: FiniteLossCheck.check).
+    ``identity``: what the checkpoint belongs to (script, model shape); one of anything else is refused, not
+    half-loaded. ``settings`` (``training_settings``): recorded in each checkpoint; a resume names each that differs.
+    ``extra``: the objects with a ``state_dict`` beside model and optimizer (LR scheduler, gradient scaler).
+    ``trust`` (--trust-checkpoint): load a sharded checkpoint whose metadata holds more than DCP's own records.
+    ``check_before_save(step)`` raises if the state must not be saved (a non-finite loss: FiniteLossCheck.check).
     """
 
     def __init__(
@@ -138,7 +121,7 @@ class Checkpointer:
         self.model = model
         self.optimizer = optimizer
         self.extra = extra
-        # None without adapters and without tied weights, as before either was recorded.
+        # None without adapters or tied weights, as before either was recorded.
         self.identity = {
             **identity,
             "lora": adapter_identity(model),
@@ -159,12 +142,9 @@ class Checkpointer:
         self._check_room()
 
     def _check_room(self) -> None:
-        """Refuse to start when the disk cannot hold what the run must write: the checkpoints it keeps
-        (one more while the newest is written) and model.pt. Found now, not after hours of training.
-
-        Adam and Adadelta keep two tensors per parameter, so a checkpoint is about three times model.pt.
-        Space that others fill during the run is not foreseen; that failure still gets one message.
-        """
+        """Refuse to start, not after hours of training, when the disk cannot hold the checkpoints kept (one more
+        while the newest is written) and model.pt. A checkpoint is about 3x model.pt (Adam keeps two tensors per
+        parameter). Space that others fill during the run is not foreseen; that failure still gets one message."""
         (largest_shard,) = max_over_ranks([float(local_state_bytes(self.model, self.optimizer)["params"])], self.ctx)
         model_bytes = int(largest_shard) * shard_group_size(self.model)
         held = len(complete_checkpoints(self.folder.parent))
@@ -187,8 +167,6 @@ class Checkpointer:
 
     def _saved(self, step: int) -> bool:
         return self.last_saved is not None and checkpoint_step(self.last_saved) == step and self.last_saved.exists()
-
-    # -- saving ---------------------------------------------------------------
 
     def save(self, step: int) -> Path:
         """Write a checkpoint of the state after ``step`` optimizer steps, then prune old ones."""
@@ -244,8 +222,7 @@ class Checkpointer:
         return self._save_sharded(step, trainer) if self.sharded else self._save_full(step, trainer)
 
     def _save_full(self, step: int, trainer: dict[str, Any]) -> Path:
-        # DISTRIBUTED: for FSDP every rank takes part in gathering the full state
-        # onto rank 0 (the others get empty dicts); for DDP it is a local copy.
+        # DISTRIBUTED: under FSDP every rank helps gather the full state onto rank 0 (the others get empty dicts).
         options = full_state_dict_options(self.ctx.device)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
         path = self.folder / f"step-{step}.pt"
@@ -264,9 +241,8 @@ class Checkpointer:
             shutil.rmtree(temporary, ignore_errors=True)  # left behind by a save that was killed
             failure = write_failure(lambda: temporary.mkdir(parents=True))
         self._written_everywhere(path, failure)
-        # DISTRIBUTED: each rank writes only its own shards; DCP writes the
-        # metadata (which rank holds which slice) last, from rank 0. A rank that
-        # fails to write makes dcp.save fail on every rank.
+        # DISTRIBUTED: each rank writes its own shards, rank 0 the metadata (who holds which slice) last;
+        # a rank that fails to write makes dcp.save fail on every rank.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = tree_map_only(torch.Tensor, self.sharded_view, {"model": model_state, "optimizer": optimizer_state})
         failure = write_failure(lambda: dcp.save(state, checkpoint_id=temporary))
@@ -292,15 +268,9 @@ class Checkpointer:
             else:
                 path.unlink()
 
-    # -- loading --------------------------------------------------------------
-
     def resume(self, resume: bool, resume_from: Path | None, init_from: Path | None = None) -> Resumed:
-        """Load the checkpoint asked for; a fresh start when ``--resume`` finds none, from ``init_from``'s
-        weights when given (--init-from: a checkpoint of this run, when there is one, comes first).
-
-        A checkpoint that exists but cannot be loaded stops the run with a
-        message: silently starting over would throw away the work it holds.
-        """
+        """Load the checkpoint asked for; without one, start fresh or from ``init_from`` (--init-from: a checkpoint
+        of this run comes first). One that cannot be loaded stops the run: starting over would lose its work."""
         path = checkpoint_to_resume(self.folder.parent, resume, resume_from)
         if path is None:
             if resume:
@@ -308,7 +278,6 @@ class Checkpointer:
             if init_from is not None:
                 start_from_weights(self.model, init_from, self.ctx)
             return Resumed(0, None)
-
         settings = Settings.of(self.optimizer, self.extra)  # what this run's flags asked for
         with quiet_internal_warnings():
             trainer = self._load(path)
@@ -351,9 +320,8 @@ class Checkpointer:
         save_model_file(state, self.folder.parent / MODEL_FILE, self.ctx)
 
     def _set_aside_newer_than(self, resumed: Path) -> None:
-        """Resuming from an older checkpoint of this run starts another branch; the newer checkpoints
-        belong to the one left behind. They move to RUN_DIR/abandoned/, never deleted, so that neither
-        a later --resume nor pruning takes them for this branch's."""
+        """Resuming from an older checkpoint of this run starts another branch: the newer ones move to
+        RUN_DIR/abandoned/, never deleted, so that neither a later --resume nor pruning takes them for its own."""
         if resumed.resolve().parent != self.folder.resolve():
             return
         step = checkpoint_step(resumed)
@@ -378,18 +346,15 @@ class Checkpointer:
         if path.is_dir():
             trainer = self._agree(path, lambda: load_file(path / TRAINER_FILE), every_rank=True)
         else:
-            # DISTRIBUTED: only rank 0 reads the file; the set_*_state_dict calls below
-            # broadcasts the tensors and every rank keeps what it needs.
+            # DISTRIBUTED: only rank 0 reads the file; set_*_state_dict below broadcasts what each rank keeps.
             checkpoint = self._agree(path, lambda: load_file(path), every_rank=False)
             trainer = broadcast_object(checkpoint["trainer"] if self.ctx.is_main else None)
         # Tensors of another shape fail with an unhelpful message; say what differs first.
         mismatch = identity_mismatch(trainer.get("identity", {}), self.identity)
         if mismatch:
             raise FatalError(f"checkpoint {path} does not fit this run: {mismatch}")
-
         if path.is_dir():
-            # DISTRIBUTED: DCP fills this rank's shards in place, reading whichever
-            # slices of the saved shards overlap them (so the world size may change).
+            # DISTRIBUTED: DCP fills this rank's shards in place from the saved slices that overlap them.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             state = tree_map_only(torch.Tensor, self.sharded_view, {"model": model_state, "optimizer": optimizer_state})
             self._agree(path, lambda: self._load_sharded(path, state), every_rank=True)
@@ -402,9 +367,8 @@ class Checkpointer:
             )
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
         else:
-            # Two calls, not set_state_dict: given an empty model dict (as the
-            # ranks other than 0 are), it would skip the model on those ranks
-            # and leave rank 0 waiting in the broadcast.
+            # Two calls, not set_state_dict: given the empty model dict of ranks other than 0, it would skip
+            # the model there and leave rank 0 waiting in the broadcast.
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             set_model_state_dict(self.model, checkpoint["model"] if self.ctx.is_main else {}, options=options)
             set_optimizer_state_dict(
@@ -417,11 +381,8 @@ class Checkpointer:
         dcp.load(state, storage_reader=reader, planner=planner)
 
     def _agree(self, path: Path, read: Callable[[], Any], every_rank: bool) -> Any:
-        """Run ``read`` on every rank or on rank 0 only; if it fails anywhere, stop every rank.
-
-        Any exception counts: whatever is wrong with the bytes, the checkpoint
-        cannot be used, and the message says so instead of a traceback per rank.
-        """
+        """Run ``read`` on every rank or on rank 0 only; if it fails anywhere (any exception: the checkpoint
+        cannot be used), stop every rank with one message, not a traceback per rank."""
         result, error, refusal = None, None, None
         if every_rank or self.ctx.is_main:
             try:
@@ -436,15 +397,13 @@ class Checkpointer:
         if not all_ranks_agree(error is None and refusal is None, self.ctx):
             if refusal is not None:  # the bytes are fine, so an earlier checkpoint is no answer
                 raise FatalError(refusal)
-            raise FatalError(self._unloadable_message(path, error or "it failed to load on another rank"))
+            step = checkpoint_step(path)
+            earlier = [p for p in complete_checkpoints(self.folder.parent) if step is None or checkpoint_step(p) < step]  # type: ignore[operator]
+            advice = (
+                f"The previous complete checkpoint is {earlier[-1]}: resume from it with --resume-from {earlier[-1]}"
+                if earlier
+                else "There is no earlier checkpoint in this run directory"
+            )
+            error = error or "it failed to load on another rank"
+            raise FatalError(f"checkpoint {path} cannot be loaded ({error}). Nothing was deleted. {advice}.")
         return result
-
-    def _unloadable_message(self, path: Path, error: str) -> str:
-        step = checkpoint_step(path)
-        earlier = [p for p in complete_checkpoints(self.folder.parent) if step is None or checkpoint_step(p) < step]  # type: ignore[operator]
-        advice = (
-            f"The previous complete checkpoint is {earlier[-1]}: resume from it with --resume-from {earlier[-1]}"
-            if earlier
-            else "There is no earlier checkpoint in this run directory"
-        )
-        return f"checkpoint {path} cannot be loaded ({error}). Nothing was deleted. {advice}."
