@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._pytree import tree_map, tree_map_only
 
+from common import safe_io
 from common.compat import full_state_dict_options, quiet_internal_warnings
 from common.distributed import (
     DistContext,
@@ -45,19 +46,6 @@ from common.flag_checks import Settings, changed_settings, describe_changes, ide
 from common.models import tied_parameters
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
 from common.run_dir import CHECKPOINTS, MODEL_FILE, checkpoint_step, checkpoint_to_resume, complete_checkpoints
-from common.safe_io import (
-    UntrustedCheckpoint,
-    describe_failure,
-    load_file,
-    root_failure,
-    save_atomic,
-    save_model_file,
-    sharded_reader,
-    start_from_weights,
-    then_resume,
-    what_is_kept,
-    write_failure,
-)
 
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
 FORMAT_VERSION = 1
@@ -174,18 +162,7 @@ class Checkpointer:
             self.check_before_save(step)
         if self._saved(step):  # e.g. asked to stop right after resuming: that checkpoint is this state
             return self.last_saved  # type: ignore[return-value]
-        self._check_weights_finite(step)
-        with quiet_internal_warnings():
-            path = self._save(step)
-        self.last_saved = path
-        if self.ctx.is_main:
-            self._prune(keep_newest=path)
-        dist.barrier()  # nobody runs ahead and reads a folder that rank 0 is still pruning
-        print0(f"checkpoint: {path}")
-        return path
-
-    def _check_weights_finite(self, step: int) -> None:
-        """A finite loss does not make the update after it finite: check the weights themselves."""
+        # A finite loss does not make the update after it finite: check the weights themselves.
         local = [local_part(p) for p in self.model.parameters()]
         finite = bool(torch.stack([torch.isfinite(p).all() for p in local]).all()) if local else True
         if not all_ranks_agree(finite, self.ctx):
@@ -195,19 +172,6 @@ class Checkpointer:
                 "earlier checkpoint with --resume-from",
                 exit_code=1,
             )
-
-    def _written_everywhere(self, path: Path, failure: str | None, temporary: Path | None = None) -> None:
-        """Stop every rank together if any rank could not write its part of ``path`` (in ``temporary``)."""
-        if not all_ranks_agree(failure is None, self.ctx):
-            if temporary is not None and self.ctx.is_main:
-                shutil.rmtree(temporary, ignore_errors=True)
-            raise FatalError(
-                f"could not write checkpoint {path}: {failure or 'it failed on another rank'}. "
-                f"{what_is_kept(self.folder.parent)}. {then_resume(failure)}",
-                exit_code=1,
-            )
-
-    def _save(self, step: int) -> Path:
         trainer = {
             "format_version": FORMAT_VERSION,
             "identity": self.identity,
@@ -219,7 +183,25 @@ class Checkpointer:
             "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
             "rng": capture_rng(),
         }
-        return self._save_sharded(step, trainer) if self.sharded else self._save_full(step, trainer)
+        with quiet_internal_warnings():
+            path = self._save_sharded(step, trainer) if self.sharded else self._save_full(step, trainer)
+        self.last_saved = path
+        if self.ctx.is_main:
+            self._prune(keep_newest=path)
+        dist.barrier()  # nobody runs ahead and reads a folder that rank 0 is still pruning
+        print0(f"checkpoint: {path}")
+        return path
+
+    def _written_everywhere(self, path: Path, failure: str | None, temporary: Path | None = None) -> None:
+        """Stop every rank together if any rank could not write its part of ``path`` (in ``temporary``)."""
+        if not all_ranks_agree(failure is None, self.ctx):
+            if temporary is not None and self.ctx.is_main:
+                shutil.rmtree(temporary, ignore_errors=True)
+            raise FatalError(
+                f"could not write checkpoint {path}: {failure or 'it failed on another rank'}. "
+                f"{safe_io.what_is_kept(self.folder.parent)}. {safe_io.then_resume(failure)}",
+                exit_code=1,
+            )
 
     def _save_full(self, step: int, trainer: dict[str, Any]) -> Path:
         # DISTRIBUTED: under FSDP every rank helps gather the full state onto rank 0 (the others get empty dicts).
@@ -229,7 +211,7 @@ class Checkpointer:
         failure = None
         if self.ctx.is_main:
             checkpoint = {"model": model_state, "optimizer": optimizer_state, "trainer": trainer}
-            failure = write_failure(lambda: save_atomic(checkpoint, path))
+            failure = safe_io.write_failure(lambda: safe_io.save_atomic(checkpoint, path))
         self._written_everywhere(path, failure)
         return path
 
@@ -239,15 +221,15 @@ class Checkpointer:
         failure = None
         if self.ctx.is_main:
             shutil.rmtree(temporary, ignore_errors=True)  # left behind by a save that was killed
-            failure = write_failure(lambda: temporary.mkdir(parents=True))
+            failure = safe_io.write_failure(lambda: temporary.mkdir(parents=True))
         self._written_everywhere(path, failure)
         # DISTRIBUTED: each rank writes its own shards, rank 0 the metadata (who holds which slice) last;
         # a rank that fails to write makes dcp.save fail on every rank.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = tree_map_only(torch.Tensor, self.sharded_view, {"model": model_state, "optimizer": optimizer_state})
-        failure = write_failure(lambda: dcp.save(state, checkpoint_id=temporary))
+        failure = safe_io.write_failure(lambda: dcp.save(state, checkpoint_id=temporary))
         if self.ctx.is_main and failure is None:
-            failure = write_failure(lambda: save_atomic(trainer, temporary / TRAINER_FILE))
+            failure = safe_io.write_failure(lambda: safe_io.save_atomic(trainer, temporary / TRAINER_FILE))
         # Agreed before the rename: every shard is on disk before the folder gets its final name.
         self._written_everywhere(path, failure, temporary)
         if self.ctx.is_main:
@@ -276,7 +258,7 @@ class Checkpointer:
             if resume:
                 print0(f"--resume: no checkpoint in {self.folder}, starting from step 0")
             if init_from is not None:
-                start_from_weights(self.model, init_from, self.ctx)
+                safe_io.start_from_weights(self.model, init_from, self.ctx)
             return Resumed(0, None)
         settings = Settings.of(self.optimizer, self.extra)  # what this run's flags asked for
         with quiet_internal_warnings():
@@ -317,7 +299,7 @@ class Checkpointer:
     def save_model(self, state: dict[str, torch.Tensor] | None) -> None:
         """model.pt, for inference and --init-from: the full state dict ``state``, written by rank 0 (the
         other ranks' ``state`` is not read); every rank stops with one message if it cannot be written."""
-        save_model_file(state, self.folder.parent / MODEL_FILE, self.ctx)
+        safe_io.save_model_file(state, self.folder.parent / MODEL_FILE, self.ctx)
 
     def _set_aside_newer_than(self, resumed: Path) -> None:
         """Resuming from an older checkpoint of this run starts another branch: the newer ones move to
@@ -344,10 +326,10 @@ class Checkpointer:
     def _load(self, path: Path) -> dict[str, Any]:
         """Load ``path`` into model, optimizer and ``extra``; every rank fails together, with one message."""
         if path.is_dir():
-            trainer = self._agree(path, lambda: load_file(path / TRAINER_FILE), every_rank=True)
+            trainer = self._agree(path, lambda: safe_io.load_file(path / TRAINER_FILE), every_rank=True)
         else:
             # DISTRIBUTED: only rank 0 reads the file; set_*_state_dict below broadcasts what each rank keeps.
-            checkpoint = self._agree(path, lambda: load_file(path), every_rank=False)
+            checkpoint = self._agree(path, lambda: safe_io.load_file(path), every_rank=False)
             trainer = broadcast_object(checkpoint["trainer"] if self.ctx.is_main else None)
         # Tensors of another shape fail with an unhelpful message; say what differs first.
         mismatch = identity_mismatch(trainer.get("identity", {}), self.identity)
@@ -377,7 +359,7 @@ class Checkpointer:
         return trainer
 
     def _load_sharded(self, path: Path, state: dict[str, Any]) -> None:
-        reader, planner = sharded_reader(path, self.trust)
+        reader, planner = safe_io.sharded_reader(path, self.trust)
         dcp.load(state, storage_reader=reader, planner=planner)
 
     def _agree(self, path: Path, read: Callable[[], Any], every_rank: bool) -> Any:
@@ -389,11 +371,11 @@ class Checkpointer:
                 result = read()
             # DCP's CheckpointException is a BaseException, so it is named here.
             except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - reported below, with its file
-                cause = root_failure(err)
-                if isinstance(cause, UntrustedCheckpoint):
+                cause = safe_io.root_failure(err)
+                if isinstance(cause, safe_io.UntrustedCheckpoint):
                     refusal = cause.refusal(path)
                 else:
-                    error = describe_failure(err)
+                    error = safe_io.describe_failure(err)
         if not all_ranks_agree(error is None and refusal is None, self.ctx):
             if refusal is not None:  # the bytes are fine, so an earlier checkpoint is no answer
                 raise FatalError(refusal)
