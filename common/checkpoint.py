@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,7 @@ class Resumed:
     world_size: int | None = None  # the processes that saved the checkpoint
 
 
+@dataclass
 class Checkpointer:
     """Saves and restores one run's training state; every rank calls every method together.
 
@@ -85,47 +86,29 @@ class Checkpointer:
     ``check_before_save(step)`` raises if the state must not be saved (a non-finite loss: FiniteLossCheck.check).
     """
 
-    def __init__(
-        self,
-        ctx: DistContext,
-        run_dir: Path,
-        *,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        extra: dict[str, Any],
-        identity: dict[str, Any],
-        strategy: str,
-        settings: dict[str, Any],
-        global_batch_size: int,
-        sharded: bool,
-        interval: int,
-        keep: int,
-        trust: bool = False,
-        check_before_save: Callable[[int], None] | None = None,
-        sharded_view: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor,
-    ) -> None:
-        self.ctx = ctx
-        self.folder = run_dir / CHECKPOINTS
-        self.model = model
-        self.optimizer = optimizer
-        self.extra = extra
+    ctx: DistContext
+    run_dir: Path
+    _: KW_ONLY
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    extra: dict[str, Any]
+    identity: dict[str, Any]
+    strategy: str
+    settings: dict[str, Any]
+    global_batch_size: int
+    sharded: bool
+    interval: int
+    keep: int
+    trust: bool = False
+    check_before_save: Callable[[int], None] | None = None
+    # What DCP writes and reads in place of each tensor: the same numbers (a view), laid out as it can write.
+    sharded_view: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor
+
+    def __post_init__(self) -> None:
+        self.folder = self.run_dir / CHECKPOINTS
         # None without adapters or tied weights, as before either was recorded.
-        self.identity = {
-            **identity,
-            "lora": adapter_identity(model),
-            "tied": tied_parameters(model) or None,
-            "trained": trained_parameters(model),
-        }
-        self.strategy = strategy
-        self.settings = settings
-        self.global_batch_size = global_batch_size
-        self.sharded = sharded
-        self.interval = interval
-        self.keep = keep
-        self.trust = trust
-        self.check_before_save = check_before_save
-        # What DCP writes and reads in place of each tensor: the same numbers (a view), laid out as it can write.
-        self.sharded_view = sharded_view
+        lora, tied, trained = adapter_identity(self.model), tied_parameters(self.model), trained_parameters(self.model)
+        self.identity = {**self.identity, "lora": lora, "tied": tied or None, "trained": trained}
         self.last_saved: Path | None = None
         self._check_room()
 
