@@ -1,10 +1,8 @@
-"""Checkpoints that a killed job never leaves half-written, and exact resume from them.
+"""Checkpoints that a killed job never leaves half-written, and exact resume from them (docs/checkpoints.md).
 
-Taken between two optimizer steps, under ``RUN_DIR/checkpoints/``: full, ``step-N.pt``, one file that rank 0
-writes (FSDP gathers the whole state onto it first); or sharded, ``step-N/``, a torch.distributed.checkpoint
-(DCP) folder where every rank writes its own shard, which DCP reshards on load (so another world size resumes).
-Either is written under a temporary name and renamed once complete: anything named ``step-N`` is whole.
-Reading one back runs none of its code (common.safe_io); what a resume may change is common.flag_checks's.
+Full, ``RUN_DIR/checkpoints/step-N.pt``: one file rank 0 writes. Sharded, ``step-N/``: a DCP folder where each
+rank writes its own shard, resharded on load (another world size resumes). Each is written under a temporary name
+and renamed once whole. Reading one runs none of its code (common.safe_io); common.flag_checks says what may change.
 """
 
 from __future__ import annotations
@@ -271,8 +269,7 @@ class Checkpointer:
             print0(f"from step {trainer['step']} on, as the flags ask: {describe_changes(changed)}")
         self._set_aside_newer_than(path)
         if trainer["global_batch_size"] != self.global_batch_size:
-            # The position in the epoch is kept in steps: at another global batch
-            # size the rest of this epoch skips or repeats a few examples.
+            # The epoch's position is kept in steps: at another global batch size some examples are skipped or repeated.
             print0(
                 f"warning: the global batch was {trainer['global_batch_size']} sequences or images, now "
                 f"{self.global_batch_size}; keep it (--global-batch-size) to continue exactly"
@@ -280,8 +277,8 @@ class Checkpointer:
         return Resumed(trainer["step"], path, changed, trainer["world_size"])
 
     def save_model(self, state: dict[str, torch.Tensor] | None) -> None:
-        """model.pt, for inference and --init-from: the full state dict ``state``, written by rank 0 (the
-        other ranks' ``state`` is not read); every rank stops with one message if it cannot be written."""
+        """model.pt, for inference and --init-from: rank 0 writes the full ``state`` (the other ranks' is not read);
+        if it cannot, every rank stops with one message."""
         safe_io.save_model_file(state, self.folder.parent / MODEL_FILE, self.ctx)
 
     def _set_aside_newer_than(self, resumed: Path) -> None:

@@ -197,9 +197,8 @@ def start_from_safetensors(model: torch.nn.Module, path: Path, ctx: DistContext)
         except ValueError as err:  # the files as a whole: none there, missing from an index, a tensor in two
             problem = str(err)
         except Exception as err:  # noqa: BLE001 - any failure to read a file is one message, below
-            problem = (
-                f"cannot be read ({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})"
-            )
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            problem = f"cannot be read ({type(err).__name__}: {first_line})"
         else:
             problem = weights_problem(header, expected, tied) or untied_problem(tied_tensors(files, tied), tied)
             problem = problem and tie_hint(path, problem, tied)
