@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._pytree import tree_map, tree_map_only
 
-from common import safe_io
+import common.safe_io as safe_io
 from common.compat import full_state_dict_options, quiet_internal_warnings
 from common.distributed import (
     DistContext,
