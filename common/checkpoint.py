@@ -1,19 +1,8 @@
-"""Checkpoints that a killed job never leaves half-written, and exact resume from them.
+"""Checkpoints that a killed job never leaves half-written, and exact resume from them (docs/checkpoints.md).
 
-A checkpoint is taken between two optimizer steps, where model, optimizer,
-LR schedule, data position and random state describe the run completely.
-Two formats, both under ``RUN_DIR/checkpoints/``:
-
-- full, ``step-N.pt``: one file that rank 0 writes (DDP, or FSDP gathering the
-  whole model and optimizer onto rank 0 first);
-- sharded, ``step-N/``: a torch.distributed.checkpoint (DCP) folder in which
-  every rank writes its own shard, so no rank ever holds the whole model; DCP
-  reshards on load, so it resumes at another world size.
-
-Either kind is written under a temporary name and renamed once complete, so
-anything named ``step-N`` is whole: a kill mid-save leaves only a temporary
-that the next save deletes. Reading one back runs none of its code
-(common.safe_io); what a resume may change is common.flag_checks's.
+Full, ``RUN_DIR/checkpoints/step-N.pt``: one file rank 0 writes. Sharded, ``step-N/``: a DCP folder where each
+rank writes its own shard, resharded on load (another world size resumes). Each is written under a temporary name
+and renamed once whole. Reading one runs none of its code (common.safe_io); common.flag_checks says what may change.
 """
 
 from __future__ import annotations
@@ -21,7 +10,7 @@ from __future__ import annotations
 import random
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils._pytree import tree_map, tree_map_only
 
+import common.safe_io as safe_io
 from common.compat import full_state_dict_options, quiet_internal_warnings
 from common.distributed import (
     DistContext,
@@ -54,31 +44,14 @@ from common.flag_checks import Settings, changed_settings, describe_changes, ide
 from common.models import tied_parameters
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
 from common.run_dir import CHECKPOINTS, MODEL_FILE, checkpoint_step, checkpoint_to_resume, complete_checkpoints
-from common.safe_io import (
-    UntrustedCheckpoint,
-    describe_failure,
-    load_file,
-    root_failure,
-    save_atomic,
-    save_model_file,
-    sharded_reader,
-    start_from_weights,
-    then_resume,
-    what_is_kept,
-    write_failure,
-)
 
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
 FORMAT_VERSION = 1
 
 
 def capture_rng() -> dict[str, Any]:
-    """The random state that training draws from: dropout, and anything else in Python or torch.
-
-    Every rank seeds the same way and draws the same amount, so rank 0's state
-    stands for all of them. The data order needs none of this: the sampler
-    derives it from the seed and the epoch.
-    """
+    """The random state training draws from (dropout, anything else in Python or torch). Every rank seeds and
+    draws alike, so rank 0's stands for all; the data order needs none (the sampler derives it from seed and epoch)."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -100,71 +73,47 @@ class Resumed:
     world_size: int | None = None  # the processes that saved the checkpoint
 
 
+@dataclass
 class Checkpointer:
     """Saves and restores one run's training state; every rank calls every method together.
 
-    ``identity`` says what the checkpoint belongs to (the script and the model's
-    shape); a checkpoint written for anything else is refused, not half-loaded.
-    ``settings`` are the run's training settings (``training_settings``): each
-    checkpoint records them, and a resume names every one that differs.
-    ``extra`` holds the objects with a ``state_dict`` beside model and optimizer
-    (LR scheduler, gradient scaler). ``trust`` loads a sharded checkpoint whose
-    metadata holds more than DCP's own records (--trust-checkpoint).
-    ``check_before_save(step)`` runs before every save and raises if the state
-    must not be saved (a non-finite loss: FiniteLossCheck.check).
+    ``identity``: what the checkpoint belongs to (script, model shape); one of anything else is refused, not
+    half-loaded. ``settings`` (``training_settings``): recorded in each checkpoint; a resume names each that differs.
+    ``extra``: the objects with a ``state_dict`` beside model and optimizer (LR scheduler, gradient scaler).
+    ``trust`` (--trust-checkpoint): load a sharded checkpoint whose metadata holds more than DCP's own records.
+    ``check_before_save(step)`` raises if the state must not be saved (a non-finite loss: FiniteLossCheck.check).
     """
 
-    def __init__(
-        self,
-        ctx: DistContext,
-        run_dir: Path,
-        *,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        extra: dict[str, Any],
-        identity: dict[str, Any],
-        strategy: str,
-        settings: dict[str, Any],
-        global_batch_size: int,
-        sharded: bool,
-        interval: int,
-        keep: int,
-        trust: bool = False,
-        check_before_save: Callable[[int], None] | None = None,
-        sharded_view: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor,
-    ) -> None:
-        self.ctx = ctx
-        self.folder = run_dir / CHECKPOINTS
-        self.model = model
-        self.optimizer = optimizer
-        self.extra = extra
-        # None without adapters and without tied weights, as before either was recorded.
-        self.identity = {
-            **identity,
-            "lora": adapter_identity(model),
-            "tied": tied_parameters(model) or None,
-            "trained": trained_parameters(model),
-        }
-        self.strategy = strategy
-        self.settings = settings
-        self.global_batch_size = global_batch_size
-        self.sharded = sharded
-        self.interval = interval
-        self.keep = keep
-        self.trust = trust
-        self.check_before_save = check_before_save
-        # What DCP writes and reads in place of each tensor: the same numbers (a view), laid out as it can write.
-        self.sharded_view = sharded_view
+    ctx: DistContext
+    run_dir: Path
+    _: KW_ONLY
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    extra: dict[str, Any]
+    identity: dict[str, Any]
+    strategy: str
+    settings: dict[str, Any]
+    global_batch_size: int
+    sharded: bool
+    interval: int
+    keep: int
+    trust: bool = False
+    check_before_save: Callable[[int], None] | None = None
+    # What DCP writes and reads in place of each tensor: the same numbers (a view), laid out as it can write.
+    sharded_view: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor
+
+    def __post_init__(self) -> None:
+        self.folder = self.run_dir / CHECKPOINTS
+        # None without adapters or tied weights, as before either was recorded.
+        lora, tied, trained = adapter_identity(self.model), tied_parameters(self.model), trained_parameters(self.model)
+        self.identity = {**self.identity, "lora": lora, "tied": tied or None, "trained": trained}
         self.last_saved: Path | None = None
         self._check_room()
 
     def _check_room(self) -> None:
-        """Refuse to start when the disk cannot hold what the run must write: the checkpoints it keeps
-        (one more while the newest is written) and model.pt. Found now, not after hours of training.
-
-        Adam and Adadelta keep two tensors per parameter, so a checkpoint is about three times model.pt.
-        Space that others fill during the run is not foreseen; that failure still gets one message.
-        """
+        """Refuse to start, not after hours of training, when the disk cannot hold the checkpoints kept (one more
+        while the newest is written) and model.pt. A checkpoint is about 3x model.pt (Adam keeps two tensors per
+        parameter). Space that others fill during the run is not foreseen; that failure still gets one message."""
         (largest_shard,) = max_over_ranks([float(local_state_bytes(self.model, self.optimizer)["params"])], self.ctx)
         model_bytes = int(largest_shard) * shard_group_size(self.model)
         held = len(complete_checkpoints(self.folder.parent))
@@ -188,26 +137,13 @@ class Checkpointer:
     def _saved(self, step: int) -> bool:
         return self.last_saved is not None and checkpoint_step(self.last_saved) == step and self.last_saved.exists()
 
-    # -- saving ---------------------------------------------------------------
-
     def save(self, step: int) -> Path:
         """Write a checkpoint of the state after ``step`` optimizer steps, then prune old ones."""
         if self.check_before_save is not None:
             self.check_before_save(step)
         if self._saved(step):  # e.g. asked to stop right after resuming: that checkpoint is this state
             return self.last_saved  # type: ignore[return-value]
-        self._check_weights_finite(step)
-        with quiet_internal_warnings():
-            path = self._save(step)
-        self.last_saved = path
-        if self.ctx.is_main:
-            self._prune(keep_newest=path)
-        dist.barrier()  # nobody runs ahead and reads a folder that rank 0 is still pruning
-        print0(f"checkpoint: {path}")
-        return path
-
-    def _check_weights_finite(self, step: int) -> None:
-        """A finite loss does not make the update after it finite: check the weights themselves."""
+        # A finite loss does not make the update after it finite: check the weights themselves.
         local = [local_part(p) for p in self.model.parameters()]
         finite = bool(torch.stack([torch.isfinite(p).all() for p in local]).all()) if local else True
         if not all_ranks_agree(finite, self.ctx):
@@ -217,19 +153,6 @@ class Checkpointer:
                 "earlier checkpoint with --resume-from",
                 exit_code=1,
             )
-
-    def _written_everywhere(self, path: Path, failure: str | None, temporary: Path | None = None) -> None:
-        """Stop every rank together if any rank could not write its part of ``path`` (in ``temporary``)."""
-        if not all_ranks_agree(failure is None, self.ctx):
-            if temporary is not None and self.ctx.is_main:
-                shutil.rmtree(temporary, ignore_errors=True)
-            raise FatalError(
-                f"could not write checkpoint {path}: {failure or 'it failed on another rank'}. "
-                f"{what_is_kept(self.folder.parent)}. {then_resume(failure)}",
-                exit_code=1,
-            )
-
-    def _save(self, step: int) -> Path:
         trainer = {
             "format_version": FORMAT_VERSION,
             "identity": self.identity,
@@ -241,18 +164,35 @@ class Checkpointer:
             "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
             "rng": capture_rng(),
         }
-        return self._save_sharded(step, trainer) if self.sharded else self._save_full(step, trainer)
+        with quiet_internal_warnings():
+            path = self._save_sharded(step, trainer) if self.sharded else self._save_full(step, trainer)
+        self.last_saved = path
+        if self.ctx.is_main:
+            self._prune(keep_newest=path)
+        dist.barrier()  # nobody runs ahead and reads a folder that rank 0 is still pruning
+        print0(f"checkpoint: {path}")
+        return path
+
+    def _written_everywhere(self, path: Path, failure: str | None, temporary: Path | None = None) -> None:
+        """Stop every rank together if any rank could not write its part of ``path`` (in ``temporary``)."""
+        if not all_ranks_agree(failure is None, self.ctx):
+            if temporary is not None and self.ctx.is_main:
+                shutil.rmtree(temporary, ignore_errors=True)
+            raise FatalError(
+                f"could not write checkpoint {path}: {failure or 'it failed on another rank'}. "
+                f"{safe_io.what_is_kept(self.folder.parent)}. {safe_io.then_resume(failure)}",
+                exit_code=1,
+            )
 
     def _save_full(self, step: int, trainer: dict[str, Any]) -> Path:
-        # DISTRIBUTED: for FSDP every rank takes part in gathering the full state
-        # onto rank 0 (the others get empty dicts); for DDP it is a local copy.
+        # DISTRIBUTED: under FSDP every rank helps gather the full state onto rank 0 (the others get empty dicts).
         options = full_state_dict_options(self.ctx.device)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
         path = self.folder / f"step-{step}.pt"
         failure = None
         if self.ctx.is_main:
             checkpoint = {"model": model_state, "optimizer": optimizer_state, "trainer": trainer}
-            failure = write_failure(lambda: save_atomic(checkpoint, path))
+            failure = safe_io.write_failure(lambda: safe_io.save_atomic(checkpoint, path))
         self._written_everywhere(path, failure)
         return path
 
@@ -262,16 +202,15 @@ class Checkpointer:
         failure = None
         if self.ctx.is_main:
             shutil.rmtree(temporary, ignore_errors=True)  # left behind by a save that was killed
-            failure = write_failure(lambda: temporary.mkdir(parents=True))
+            failure = safe_io.write_failure(lambda: temporary.mkdir(parents=True))
         self._written_everywhere(path, failure)
-        # DISTRIBUTED: each rank writes only its own shards; DCP writes the
-        # metadata (which rank holds which slice) last, from rank 0. A rank that
-        # fails to write makes dcp.save fail on every rank.
+        # DISTRIBUTED: each rank writes its own shards, rank 0 the metadata (who holds which slice) last;
+        # a rank that fails to write makes dcp.save fail on every rank.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = tree_map_only(torch.Tensor, self.sharded_view, {"model": model_state, "optimizer": optimizer_state})
-        failure = write_failure(lambda: dcp.save(state, checkpoint_id=temporary))
+        failure = safe_io.write_failure(lambda: dcp.save(state, checkpoint_id=temporary))
         if self.ctx.is_main and failure is None:
-            failure = write_failure(lambda: save_atomic(trainer, temporary / TRAINER_FILE))
+            failure = safe_io.write_failure(lambda: safe_io.save_atomic(trainer, temporary / TRAINER_FILE))
         # Agreed before the rename: every shard is on disk before the folder gets its final name.
         self._written_everywhere(path, failure, temporary)
         if self.ctx.is_main:
@@ -292,23 +231,16 @@ class Checkpointer:
             else:
                 path.unlink()
 
-    # -- loading --------------------------------------------------------------
-
     def resume(self, resume: bool, resume_from: Path | None, init_from: Path | None = None) -> Resumed:
-        """Load the checkpoint asked for; a fresh start when ``--resume`` finds none, from ``init_from``'s
-        weights when given (--init-from: a checkpoint of this run, when there is one, comes first).
-
-        A checkpoint that exists but cannot be loaded stops the run with a
-        message: silently starting over would throw away the work it holds.
-        """
+        """Load the checkpoint asked for; without one, start fresh or from ``init_from`` (--init-from: a checkpoint
+        of this run comes first). One that cannot be loaded stops the run: starting over would lose its work."""
         path = checkpoint_to_resume(self.folder.parent, resume, resume_from)
         if path is None:
             if resume:
                 print0(f"--resume: no checkpoint in {self.folder}, starting from step 0")
             if init_from is not None:
-                start_from_weights(self.model, init_from, self.ctx)
+                safe_io.start_from_weights(self.model, init_from, self.ctx)
             return Resumed(0, None)
-
         settings = Settings.of(self.optimizer, self.extra)  # what this run's flags asked for
         with quiet_internal_warnings():
             trainer = self._load(path)
@@ -337,8 +269,7 @@ class Checkpointer:
             print0(f"from step {trainer['step']} on, as the flags ask: {describe_changes(changed)}")
         self._set_aside_newer_than(path)
         if trainer["global_batch_size"] != self.global_batch_size:
-            # The position in the epoch is kept in steps: at another global batch
-            # size the rest of this epoch skips or repeats a few examples.
+            # The epoch's position is kept in steps: at another global batch size some examples are skipped or repeated.
             print0(
                 f"warning: the global batch was {trainer['global_batch_size']} sequences or images, now "
                 f"{self.global_batch_size}; keep it (--global-batch-size) to continue exactly"
@@ -346,14 +277,13 @@ class Checkpointer:
         return Resumed(trainer["step"], path, changed, trainer["world_size"])
 
     def save_model(self, state: dict[str, torch.Tensor] | None) -> None:
-        """model.pt, for inference and --init-from: the full state dict ``state``, written by rank 0 (the
-        other ranks' ``state`` is not read); every rank stops with one message if it cannot be written."""
-        save_model_file(state, self.folder.parent / MODEL_FILE, self.ctx)
+        """model.pt, for inference and --init-from: rank 0 writes the full ``state`` (the other ranks' is not read);
+        if it cannot, every rank stops with one message."""
+        safe_io.save_model_file(state, self.folder.parent / MODEL_FILE, self.ctx)
 
     def _set_aside_newer_than(self, resumed: Path) -> None:
-        """Resuming from an older checkpoint of this run starts another branch; the newer checkpoints
-        belong to the one left behind. They move to RUN_DIR/abandoned/, never deleted, so that neither
-        a later --resume nor pruning takes them for this branch's."""
+        """Resuming from an older checkpoint of this run starts another branch: the newer ones move to
+        RUN_DIR/abandoned/, never deleted, so that neither a later --resume nor pruning takes them for its own."""
         if resumed.resolve().parent != self.folder.resolve():
             return
         step = checkpoint_step(resumed)
@@ -376,20 +306,17 @@ class Checkpointer:
     def _load(self, path: Path) -> dict[str, Any]:
         """Load ``path`` into model, optimizer and ``extra``; every rank fails together, with one message."""
         if path.is_dir():
-            trainer = self._agree(path, lambda: load_file(path / TRAINER_FILE), every_rank=True)
+            trainer = self._agree(path, lambda: safe_io.load_file(path / TRAINER_FILE), every_rank=True)
         else:
-            # DISTRIBUTED: only rank 0 reads the file; the set_*_state_dict calls below
-            # broadcasts the tensors and every rank keeps what it needs.
-            checkpoint = self._agree(path, lambda: load_file(path), every_rank=False)
+            # DISTRIBUTED: only rank 0 reads the file; set_*_state_dict below broadcasts what each rank keeps.
+            checkpoint = self._agree(path, lambda: safe_io.load_file(path), every_rank=False)
             trainer = broadcast_object(checkpoint["trainer"] if self.ctx.is_main else None)
         # Tensors of another shape fail with an unhelpful message; say what differs first.
         mismatch = identity_mismatch(trainer.get("identity", {}), self.identity)
         if mismatch:
             raise FatalError(f"checkpoint {path} does not fit this run: {mismatch}")
-
         if path.is_dir():
-            # DISTRIBUTED: DCP fills this rank's shards in place, reading whichever
-            # slices of the saved shards overlap them (so the world size may change).
+            # DISTRIBUTED: DCP fills this rank's shards in place from the saved slices that overlap them.
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             state = tree_map_only(torch.Tensor, self.sharded_view, {"model": model_state, "optimizer": optimizer_state})
             self._agree(path, lambda: self._load_sharded(path, state), every_rank=True)
@@ -402,9 +329,8 @@ class Checkpointer:
             )
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
         else:
-            # Two calls, not set_state_dict: given an empty model dict (as the
-            # ranks other than 0 are), it would skip the model on those ranks
-            # and leave rank 0 waiting in the broadcast.
+            # Two calls, not set_state_dict: given the empty model dict of ranks other than 0, it would skip
+            # the model there and leave rank 0 waiting in the broadcast.
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             set_model_state_dict(self.model, checkpoint["model"] if self.ctx.is_main else {}, options=options)
             set_optimizer_state_dict(
@@ -413,38 +339,33 @@ class Checkpointer:
         return trainer
 
     def _load_sharded(self, path: Path, state: dict[str, Any]) -> None:
-        reader, planner = sharded_reader(path, self.trust)
+        reader, planner = safe_io.sharded_reader(path, self.trust)
         dcp.load(state, storage_reader=reader, planner=planner)
 
     def _agree(self, path: Path, read: Callable[[], Any], every_rank: bool) -> Any:
-        """Run ``read`` on every rank or on rank 0 only; if it fails anywhere, stop every rank.
-
-        Any exception counts: whatever is wrong with the bytes, the checkpoint
-        cannot be used, and the message says so instead of a traceback per rank.
-        """
+        """Run ``read`` on every rank or on rank 0 only; if it fails anywhere (any exception: the checkpoint
+        cannot be used), stop every rank with one message, not a traceback per rank."""
         result, error, refusal = None, None, None
         if every_rank or self.ctx.is_main:
             try:
                 result = read()
             # DCP's CheckpointException is a BaseException, so it is named here.
             except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - reported below, with its file
-                cause = root_failure(err)
-                if isinstance(cause, UntrustedCheckpoint):
+                cause = safe_io.root_failure(err)
+                if isinstance(cause, safe_io.UntrustedCheckpoint):
                     refusal = cause.refusal(path)
                 else:
-                    error = describe_failure(err)
+                    error = safe_io.describe_failure(err)
         if not all_ranks_agree(error is None and refusal is None, self.ctx):
             if refusal is not None:  # the bytes are fine, so an earlier checkpoint is no answer
                 raise FatalError(refusal)
-            raise FatalError(self._unloadable_message(path, error or "it failed to load on another rank"))
+            step = checkpoint_step(path)
+            earlier = [p for p in complete_checkpoints(self.folder.parent) if step is None or checkpoint_step(p) < step]  # type: ignore[operator]
+            advice = (
+                f"The previous complete checkpoint is {earlier[-1]}: resume from it with --resume-from {earlier[-1]}"
+                if earlier
+                else "There is no earlier checkpoint in this run directory"
+            )
+            error = error or "it failed to load on another rank"
+            raise FatalError(f"checkpoint {path} cannot be loaded ({error}). Nothing was deleted. {advice}.")
         return result
-
-    def _unloadable_message(self, path: Path, error: str) -> str:
-        step = checkpoint_step(path)
-        earlier = [p for p in complete_checkpoints(self.folder.parent) if step is None or checkpoint_step(p) < step]  # type: ignore[operator]
-        advice = (
-            f"The previous complete checkpoint is {earlier[-1]}: resume from it with --resume-from {earlier[-1]}"
-            if earlier
-            else "There is no earlier checkpoint in this run directory"
-        )
-        return f"checkpoint {path} cannot be loaded ({error}). Nothing was deleted. {advice}."

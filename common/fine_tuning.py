@@ -1,10 +1,7 @@
-"""Training part of a model: ``--freeze`` keeps the parameters it names as they started, and ``--lora-rank``
-trains low-rank adapters beside the linear layers instead of the layers themselves.
-
-A frozen parameter gets no gradient, so the optimizer keeps no state for it and, under DDP, no
-bucket holds it and nothing is all-reduced for it. Freezing happens before the wrap: DDP builds its
-buckets, and FSDP its units, from the parameters that need gradients when it is made.
-"""
+"""Training part of a model: ``--freeze`` keeps the parameters it names as they started; ``--lora-rank`` trains
+low-rank adapters beside the linear layers instead. A frozen parameter gets no gradient, optimizer state or DDP
+bucket. Freezing happens before the wrap: DDP builds its buckets, and FSDP its units, from the parameters that
+need gradients when it is made."""
 
 from __future__ import annotations
 
@@ -21,12 +18,10 @@ from common.models import init_parameters, plain_name, tied_parameters, unwrappe
 
 
 def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
-    """Turn off the gradient of each parameter whose name matches one of ``patterns`` (shell-style
-    globs over names as ``model.named_parameters()`` gives them: ``'tok_emb.*'``, ``'blocks.0.*'``).
-    Returns the frozen names. A pattern that matches nothing is a typo, not a choice: it is refused,
-    as is freezing everything, which would leave the run nothing to train. A tied parameter (one tensor
-    under two names: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) matches under either name
-    and is frozen under both, so the message says so."""
+    """Turn off the gradient of each parameter whose name matches one of ``patterns`` (shell-style globs over
+    ``named_parameters()``: ``'blocks.0.*'``); returns the frozen names. A pattern that matches nothing (a typo)
+    is refused, as is freezing everything. A tied parameter (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``)
+    matches under either name and is frozen under both, and the message says so."""
     parameters = dict(model.named_parameters())
     tied = tied_parameters(model)
     for pattern in patterns:
@@ -55,15 +50,11 @@ def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
 
 # --lora-targets when not given: every linear layer inside the Blocks (attention and MLP), not the head.
 DEFAULT_LORA_TARGETS = ("blocks.*.attn.*", "blocks.*.mlp.*")
-ADAPTER_SUFFIXES = (".adapter.a", ".adapter.b")
 
 
 class LowRankUpdate(nn.Module):
-    """The trainable half of a LoRA layer: ``x -> scale * (x A^T) B^T``, A (rank x in), B (out x rank).
-
-    A module of its own, so that FSDP1 can make it a unit of its own: a unit that mixes frozen and
-    trainable parameters keeps a gradient for every value in it.
-    """
+    """The trainable half of a LoRA layer: ``x -> scale * (x A^T) B^T``, A (rank x in), B (out x rank). A module
+    of its own, so FSDP1 can make it a unit: a unit mixing frozen and trained parameters keeps a gradient for all."""
 
     def __init__(self, in_features: int, out_features: int, rank: int, scale: float, device: torch.device) -> None:
         super().__init__()
@@ -76,12 +67,9 @@ class LowRankUpdate(nn.Module):
 
 
 class LoRALinear(nn.Linear):
-    """A linear layer plus a low-rank update: ``x W^T + b + scale * (x A^T) B^T`` (LoRA, Hu et al. 2021).
-
-    It keeps the layer's own ``weight`` and ``bias`` under their names, so a state dict of the plain
-    model still fits it; the update is ``adapter``. B starts at zero, so the model computes exactly
-    what it did before the adapters were added.
-    """
+    """A linear layer plus a low-rank update: ``x W^T + b + scale * (x A^T) B^T`` (LoRA, Hu et al. 2021). It keeps
+    ``weight`` and ``bias`` under their names, so the plain model's state dict fits it; the update is ``adapter``.
+    B starts at zero, so the model computes exactly what it did before the adapters were added."""
 
     def __init__(self, base: nn.Linear, rank: int, scale: float) -> None:
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
@@ -93,9 +81,8 @@ class LoRALinear(nn.Linear):
 
 
 def add_adapters(model: nn.Module, rank: int | None, alpha: float | None, targets: Sequence[str], seed: int) -> None:
-    """--lora-rank: a LoRALinear in place of each linear layer whose name matches ``targets``, and every
-    other parameter frozen. ``alpha / rank`` scales the update. On the meta device the adapters stay
-    without values, for the sharded initialisation to set; elsewhere they get their initial values here."""
+    """--lora-rank: a LoRALinear in place of each linear layer matching ``targets``, every other parameter frozen;
+    ``alpha / rank`` scales the update. On the meta device the adapters are left for the sharded initialisation."""
     if rank is None:
         return
     chosen = choose_linear_layers(model, targets)
@@ -114,8 +101,8 @@ def add_adapters(model: nn.Module, rank: int | None, alpha: float | None, target
 
 
 def choose_linear_layers(model: nn.Module, targets: Sequence[str]) -> list[tuple[str, nn.Linear]]:
-    """The ``torch.nn.Linear`` layers whose names match ``targets``; FatalError, saying why, where that is none,
-    or where one's weight is tied to another parameter (an adapter merged into it would untie the two)."""
+    """The ``nn.Linear`` layers whose names match ``targets``; FatalError where that is none, or where one's weight
+    is tied to another parameter (an adapter merged into it would untie the two)."""
     matched = [(name, module) for name, module in model.named_modules() if any(fnmatchcase(name, t) for t in targets)]
     chosen = [(name, module) for name, module in matched if isinstance(module, nn.Linear)]
     if not chosen:
@@ -123,21 +110,20 @@ def choose_linear_layers(model: nn.Module, targets: Sequence[str]) -> list[tuple
         seen = f": it matches {', '.join(others[:3])}, and adapters go beside torch.nn.Linear layers" if others else ""
         raise FatalError(f"--lora-targets {' '.join(targets)} matches no linear layer of the model{seen}")
     tied = tied_parameters(model)
-    shared = {name for pair in tied.items() for name in pair}
     for name, _ in chosen:
-        if f"{name}.weight" in shared:
-            other = next(n for pair in tied.items() for n in pair if n != f"{name}.weight" and f"{name}.weight" in pair)
-            raise FatalError(
-                f"--lora-targets matches {name}, whose weight is tied to {other} (one tensor): merged, its adapter "
-                "would change both. Leave it out of --lora-targets"
-            )
+        for alias, source in tied.items():
+            if f"{name}.weight" in (alias, source):
+                other = source if alias == f"{name}.weight" else alias
+                raise FatalError(
+                    f"--lora-targets matches {name}, whose weight is tied to {other} (one tensor): merged, its "
+                    "adapter would change both. Leave it out of --lora-targets"
+                )
     return chosen
 
 
 def refuse_rank_above_width(chosen: list[tuple[str, nn.Linear]], rank: int) -> None:
-    """FatalError where --lora-rank exceeds a chosen layer's narrower side: the update B A can have no higher
-    rank than that, so the adapter would only cost more than training the layer itself (rank 100000 on the
-    tiny preset's width of 64 ran 450 s in 10.9 GB)."""
+    """FatalError where --lora-rank exceeds a chosen layer's narrower side: B A has no higher rank than that, so the
+    adapter would only cost more (rank 100000 on the tiny preset's width of 64 ran 450 s in 10.9 GB)."""
     name, narrowest = min(chosen, key=lambda item: min(item[1].in_features, item[1].out_features))
     width = min(narrowest.in_features, narrowest.out_features)
     if rank > width:
@@ -154,11 +140,8 @@ def adapter_scale(rank: int, alpha: float | None) -> float:
 
 
 def merge_adapters(state: dict[str, torch.Tensor], rank: int | None, alpha: float | None) -> dict[str, torch.Tensor]:
-    """A plain model's state dict from one with adapters: each ``W + scale * B A`` under W's name, the
-    adapters dropped. What model.pt holds, so that it loads into the model without adapters."""
-    if rank is None:
-        return state
-    return merged_with_scale(state, adapter_scale(rank, alpha))
+    """A plain model's state dict (what model.pt holds) from one with adapters: ``W + scale * B A`` under W's name."""
+    return state if rank is None else merged_with_scale(state, adapter_scale(rank, alpha))
 
 
 def merged_with_scale(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
@@ -167,49 +150,41 @@ def merged_with_scale(state: dict[str, torch.Tensor], scale: float) -> dict[str,
         if name.endswith(".adapter.a"):
             layer = name.removesuffix(".adapter.a")
             update = state[f"{layer}.adapter.b"].float() @ state[name].float()
-            merged[f"{layer}.weight"] = (state[f"{layer}.weight"].float() + scale * update).to(
-                state[f"{layer}.weight"].dtype
-            )
+            weight = state[f"{layer}.weight"]
+            merged[f"{layer}.weight"] = (weight.float() + scale * update).to(weight.dtype)
     return merged
 
 
 def is_adapter(name: str) -> bool:
-    return name.endswith(ADAPTER_SUFFIXES)
+    return name.endswith((".adapter.a", ".adapter.b"))
 
 
 def adapter_identity(model: nn.Module) -> dict[str, Any] | None:
-    """What a checkpoint records of the model's LoRA adapters (None without): a resume with other adapters
-    is refused with that said, not with a state dict's missing keys."""
+    """What a checkpoint records of the LoRA adapters (None without): a resume with others is refused saying so."""
     adapters = [module for module in model.modules() if isinstance(module, LowRankUpdate)]
-    if not adapters:
-        return None
-    return {"rank": adapters[0].rank, "scale": adapters[0].scale, "layers": len(adapters)}
+    return {"rank": adapters[0].rank, "scale": adapters[0].scale, "layers": len(adapters)} if adapters else None
 
 
 def trained_parameters(model: nn.Module) -> list[str] | None:
-    """What a checkpoint records of --freeze and --lora-targets: the plain names of the parameters that train,
-    None when all of them do (as before this was recorded). Another set of patterns or targets over the same
-    number of layers trains other parameters, and a resume under it failed in torch's optimizer state dict."""
+    """What a checkpoint records of --freeze and --lora-targets: the plain names of the parameters that train, None
+    when all do. Other patterns over as many layers train others, and a resume failed in torch's optimizer state."""
     inner = unwrapped(model)
     names = [plain_name(name) for name, parameter in inner.named_parameters() if parameter.requires_grad]
-    if len(names) == sum(1 for _ in inner.parameters()):
-        return None
-    return sorted(names)
+    return None if len(names) == sum(1 for _ in inner.parameters()) else sorted(names)
 
 
 def trained_difference(there: list[str] | None, here: list[str] | None) -> str:
     """The setting that changed between a checkpoint's trained parameters and this run's, and what it changed."""
-    there_set, here_set = set(there or []), set(here or [])
     if there is None or here is None:
         # One side trains everything, so its set is the model's: what the other side holds is all that is known.
         known = here if there is None else there
         side = "this run" if there is None else "the checkpoint"
         return f"--freeze or --lora-targets differ: only {len(known or [])} parameters train in {side}"
-    changed = there_set ^ here_set
-    adapters = {is_adapter(name) for name in changed}
-    setting = {frozenset({True}): "--lora-targets", frozenset({False}): "--freeze"}.get(
-        frozenset(adapters), "--freeze or --lora-targets"
-    )
+    there_set, here_set = set(there), set(here)
+    adapters = {is_adapter(name) for name in there_set ^ here_set}
+    setting = "--freeze or --lora-targets"
+    if len(adapters) == 1:
+        setting = "--lora-targets" if adapters.pop() else "--freeze"
     parts = []
     for names, where in ((there_set - here_set, "there but not here"), (here_set - there_set, "here but not there")):
         if names:

@@ -1,15 +1,9 @@
-"""Weights in the Hugging Face format: safetensors files and ``save_pretrained`` folders.
+"""Weights in the Hugging Face format: safetensors files and ``save_pretrained`` folders (docs/hugging-face.md).
 
-``--init-from`` reads a folder (``model.safetensors``, or several files and their index) or one
-``.safetensors`` file into the model where it lives: each rank reads only the slices of each tensor
-that it keeps, through torch.distributed.checkpoint's own reader for these files (as torchtitan loads
-Hub weights), so a sharded model is never whole on any rank. A safetensors file is a JSON header and
-raw tensor bytes: nothing in it is unpickled, so nothing in it runs.
-
-Back out, ``write_pretrained`` writes a whole state dict as a folder ``from_pretrained`` loads
-(``config.json`` beside ``model.safetensors``), the tied names once (the file keeps the first name).
-A run of a Hugging Face model writes its final model so (docs/hugging-face.md), and
-``tools.runs.export_checkpoint --hf-config`` writes a checkpoint so.
+``--init-from`` a folder or a ``.safetensors`` file: each rank reads only the slices it keeps, through DCP's own
+reader for these files (as torchtitan loads Hub weights), so a sharded model is never whole on any rank. A file is
+a JSON header and raw tensor bytes: nothing is unpickled, so nothing runs. ``write_pretrained`` writes a whole state
+dict as a folder ``from_pretrained`` loads (a run's final model, ``tools.runs.export_checkpoint --hf-config``).
 """
 
 from __future__ import annotations
@@ -78,6 +72,7 @@ def safetensors_files(path: Path) -> list[Path]:
 def read_header(files: list[Path]) -> Header:
     """Each tensor's shape and dtype, from the files' headers alone (no tensor is read)."""
     from safetensors import safe_open
+    from safetensors.torch import _getdtype  # the package's own table of its dtype names
 
     header: Header = {}
     for file in files:
@@ -86,14 +81,8 @@ def read_header(files: list[Path]) -> Header:
                 if name in header:
                     raise ValueError(f"holds {name} in two of its files")
                 piece = opened.get_slice(name)
-                header[name] = (tuple(piece.get_shape()), _dtype(piece.get_dtype()))
+                header[name] = (tuple(piece.get_shape()), _getdtype(piece.get_dtype()))
     return header
-
-
-def _dtype(name: str) -> torch.dtype:
-    from safetensors.torch import _getdtype  # the package's own table of its dtype names
-
-    return _getdtype(name)
 
 
 def exactly_representable(stored: torch.dtype, target: torch.dtype) -> bool:
@@ -114,9 +103,7 @@ def first_few(items: list[str], shown: int = 3) -> str:
 
 def weights_problem(found: Header, expected: Header, tied: dict[str, str]) -> str | None:
     """Why weights of ``found``'s names, shapes and dtypes do not fit a model of ``expected``'s; None if they do.
-
-    A tied name (``tied``: alias -> the name it is) may be left out, as a Hugging Face folder leaves it out.
-    """
+    A tied name (``tied``: alias -> the name it is) may be left out, as a Hugging Face folder leaves it out."""
     missing = [name for name in expected if name not in found and not (name in tied and tied[name] in found)]
     unexpected = [name for name in found if name not in expected]
     reshaped = [
@@ -129,16 +116,9 @@ def weights_problem(found: Header, expected: Header, tied: dict[str, str]) -> st
         for name, (shape, dtype) in expected.items()
         if name in found and found[name][0] == shape and not exactly_representable(found[name][1], dtype)
     ]
-    parts = [
-        f"{what}: {first_few(names)}"
-        for what, names in (
-            ("missing", missing),
-            ("not in this model", unexpected),
-            ("other shapes", reshaped),
-            ("dtypes that do not convert exactly", retyped),
-        )
-        if names
-    ]
+    kinds = ("missing", "not in this model", "other shapes", "dtypes that do not convert exactly")
+    lists = (missing, unexpected, reshaped, retyped)
+    parts = [f"{what}: {first_few(names)}" for what, names in zip(kinds, lists, strict=True) if names]
     return f"does not fit this model ({'; '.join(parts)})" if parts else None
 
 
@@ -178,30 +158,19 @@ def tie_hint(path: Path, problem: str, tied: dict[str, str]) -> str:
 
 
 def counting_reader(files: list[Path]) -> Any:
-    """DCP's reader of safetensors files, kept to ``files`` (it takes every file of their folder), counting
-    the bytes this rank reads."""
+    """DCP's reader of safetensors files, kept to ``files``, counting the bytes this rank reads."""
     # Imported here: on torch releases without it everything else still runs (docs/torch-versions.md).
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     wanted = {file.resolve() for file in files}
 
-    class OnlyTheseFiles:
-        """The reader's file system, listing only ``files`` where the reader would open every file of the folder
-        (a stray or broken .safetensors beside them, a folder of several models)."""
-
-        def __init__(self, fs: Any) -> None:
-            self.fs = fs
-
-        def ls(self, path: Any) -> list[str]:
-            return [name for name in self.fs.ls(path) if Path(name).resolve() in wanted]
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.fs, name)
-
     class Reader(HuggingFaceStorageReader):
         def __init__(self) -> None:
             super().__init__(str(files[0].parent))
-            self.fs = OnlyTheseFiles(self.fs)
+            # It would read every file its file system lists in the folder: a stray or broken .safetensors, or a
+            # folder of several models. This reader's own file system lists only ``files``.
+            listed = self.fs.ls
+            self.fs.ls = lambda path: [name for name in listed(path) if Path(name).resolve() in wanted]
             self.bytes_read = 0
 
         def read_data(self, plan: Any, planner: Any) -> Any:
@@ -213,12 +182,9 @@ def counting_reader(files: list[Path]) -> Any:
 
 
 def start_from_safetensors(model: torch.nn.Module, path: Path, ctx: DistContext) -> None:
-    """--init-from a ``save_pretrained`` folder or a ``.safetensors`` file, into the wrapped ``model``.
-
-    DISTRIBUTED: rank 0 checks the files' headers against the model (names, shapes, dtypes, tying) and every
-    rank stops with one message if they do not fit. Then every rank reads the slices it keeps: its shard
-    under FSDP, everything under DDP. LoRA adapters are not in such weights: they start as no change.
-    """
+    """--init-from a ``save_pretrained`` folder or a ``.safetensors`` file, into the wrapped ``model``. DISTRIBUTED:
+    rank 0 checks the headers against the model (names, shapes, dtypes, tying), every rank stops with one message if
+    they do not fit; then each rank reads the slices it keeps. LoRA adapters are not in such weights (no change)."""
     tied = tied_parameters(model)
     with quiet_internal_warnings():  # FSDP1's sharded state dict still goes through ShardedTensor
         state = get_model_state_dict(model)
@@ -231,9 +197,8 @@ def start_from_safetensors(model: torch.nn.Module, path: Path, ctx: DistContext)
         except ValueError as err:  # the files as a whole: none there, missing from an index, a tensor in two
             problem = str(err)
         except Exception as err:  # noqa: BLE001 - any failure to read a file is one message, below
-            problem = (
-                f"cannot be read ({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})"
-            )
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            problem = f"cannot be read ({type(err).__name__}: {first_line})"
         else:
             problem = weights_problem(header, expected, tied) or untied_problem(tied_tensors(files, tied), tied)
             problem = problem and tie_hint(path, problem, tied)
@@ -268,16 +233,13 @@ def write_pretrained(
     state: dict[str, torch.Tensor], folder: Path, config_text: str, tied: dict[str, str], overwrite: bool
 ) -> None:
     """``folder`` as ``save_pretrained`` writes it: ``config.json`` and ``model.safetensors``, whole or not at all.
-
-    ``state`` is the whole model's state dict on the CPU; each name in ``tied`` (alias -> first name) is left
-    out, as the Hub's files leave it out. The config says the tensors' dtype, as save_pretrained's does.
-    """
+    ``state``: the whole model on the CPU; each alias in ``tied`` is left out, as the Hub's files leave it out."""
     from safetensors.torch import save_file
 
     tensors = {name: tensor.contiguous() for name, tensor in state.items() if name not in tied}
     config = json.loads(config_text)
     dtypes = {tensor.dtype for tensor in tensors.values() if tensor.is_floating_point()}
-    if len(dtypes) == 1:
+    if len(dtypes) == 1:  # the config says the tensors' dtype, as save_pretrained's does
         config["dtype"] = str(dtypes.pop()).removeprefix("torch.")
         config.pop("torch_dtype", None)  # the older name of the same field
     with output_folder(folder, overwrite, replaceable=pretrained_folder) as temporary:

@@ -94,8 +94,8 @@ CHECKPOINTS = [
         name="sharded-checkpoint-saved-by-rank-0-alone",
         path="common/checkpoint.py",
         edits={
-            "failure = write_failure(lambda: dcp.save(state, checkpoint_id=temporary))": (
-                "failure = write_failure(lambda: dcp.save(state, checkpoint_id=temporary)) "
+            "failure = safe_io.write_failure(lambda: dcp.save(state, checkpoint_id=temporary))": (
+                "failure = safe_io.write_failure(lambda: dcp.save(state, checkpoint_id=temporary)) "
                 "if self.ctx.is_main else None"
             )
         },
