@@ -1,9 +1,7 @@
-"""A run's bookkeeping, behind one object (``Bookkeeping``): metrics.jsonl and the console's progress lines, the
-observed step and its trace (common.collectives), stop requests, and the final record (``FinalRecord``).
-
-Stopping: clusters end jobs at their time limit or to make room, usually after a warning: SLURM sends a signal ahead
-(slurm/'s launchers turn it into a STOP file), torchrun passes SIGTERM on to its workers. The loop checks between
-steps; all ranks agree, save a checkpoint, leave a PREEMPTED marker and exit, and ``--resume`` continues.
+"""A run's bookkeeping behind one object, ``Bookkeeping``: metrics.jsonl, progress lines, the observed step
+(common.collectives), the final record (``FinalRecord``) and stop requests: SLURM's signal ahead of a time limit
+(slurm/'s launchers make it a STOP file), torchrun's SIGTERM, a STOP file. The loop checks between steps; all ranks
+agree, save a checkpoint, leave a PREEMPTED marker and exit, and ``--resume`` continues.
 """
 
 from __future__ import annotations
@@ -75,11 +73,9 @@ class StopRequest:
             signal.signal(number, SECOND_TIME_STOPS_AT_ONCE[number])
 
     def requested(self) -> bool:
-        """True on every rank at the same step, once any rank got a signal or rank 0 saw the STOP file.
-
-        A collective, once a step: each call sends this step's answer and reads the one sent a step before, so
-        the exchange runs beside the step and a stop comes a step later, on every rank alike. No GPU value.
-        """
+        """True on every rank at the same step, once any rank got a signal or rank 0 saw the STOP file. A collective
+        once a step, on no GPU value: each call sends this step's answer and reads the one sent a step before, so the
+        exchange runs beside the step and a stop comes a step later, on every rank alike."""
         # Only rank 0 looks at the file: one stat per step instead of one per rank.
         asked = self.received is not None or (self.ctx.is_main and self.stop_file.exists())
         if self.ctx.world_size == 1:
@@ -124,14 +120,11 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 
 
 class ProgressReporter:
-    """Every --log-interval steps: one metrics.jsonl record and one console line. Every rank calls ``report`` at the
-    same steps: the loss it reports is averaged over ranks with a collective.
-
-    Throughput and step time count training alone: the clock stops while the run evaluates or saves (``paused``) and
-    while it reports, and the overall figure leaves out the first interval, which pays for warming up (the first
-    collectives, allocations, compilation). Peak memory is reset when the reporter is made (after the model is
-    wrapped) and read at the last step, before anything gathers the whole model.
-    """
+    """Every --log-interval steps: one metrics.jsonl record and one console line; every rank calls ``report`` at the
+    same steps (the loss is averaged over ranks). Throughput and step time count training alone: the clock stops in
+    ``paused`` (evaluation, checkpoints) and while reporting, and the overall figure leaves out the first interval
+    (warm-up: first collectives, allocations, compilation). Peak memory is reset here (after the model is wrapped)
+    and read at the last step, before anything gathers the whole model."""
 
     def __init__(
         self, log: MetricsLog, ctx: DistContext, total_steps: int, items_per_step: int, unit: str, first_step: int = 0
@@ -142,9 +135,8 @@ class ProgressReporter:
         self._last_step = first_step  # a resumed run starts counting at its checkpoint
         self._interval_seconds = 0.0
         self._running_since: float | None = time.perf_counter()
-        self._warm = False
-        self._steps = 0
-        self._seconds = 0.0
+        self._warm = False  # past the first interval, which _steps and _seconds leave out
+        self._steps, self._seconds = 0, 0.0
         self.peak_memory: int | None = None
         reset_peak_memory(ctx.device)
 

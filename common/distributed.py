@@ -1,9 +1,8 @@
 """Process-group setup, the small helpers every training script needs, and where this repository works around torch.
 
 The one contract is torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
-a laptop run, the CPU tests and a SLURM job (one torchrun per node) all go through it, and a plain ``python script.py``
-has none of it and becomes a world of one. Tested on torch 2.6 (the floor: the first release with the public FSDP2
-API, ``fully_shard``) and on the newest torch pip resolves (2.14.1 when written): see "Torch's versions" below.
+a laptop, the CPU tests and SLURM (one torchrun per node) go through it; a plain ``python script.py`` is a world of one.
+Tested on torch 2.6 (the floor: the first with the public FSDP2 API) and the newest pip resolves ("Torch's versions").
 """
 
 from __future__ import annotations
@@ -57,9 +56,8 @@ class DistContext:
         return self.rank == 0
 
     def rendezvous_store(self, timeout: timedelta) -> dist.Store:
-        """Where the ranks meet for init_process_group: torchrun's store, one generation at a time (generation_store).
-        Without torchrun a world of one meets in memory, so DDP and FSDP wrap as under torchrun and no port is taken.
-        """
+        """Where the ranks meet for init_process_group: torchrun's store, a generation at a time (generation_store);
+        without torchrun, in memory: DDP and FSDP wrap as under torchrun, and no port is taken."""
         if "MASTER_ADDR" not in os.environ:
             return dist.HashStore()
         return generation_store(self.rank, self.world_size, timeout)
@@ -83,13 +81,10 @@ def wants_cuda(requested: str) -> bool:
 
 
 def set_cpu_threads(local_world_size: int) -> None:
-    """Share the cores between the processes of this node, unless OMP_NUM_THREADS says otherwise (torchrun sets it
-    to 1 for several workers, SLURM launchers per task); without it every process would spawn a thread per core.
-
-    Where torch already runs one thread per usable core (one process, no CPU limit) its count is left alone: setting
-    it, even to the same number, makes MKL use every thread on small matrix products, and the tiny preset's step took
-    15% longer (19.2 against 16.5 ms, medians of 5, 2 cores; MKL_DYNAMIC=FALSE alone did the same).
-    """
+    """Share the cores between this node's processes (each would spawn a thread per core), unless OMP_NUM_THREADS
+    is set (torchrun sets 1 for several workers, SLURM launchers per task). Where torch already has its share (one
+    process, no CPU limit) its count is left alone: setting it, even to the same number, makes MKL use every thread
+    on small matrix products: the tiny preset's step took 15% longer (19.2 against 16.5 ms, medians of 5, 2 cores)."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -99,14 +94,12 @@ def set_cpu_threads(local_world_size: int) -> None:
 
 
 def generation_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
-    """The rendezvous store at MASTER_ADDR:MASTER_PORT, seen through a prefix for this generation of workers.
+    """The store env:// would build at MASTER_ADDR:MASTER_PORT, seen through a prefix for this generation of workers.
 
-    torchrun --max-restarts starts a new generation of workers after a failure, in the same store as the one that
-    failed. Without a prefix, gloo and NCCL can read the old generation's addresses there and connect to a dead worker
-    (NCCL: pytorch#167288). Measured with torch 2.14, gloo, 2 processes and rank 1 SIGKILLed once: without the prefix
-    6 of 10 restarts failed ("Connection refused", or a hang in init_process_group past 120 s); with it, 13 of 13
-    resumed and finished. Otherwise the store is the one env:// would build.
-    """
+    torchrun --max-restarts starts a new generation after a failure, in the same store: without a prefix, gloo and
+    NCCL can read the failed generation's addresses and connect to a dead worker (NCCL: pytorch#167288). Torch 2.14,
+    gloo, 2 processes, rank 1 SIGKILLed once: without it 6 of 10 restarts failed ("Connection refused", or a hang in
+    init_process_group past 120 s); with it, 13 of 13 resumed and finished."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     # torchrun's agent hosts the store and says so; a launcher of one's own leaves it to rank 0.
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -115,15 +108,11 @@ def generation_store(rank: int, world_size: int, timeout: timedelta) -> dist.Sto
 
 
 def launch_context(requested_device: str) -> DistContext:
-    """This process's place in the job (torchrun's variables) and its device, before the process group exists.
-
-    It also prepares the process for its place: under torchrun it ends when torchrun dies; on a GPU it takes its own
-    GPU and TF32 matmuls; on the CPU it takes its share of the cores.
-    """
+    """This process's place in the job (torchrun's variables) and its device, before the process group exists; and
+    the process set up for it: under torchrun it ends with torchrun, on a GPU it takes its own, on a CPU its cores."""
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
-        # A torchrun killed outright (SIGKILL, the OOM killer) cannot stop its workers: orphaned, they would train
-        # on, SLURM would not see the node fail while they hold the step's output open, and may not find them to
-        # kill. So the kernel sends SIGTERM (a stop request like any other) when torchrun dies.
+        # A torchrun killed outright (SIGKILL, OOM) cannot stop its workers: orphaned, they would train on, holding
+        # the SLURM step open. So the kernel sends SIGTERM (a stop request like any other) when torchrun dies.
         pr_set_pdeathsig = 1  # from <linux/prctl.h>
         ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
     rank, world_size = env_rank(), env_world_size()
@@ -147,15 +136,12 @@ def launch_context(requested_device: str) -> DistContext:
 def clean_teardown() -> Iterator[None]:
     """Around ``dist.destroy_process_group()``: free what still holds the groups first.
 
-    FSDP's modules form reference cycles that hold on to their process groups: collected at the interpreter's exit
-    instead, a gloo group's worker threads can outlive the interpreter, find no GIL, and abort a finished run (torch
-    2.14.1, about 1 run in 10). A run refused with a FatalError holds the model in its traceback's frames as well:
-    those frames let go of their locals here, before the collection (the traceback is kept, for its message). Only
-    those: a crash keeps its frames, and its teardown its old pace (freeing the model sooner, and DDP with it, let the
-    peer of a crashed rank report first now and then, and torchrun then named the wrong rank as the root cause).
-    Collected before the destroy, not after: on torch < 2.8 a group freed by the collector holds the GIL while it
-    waits for gloo's threads (gloo_destroyed_without_gil).
-    """
+    FSDP's modules form reference cycles that hold their process groups: collected at the interpreter's exit, a gloo
+    group's threads can outlive the interpreter, find no GIL, and abort a finished run (torch 2.14.1, 1 run in 10).
+    A FatalError's traceback frames hold the model too: they drop their locals here (the message is kept). A crash
+    keeps its frames: freeing DDP sooner let a crashed rank's peer report first, and torchrun blamed the wrong rank.
+    Collected before the destroy: on torch < 2.8 a group the collector frees holds the GIL while it waits for gloo's
+    threads (gloo_destroyed_without_gil)."""
     failure = sys.exc_info()[1]
     if isinstance(failure, FatalError):
         traceback.clear_frames(failure.__traceback__)
@@ -210,12 +196,8 @@ def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext
 
 
 def all_ranks_agree(ok: bool, ctx: DistContext) -> bool:
-    """True only if ``ok`` holds on every rank: one rank's failure stops them all.
-
-    A collective on the host group: every rank calls it at the same point, and it reads no GPU value. A world of one
-    agrees with itself: the stop check calls this every step, and its all-reduce alone cost 0.5 to 0.9 ms of an 18 ms
-    step (the tiny preset on this 2-core CPU, measured).
-    """
+    """True only if ``ok`` holds on every rank: one rank's failure stops them all. A collective on the host group,
+    reading no GPU value. A world of one skips it: it cost 0.5 to 0.9 ms of an 18 ms step (tiny preset, 2-core CPU)."""
     if ctx.world_size == 1:
         return ok
     flag = torch.tensor([1 if ok else 0])
@@ -307,8 +289,7 @@ def env_num_nodes() -> int:
 
 
 # ---- Torch's versions: what depends on them, and torch's bugs that the scripts avoid ----------------------------
-# Each helper says which releases need it. A part that cannot work on an older torch stops with one line naming the
-# release it needs (require_torch), before any process group starts.
+# Each helper says which releases need it; a part that needs a later release stops first (require_torch).
 
 # FSDP2 on the CPU (gloo) needs torch 2.9:
 # - 2.6: the first forward fails ('Stream' object has no attribute 'record_event'): torch.cpu.Stream got its no-op
@@ -344,14 +325,9 @@ def require_torch(parser: argparse.ArgumentParser, release: tuple[int, int], fea
 
 
 def full_state_dict_options(device: torch.device) -> StateDictOptions:
-    """Options that gather the whole model (and optimizer) state, as plain tensors, for rank 0 to save.
-
-    On a GPU the gathered tensors are copied to the CPU and only rank 0 keeps them (``cpu_offload=True``; the other
-    ranks get empty dicts). A CPU run has nothing to offload: every rank gathers the full state in host memory, and
-    the ranks other than 0 drop it.
-    """
-    # Not only pointless on a CPU run: FSDP1's offload paths take the move to the CPU for a copy, and on the CPU it
-    # is none.
+    """Options that gather the whole model (and optimizer) state, as plain tensors, for rank 0 to save. On a GPU only
+    rank 0 keeps them, on the CPU (``cpu_offload=True``); a CPU run gathers on every rank and the others drop it."""
+    # Offloading on a CPU run is not only pointless: FSDP1's offload paths take the move to the CPU for a copy.
     # - torch < 2.14: FlatParamHandle.to_cpu() frees the gathered parameters after "moving" them, so the model state
     #   dict reads freed memory and rank 0 dies with a segmentation fault (pytorch/pytorch#188989, fixed in 2.14 by
     #   #188990).
