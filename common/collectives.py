@@ -76,9 +76,7 @@ class Traffic:
     @classmethod
     def of(cls, collectives: Iterable[tuple[str, int, int]]) -> Traffic:
         """From ``(kind, message bytes, group size)`` per collective."""
-        sizes: Counter[str] = Counter()
-        counts: Counter[str] = Counter()
-        ring: Counter[str] = Counter()
+        sizes, counts, ring = Counter[str](), Counter[str](), Counter[str]()
         for kind, message, group in collectives:
             sizes[kind] += message
             counts[kind] += 1
@@ -193,12 +191,10 @@ def measured_step(profile_steps: int) -> int:
 
 
 class StepObserver:
-    """Measures one optimizer step's collectives and, with ``--profile N``, traces N steps.
-
-    The training loop calls ``begin_step(step)`` before an optimizer step's first micro-step (``step``: the steps done
-    so far) and ``end_step()`` after the optimizer (and scheduler) step, every step; ``record()`` gives the final
-    record's fields. Steps are counted from this run's first one, so a resumed run skips its own one-time work too.
-    """
+    """Measures one optimizer step's collectives and, with ``--profile N``, traces N steps. The loop calls
+    ``begin_step(step)`` (``step``: steps done so far) before an optimizer step's first micro-step and ``end_step()``
+    after the optimizer (and scheduler) step, every step; ``record()`` gives the final record's fields. Steps count
+    from this run's first one, so a resumed run skips its own one-time work too."""
 
     def __init__(self, run_dir: Path, ctx: DistContext, profile_steps: int = 0) -> None:
         self.ctx = ctx
