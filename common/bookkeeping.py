@@ -20,14 +20,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import training
 from common.checkpoint import Resumed
 from common.collectives import StepObserver
 from common.data import TokenData
 from common.distributed import AgreementInFlight, DistContext, max_over_ranks, print0, shard_group_size
 from common.outputs import write_text
 from common.run_dir import STOP_FILE
-from common.training import MetricsLog
+from common.training import (
+    FiniteLossCheck,
+    MetricsLog,
+    max_state_bytes,
+    model_flops_utilization,
+    peak_flops,
+    peak_memory_bytes,
+    progress_line,
+    reset_peak_memory,
+    synchronize,
+    transformer_flops_per_token,
+)
 
 PREEMPTED_FILE = "PREEMPTED"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -128,7 +138,7 @@ class ProgressReporter:
         self._warm = False  # past the first interval, which _steps and _seconds leave out
         self._steps, self._seconds = 0, 0.0
         self.peak_memory: int | None = None
-        training.reset_peak_memory(ctx.device)
+        reset_peak_memory(ctx.device)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -143,7 +153,7 @@ class ProgressReporter:
         if self._running_since is not None:
             # A GPU runs behind the host: the interval's work is done when its queue is, not when the host has
             # queued it. Only where the run reads values next anyway (a report, an evaluation, a checkpoint).
-            training.synchronize(self.ctx.device)
+            synchronize(self.ctx.device)
             self._interval_seconds += time.perf_counter() - self._running_since
             self._running_since = None
 
@@ -160,14 +170,14 @@ class ProgressReporter:
         self._warm = True
         self._last_step, self._interval_seconds = step, 0.0
         if step == self.total_steps:
-            self.peak_memory = training.peak_memory_bytes(self.ctx.device)
+            self.peak_memory = peak_memory_bytes(self.ctx.device)
         mean_loss = mean_over_ranks(loss)
         norm = grad_norm.item()
         rates = {f"{self.unit}_per_s": rate}
         self.log.write("train", step=step, epoch=epoch, loss=mean_loss, grad_norm=norm, lr=lr, step_ms=step_ms, **rates)
         short_unit = "tok" if self.unit == "tokens" else "img"
         rate_text = f"{rate:9.0f} {short_unit}/s"
-        print0(training.progress_line(step, self.total_steps, epoch, mean_loss, norm, lr, rate_text, step_ms))
+        print0(progress_line(step, self.total_steps, epoch, mean_loss, norm, lr, rate_text, step_ms))
         self._running_since = time.perf_counter()
 
     def throughput(self) -> dict[str, float]:
@@ -241,7 +251,7 @@ class Bookkeeping:
         self.begin_step, self.end_step = self.observer.begin_step, self.observer.end_step
         # watch_loss(loss, step, read): note a step's loss; read: stop every rank now if any so far was not finite.
         # check_loss(step): the same check before a checkpoint (a collective).
-        self.finite_loss = training.FiniteLossCheck(ctx)
+        self.finite_loss = FiniteLossCheck(ctx)
         self.watch_loss, self.check_loss = self.finite_loss.watch, self.finite_loss.check
         self.total_steps = 0
         self.log: MetricsLog | None = None
@@ -277,16 +287,16 @@ class Bookkeeping:
         fields = {**record.fields(), "wall_s": time.perf_counter() - self.started, **self.observer.record()}
         ctx, progress, log = self.ctx, self.progress, self.log
         assert progress is not None and log is not None, "finish() before start()"
-        state_bytes = training.max_state_bytes(model, optimizer, ctx)
+        state_bytes = max_state_bytes(model, optimizer, ctx)
         trained_peak = progress.peak_memory  # None: the run trained no last step (it resumed at its end)
-        local_peak = trained_peak if trained_peak is not None else training.peak_memory_bytes(ctx.device)
+        local_peak = trained_peak if trained_peak is not None else peak_memory_bytes(ctx.device)
         (peak,) = max_over_ranks([float(local_peak)], ctx)
         fields |= {"world_size": ctx.world_size, "shard_group_size": shard_group_size(model)}
         fields |= {"local_state_bytes": state_bytes, "peak_memory_bytes": int(peak), **progress.throughput()}
-        gpu_peak = training.peak_flops(ctx.device)  # MFU: for the transformer on a GPU whose peak is known
-        flops_per_token = training.transformer_flops_per_token(model) if gpu_peak is not None else None
+        gpu_peak = peak_flops(ctx.device)  # MFU: for the transformer on a GPU whose peak is known
+        flops_per_token = transformer_flops_per_token(model) if gpu_peak is not None else None
         if "tokens_per_s" in fields and flops_per_token is not None:
-            mfu = training.model_flops_utilization(flops_per_token, fields["tokens_per_s"], gpu_peak, ctx.world_size)
+            mfu = model_flops_utilization(flops_per_token, fields["tokens_per_s"], gpu_peak, ctx.world_size)
             fields["mfu"] = mfu
         log.write("final", **fields)
         print0(summary_line(fields))

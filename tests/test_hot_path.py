@@ -231,7 +231,7 @@ def test_the_clock_of_an_interval_stops_once_the_device_has_done_its_work(
     def queued_work_done(device: torch.device) -> None:
         now[0] += 4.0
 
-    monkeypatch.setattr(bookkeeping.training, "synchronize", queued_work_done)
+    monkeypatch.setattr(bookkeeping, "synchronize", queued_work_done)
     with distributed("cpu", 60) as ctx:
         reporter = bookkeeping.ProgressReporter(MetricsLog(tmp_path, ctx), ctx, 2, 10, "tokens")
         now[0] += 1.0
