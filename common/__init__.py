@@ -5,6 +5,6 @@ and compared on resume (flag_checks); data (data; tokens for text and token file
 scripts' images, CNN and evaluation); the GPT and its wrap helpers (models), fine-tuning; the loop's
 pieces and metrics (training), the run's bookkeeping and stop requests (bookkeeping), what a step
 sends (collectives); checkpoints (checkpoint; safe_io, the tensors in and out; safetensors_weights); the run
-folder (run_dir) and the one write path (outputs); torch's versions (compat). The commands live in
+folder (run_dir) and the one write path (outputs); torch's versions (distributed). The commands live in
 tools/, which imports this library; nothing here imports tools (tests/test_layout.py checks both).
 """

@@ -1,19 +1,11 @@
-"""A run's bookkeeping, behind one object: what it records about itself, and how it stops when asked.
-
-``Bookkeeping`` is built once from the run directory and the context, and holds what a training loop
-needs beside its data, model, wrap and optimizer: metrics.jsonl and the console's progress lines
-(common.training), the observed step and its trace (common.collectives), stop requests, and the
-final record, whose fields ``FinalRecord`` defines for every script.
-
-Stopping: clusters end jobs at their time limit or to make room for others, usually after a warning:
-SLURM sends a signal a set time ahead (the launchers in slurm/ turn it into a STOP file), and torchrun
-passes SIGTERM on to its workers. The training loop checks between steps; all ranks agree, save a
-checkpoint, leave a PREEMPTED marker and exit, and ``--resume`` continues.
+"""A run's bookkeeping behind one object, ``Bookkeeping``: metrics.jsonl, progress lines, the observed step
+(common.collectives), the final record (``FinalRecord``) and stop requests: SLURM's signal ahead of a time limit
+(slurm/'s launchers make it a STOP file), torchrun's SIGTERM, a STOP file. The loop checks between steps; all ranks
+agree, save a checkpoint, leave a PREEMPTED marker and exit, and ``--resume`` continues.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import sys
@@ -69,24 +61,21 @@ class StopRequest:
             if signal.getsignal(number) is not signal.SIG_IGN:
                 signal.signal(number, self._on_signal)
         if ctx.is_main:
-            # The marker describes the run this one continues. A STOP file stays: it may have come
-            # while this run was starting, and then it is meant for this run. The launchers in slurm/
-            # clear a stale one before they start a job, since only they know where a job begins.
+            # The marker describes the run this one continues. A STOP file stays: it may have come while this run
+            # was starting, and then it is meant for it. slurm/'s launchers clear a stale one before a job starts.
             self.marker.unlink(missing_ok=True)
 
     def _on_signal(self, number: int, frame: object) -> None:
-        # Only a flag. Checkpointing inside the handler would run in the middle of
-        # whatever was interrupted (a collective, a half-done step) and can hang.
+        # Only a flag: checkpointing inside the handler would run in the middle of whatever was interrupted (a
+        # collective, a half-done step) and can hang.
         self.received = signal.Signals(number).name
         if number in SECOND_TIME_STOPS_AT_ONCE:
             signal.signal(number, SECOND_TIME_STOPS_AT_ONCE[number])
 
     def requested(self) -> bool:
-        """True on every rank at the same step, once any rank got a signal or rank 0 saw the STOP file.
-
-        A collective, once a step: each call sends this step's answer and reads the one sent a step before, so
-        the exchange runs beside the step and a stop comes a step later, on every rank alike. No GPU value.
-        """
+        """True on every rank at the same step, once any rank got a signal or rank 0 saw the STOP file. A collective
+        once a step, on no GPU value: each call sends this step's answer and reads the one sent a step before, so the
+        exchange runs beside the step and a stop comes a step later, on every rank alike."""
         # Only rank 0 looks at the file: one stat per step instead of one per rank.
         asked = self.received is not None or (self.ctx.is_main and self.stop_file.exists())
         if self.ctx.world_size == 1:
@@ -131,39 +120,23 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 
 
 class ProgressReporter:
-    """Every --log-interval steps: one metrics.jsonl record and one console line.
-
-    Every rank must call ``report`` at the same steps, because the loss it
-    reports is averaged over ranks with a collective.
-
-    Throughput and step time count training alone: the clock stops while the
-    run evaluates or saves (``paused``) and while it reports, and the run's
-    overall figure leaves out its first interval, which pays for warming up
-    (the first collectives, allocations, compilation). Peak memory is reset when
-    the reporter is made (after the model is wrapped) and read at the last step,
-    before anything gathers the whole model.
-    """
+    """Every --log-interval steps: one metrics.jsonl record and one console line; every rank calls ``report`` at the
+    same steps (the loss is averaged over ranks). Throughput and step time count training alone: the clock stops in
+    ``paused`` (evaluation, checkpoints) and while reporting, and the overall figure leaves out the first interval
+    (warm-up: first collectives, allocations, compilation). Peak memory is reset here (after the model is wrapped)
+    and read at the last step, before anything gathers the whole model."""
 
     def __init__(
-        self,
-        log: MetricsLog,
-        ctx: DistContext,
-        total_steps: int,
-        items_per_step: int,
-        unit: str,
-        first_step: int = 0,
+        self, log: MetricsLog, ctx: DistContext, total_steps: int, items_per_step: int, unit: str, first_step: int = 0
     ) -> None:
-        self.log = log
-        self.ctx = ctx
-        self.total_steps = total_steps
+        self.log, self.ctx, self.total_steps = log, ctx, total_steps
         self.items_per_step = items_per_step  # global: all ranks and micro-steps
         self.unit = unit  # "samples" or "tokens"
         self._last_step = first_step  # a resumed run starts counting at its checkpoint
         self._interval_seconds = 0.0
         self._running_since: float | None = time.perf_counter()
-        self._warm = False
-        self._steps = 0
-        self._seconds = 0.0
+        self._warm = False  # past the first interval, which _steps and _seconds leave out
+        self._steps, self._seconds = 0, 0.0
         self.peak_memory: int | None = None
         reset_peak_memory(ctx.device)
 
@@ -200,20 +173,11 @@ class ProgressReporter:
             self.peak_memory = peak_memory_bytes(self.ctx.device)
         mean_loss = mean_over_ranks(loss)
         norm = grad_norm.item()
-        self.log.write(
-            "train",
-            step=step,
-            epoch=epoch,
-            loss=mean_loss,
-            grad_norm=norm,
-            lr=lr,
-            step_ms=step_ms,
-            **{f"{self.unit}_per_s": rate},
-        )
+        rates = {f"{self.unit}_per_s": rate}
+        self.log.write("train", step=step, epoch=epoch, loss=mean_loss, grad_norm=norm, lr=lr, step_ms=step_ms, **rates)
         short_unit = "tok" if self.unit == "tokens" else "img"
-        print0(
-            progress_line(step, self.total_steps, epoch, mean_loss, norm, lr, f"{rate:9.0f} {short_unit}/s", step_ms)
-        )
+        rate_text = f"{rate:9.0f} {short_unit}/s"
+        print0(progress_line(step, self.total_steps, epoch, mean_loss, norm, lr, rate_text, step_ms))
         self._running_since = time.perf_counter()
 
     def throughput(self) -> dict[str, float]:
@@ -226,49 +190,13 @@ class ProgressReporter:
         }
 
 
-def throughput_fields(progress: ProgressReporter, model: nn.Module, ctx: DistContext) -> dict[str, float]:
-    """Throughput and, for the transformer on a GPU whose peak is known, MFU."""
-    fields = progress.throughput()
-    peak = peak_flops(ctx.device)
-    flops_per_token = transformer_flops_per_token(model) if peak is not None else None
-    if "tokens_per_s" in fields and flops_per_token is not None:
-        fields["mfu"] = model_flops_utilization(flops_per_token, fields["tokens_per_s"], peak, ctx.world_size)
-    return fields
-
-
-def finish_run(
-    log: MetricsLog,
-    ctx: DistContext,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    progress: ProgressReporter,
-    **fields: Any,
-) -> dict[str, Any]:
-    """Write the final record (memory figures are the largest over ranks) and print a summary."""
-    state_bytes = max_state_bytes(model, optimizer, ctx)
-    trained_peak = progress.peak_memory  # None: the run trained no last step (it resumed at its end)
-    (peak,) = max_over_ranks([float(trained_peak if trained_peak is not None else peak_memory_bytes(ctx.device))], ctx)
-    record = {
-        **fields,
-        "world_size": ctx.world_size,
-        "shard_group_size": shard_group_size(model),
-        "local_state_bytes": state_bytes,
-        "peak_memory_bytes": int(peak),
-        **throughput_fields(progress, model, ctx),
-    }
-    log.write("final", **record)
-    print0(summary_line(record))
-    return record
-
-
 def summary_line(record: dict[str, Any]) -> str:
-    mib = 2**20
-    state = record["local_state_bytes"]
+    mib, state = 2**20, record["local_state_bytes"]
+    held = "/".join(f"{state[kind] / mib:.1f}" for kind in ("params", "grads", "optimizer"))
     parts = [
         f"done: {record['steps']} steps in {record['wall_s']:.1f} s",
         f"eval loss {record['eval_loss']:.4f}",
-        f"per-rank params/grads/optimizer {state['params'] / mib:.1f}/{state['grads'] / mib:.1f}/"
-        f"{state['optimizer'] / mib:.1f} MiB",
+        f"per-rank params/grads/optimizer {held} MiB",
         f"peak memory {record['peak_memory_bytes'] / mib:.0f} MiB",
     ]
     for unit, short in (("tokens", "tok"), ("samples", "img")):
@@ -311,18 +239,20 @@ class FinalRecord:
 class Bookkeeping:
     """Everything a run records and obeys beside the training itself, built once at the start of ``train()``.
 
-    ``check_loss`` goes to the Checkpointer (a non-finite loss never reaches a checkpoint); ``start`` opens the
-    records once the checkpoint to resume from is known; then, per step: ``stop_requested`` and ``stop``,
-    ``paused`` (evaluation and checkpoints are not training time), ``begin_step``/``end_step`` around the
-    optimizer step, ``watch_loss``, ``report`` on the steps that log, ``write`` for other records; ``finish``
-    writes the final record. Every rank calls each at the same point: several are collectives.
-    """
+    ``check_loss`` goes to the Checkpointer (a non-finite loss never reaches a checkpoint); ``start`` opens the records
+    once the checkpoint to resume from is known; then, per step: ``stop_requested`` and ``stop``, ``paused``
+    (evaluation, checkpoints), ``begin_step``/``end_step`` around the optimizer step, ``watch_loss``, ``report`` on the
+    steps that log, ``write`` for other records; ``finish``. Every rank calls each at the same point (collectives)."""
 
     def __init__(self, run_dir: Path, ctx: DistContext, log_interval: int, profile_steps: int = 0) -> None:
         self.run_dir, self.ctx, self.log_interval = run_dir, ctx, log_interval
         self.started = time.perf_counter()  # wall_s counts the whole of train(), data loading included
         self.observer = StepObserver(run_dir, ctx, profile_steps)  # what one step sends; --profile's trace
+        self.begin_step, self.end_step = self.observer.begin_step, self.observer.end_step
+        # watch_loss(loss, step, read): note a step's loss; read: stop every rank now if any so far was not finite.
+        # check_loss(step): the same check before a checkpoint (a collective).
         self.finite_loss = FiniteLossCheck(ctx)
+        self.watch_loss, self.check_loss = self.finite_loss.watch, self.finite_loss.check
         self.total_steps = 0
         self.log: MetricsLog | None = None
         self.progress: ProgressReporter | None = None
@@ -334,59 +264,40 @@ class Bookkeeping:
         self.total_steps = total_steps
         self.log = MetricsLog(self.run_dir, self.ctx, resumed_at=resumed.step if resumed.path else None)
         if resumed.path:
-            self.log.write(
-                "resume",
-                step=resumed.step,
-                checkpoint=str(resumed.path),
-                checkpoint_world_size=resumed.world_size,  # a resume at another world size shows as a change
-                world_size=self.ctx.world_size,
-                changed=resumed.changed,  # each training setting that differs from the checkpoint's: [old, new]
-            )
+            # A resume at another world size shows as a change; ``changed``: each setting that differs, [old, new].
+            sizes = {"checkpoint_world_size": resumed.world_size, "world_size": self.ctx.world_size}
+            self.log.write("resume", step=resumed.step, checkpoint=str(resumed.path), **sizes, changed=resumed.changed)
         self.stop_request = StopRequest(self.run_dir, self.ctx)  # SIGTERM, SIGUSR1 or a STOP file
         self.progress = ProgressReporter(self.log, self.ctx, total_steps, items_per_step, unit, resumed.step)
+        self.stop_requested, self.stop = self.stop_request.requested, self.stop_request.exit
+        self.paused, self.report, self.write = self.progress.paused, self.progress.report, self.log.write
 
     def logs_after(self, step: int) -> bool:
         """Whether the step that starts after ``step`` steps logs: only those read values from the device."""
         return (step + 1) % self.log_interval == 0 or step + 1 == self.total_steps
 
-    def stop_requested(self) -> bool:
-        return self.stop_request.requested()  # type: ignore[union-attr]
-
-    def stop(self, step: int, checkpoint: Path) -> NoReturn:
-        self.stop_request.exit(step, checkpoint)  # type: ignore[union-attr]
-
-    def paused(self) -> contextlib.AbstractContextManager[None]:
-        return self.progress.paused()  # type: ignore[union-attr]
-
-    def begin_step(self, step: int) -> None:
-        self.observer.begin_step(step)
-
-    def end_step(self) -> None:
-        self.observer.end_step()
-
-    def watch_loss(self, loss: torch.Tensor, step: int, read: bool) -> None:
-        """Note optimizer step ``step``'s loss; ``read``: stop every rank now if any loss so far was not finite."""
-        self.finite_loss.watch(loss, step, read)
-
-    def check_loss(self, step: int) -> None:
-        """Before a checkpoint: stop every rank if any loss so far was not finite (a collective)."""
-        self.finite_loss.check(step)
-
-    def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
-        self.progress.report(step, epoch, loss, grad_norm, lr)  # type: ignore[union-attr]
-
-    def write(self, event: str, **fields: Any) -> None:
-        self.log.write(event, **fields)  # type: ignore[union-attr]
-
     def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer, record: FinalRecord) -> None:
-        """Write the final record and the summary line, and close metrics.jsonl."""
+        """Write the final record (memory figures are the largest over ranks), print a summary, close metrics.jsonl."""
         floor = record.data.entropy_floor if record.data is not None else None
         if floor is not None:
             loss = record.evaluation["loss"]
             above = f"{loss - floor:+.4f} nats/token above the best possible"
             print0(f"held-out loss {loss:.4f} vs. floor {floor:.4f}: {above}")
         self.stop_request.settle()  # type: ignore[union-attr]
-        wall_s = time.perf_counter() - self.started
-        fields = {**record.fields(), "wall_s": wall_s, **self.observer.record()}
-        finish_run(self.log, self.ctx, model, optimizer, self.progress, **fields)  # type: ignore[arg-type]
-        self.log.close()  # type: ignore[union-attr]
+        fields = {**record.fields(), "wall_s": time.perf_counter() - self.started, **self.observer.record()}
+        ctx, progress, log = self.ctx, self.progress, self.log
+        assert progress is not None and log is not None, "finish() before start()"
+        state_bytes = max_state_bytes(model, optimizer, ctx)
+        trained_peak = progress.peak_memory  # None: the run trained no last step (it resumed at its end)
+        local_peak = trained_peak if trained_peak is not None else peak_memory_bytes(ctx.device)
+        (peak,) = max_over_ranks([float(local_peak)], ctx)
+        fields |= {"world_size": ctx.world_size, "shard_group_size": shard_group_size(model)}
+        fields |= {"local_state_bytes": state_bytes, "peak_memory_bytes": int(peak), **progress.throughput()}
+        gpu_peak = peak_flops(ctx.device)  # MFU: for the transformer on a GPU whose peak is known
+        flops_per_token = transformer_flops_per_token(model) if gpu_peak is not None else None
+        if "tokens_per_s" in fields and flops_per_token is not None:
+            mfu = model_flops_utilization(flops_per_token, fields["tokens_per_s"], gpu_peak, ctx.world_size)
+            fields["mfu"] = mfu
+        log.write("final", **fields)
+        print0(summary_line(fields))
+        log.close()

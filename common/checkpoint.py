@@ -27,16 +27,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils._pytree import tree_map, tree_map_only
 
 import common.safe_io as safe_io
-from common.compat import full_state_dict_options, quiet_internal_warnings
 from common.distributed import (
     DistContext,
     FatalError,
     all_ranks_agree,
     broadcast_object,
+    full_state_dict_options,
     local_part,
     local_state_bytes,
     max_over_ranks,
     print0,
+    quiet_internal_warnings,
     shard_group_size,
 )
 from common.fine_tuning import adapter_identity, trained_parameters

@@ -1,32 +1,10 @@
 """What a training step sends: its collectives, counted as the process issues them, and a trace.
 
-Memory is half of the DDP/FSDP trade; this is the other half. A ``StepObserver`` watches one
-optimizer step (all its micro-steps, clipping and the optimizer step; not logging, evaluation or
-checkpoints) and records every collective the process issued in it, whoever issued it: DDP's C++
-reducer, FSDP1, FSDP2, DTensor, or the script itself. The final record gets, per optimizer step:
-
-    comm_bytes_per_step       message bytes by kind: {"all_gather": ..., "reduce_scatter": ..., ...}
-    collectives_per_step      how many collectives of each kind
-    comm_ring_bytes_per_step  bytes a ring algorithm puts on this rank's link, by kind
-
-The message of a collective is its whole tensor: what an all-gather assembles, what a
-reduce-scatter starts from, what an all-reduce or a broadcast carries (nccl-tests call it the
-size). On a ring of n ranks each rank sends (n-1)/n of it for an all-gather or a reduce-scatter,
-2(n-1)/n for an all-reduce (a reduce-scatter, then an all-gather), and all of it for a broadcast.
-Divide those bytes by a link's bandwidth for the time they take.
-
-How: a ``TorchDispatchMode`` is active during the measured step. Every operator the process runs
-passes through it, including the ``c10d::`` collectives that DDP's reducer calls from C++, with
-their tensors and their process group, so sizes, dtypes and group sizes are exact. Counting
-happens at that level on purpose: gloo has no reduce-scatter and runs one as an all-reduce of the
-whole gradient, so counting what the backend runs would misname it. The mode costs Python time
-per operator, so only one step is measured: the third of the run (the first two do one-time work:
-FSDP's lazy initialisation, DDP's rebuilding of its buckets), or the first after a ``--profile``
-window. Code compiled with ``torch.compile`` runs compiled under it, and the mode sees the
-operators that code dispatches (collectives, not the kernels it fused).
-
-``--profile N`` writes a torch.profiler trace of N steps after a warm-up step, one file per rank,
-``RUN_DIR/profile/rank-R.json``; it opens in https://ui.perfetto.dev or chrome://tracing.
+A ``StepObserver`` watches one optimizer step (its micro-steps, clipping and the optimizer step) and records every
+collective the process issued in it, whoever issued it (DDP's C++ reducer, FSDP1, FSDP2, DTensor, the script): a
+``TorchDispatchMode`` sees each ``c10d::`` operator with its tensors and process group. The final record gets their
+message bytes, counts and ring bytes per link by kind (docs/communication.md: what each means, and why this level).
+``--profile N`` writes a torch.profiler trace of N steps after a warm-up step, ``RUN_DIR/profile/rank-R.json``.
 """
 
 from __future__ import annotations
@@ -47,47 +25,31 @@ from common.distributed import DistContext, print0
 from common.outputs import write_by_name
 from common.run_dir import PROFILE_DIR
 
-# Every collective operator of torch.distributed, by the kind it is reported as. The c10d ops are
-# what the process-group API (and DDP's reducer) calls; the _c10d_functional ones are what
-# DTensor and functional collectives call.
+# Every collective operator of torch.distributed, by the kind it is reported as: the c10d ops are what the
+# process-group API (and DDP's reducer) calls, the _c10d_functional ones what DTensor and functional collectives call.
 KIND_OF_OP = {
-    "c10d::allreduce_": "all_reduce",
-    "c10d::allreduce_coalesced_": "all_reduce",
-    "_c10d_functional::all_reduce": "all_reduce",
-    "_c10d_functional::all_reduce_": "all_reduce",
-    "_c10d_functional::all_reduce_coalesced": "all_reduce",
-    "_c10d_functional::all_reduce_coalesced_": "all_reduce",
-    "c10d::allgather_": "all_gather",
-    "c10d::_allgather_base_": "all_gather",
-    "c10d::allgather_coalesced_": "all_gather",
-    "c10d::allgather_into_tensor_coalesced_": "all_gather",
-    "_c10d_functional::all_gather_into_tensor": "all_gather",
-    "_c10d_functional::all_gather_into_tensor_coalesced": "all_gather",
-    "_c10d_functional::all_gather_into_tensor_out": "all_gather",
-    "c10d::reduce_scatter_": "reduce_scatter",
-    "c10d::_reduce_scatter_base_": "reduce_scatter",
-    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
-    "_c10d_functional::reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "_c10d_functional::reduce_scatter_tensor_out": "reduce_scatter",
-    "c10d::broadcast_": "broadcast",
-    "_c10d_functional::broadcast": "broadcast",
-    "_c10d_functional::broadcast_": "broadcast",
-    "c10d::reduce_": "reduce",
-    "c10d::alltoall_": "all_to_all",
-    "c10d::alltoall_base_": "all_to_all",
-    "_c10d_functional::all_to_all_single": "all_to_all",
-    "c10d::gather_": "gather",
-    "c10d::gather_into_tensor_": "gather",
-    "c10d::scatter_": "scatter",
-    "c10d::send": "send_recv",
-    "c10d::recv_": "send_recv",
-    "c10d::recv_any_source_": "send_recv",
-    "_c10d_functional::isend": "send_recv",
-    "_c10d_functional::irecv": "send_recv",
-    "_c10d_functional::batch_p2p_ops": "send_recv",
-    "c10d::barrier": "barrier",
-    "c10d::monitored_barrier_": "barrier",
+    f"{namespace}::{op}": kind
+    for kind, namespace, ops in [
+        ("all_reduce", "c10d", "allreduce_ allreduce_coalesced_"),
+        ("all_reduce", "_c10d_functional", "all_reduce all_reduce_ all_reduce_coalesced all_reduce_coalesced_"),
+        ("all_gather", "c10d", "allgather_ _allgather_base_ allgather_coalesced_ allgather_into_tensor_coalesced_"),
+        ("all_gather", "_c10d_functional", "all_gather_into_tensor all_gather_into_tensor_coalesced"),
+        ("all_gather", "_c10d_functional", "all_gather_into_tensor_out"),
+        ("reduce_scatter", "c10d", "reduce_scatter_ _reduce_scatter_base_ reduce_scatter_tensor_coalesced_"),
+        ("reduce_scatter", "_c10d_functional", "reduce_scatter_tensor reduce_scatter_tensor_coalesced"),
+        ("reduce_scatter", "_c10d_functional", "reduce_scatter_tensor_out"),
+        ("broadcast", "c10d", "broadcast_"),
+        ("broadcast", "_c10d_functional", "broadcast broadcast_"),
+        ("reduce", "c10d", "reduce_"),
+        ("all_to_all", "c10d", "alltoall_ alltoall_base_"),
+        ("all_to_all", "_c10d_functional", "all_to_all_single"),
+        ("gather", "c10d", "gather_ gather_into_tensor_"),
+        ("scatter", "c10d", "scatter_"),
+        ("send_recv", "c10d", "send recv_ recv_any_source_"),
+        ("send_recv", "_c10d_functional", "isend irecv batch_p2p_ops"),
+        ("barrier", "c10d", "barrier monitored_barrier_"),
+    ]
+    for op in ops.split()
 }
 
 
@@ -114,9 +76,7 @@ class Traffic:
     @classmethod
     def of(cls, collectives: Iterable[tuple[str, int, int]]) -> Traffic:
         """From ``(kind, message bytes, group size)`` per collective."""
-        sizes: Counter[str] = Counter()
-        counts: Counter[str] = Counter()
-        ring: Counter[str] = Counter()
+        sizes, counts, ring = Counter[str](), Counter[str](), Counter[str]()
         for kind, message, group in collectives:
             sizes[kind] += message
             counts[kind] += 1
@@ -127,12 +87,7 @@ class Traffic:
         def merged(a: Mapping, b: Mapping) -> dict:
             return {key: a.get(key, 0) + b.get(key, 0) for key in sorted({*a, *b})}
 
-        bytes_, counts, ring = (merged(getattr(self, f), getattr(other, f)) for f in ("bytes", "counts", "ring_bytes"))
-        return Traffic(bytes_, counts, ring)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
+        return Traffic(*(merged(getattr(self, f), getattr(other, f)) for f in ("bytes", "counts", "ring_bytes")))
 
     @property
     def total_ring_bytes(self) -> float:
@@ -154,10 +109,6 @@ class Collective:
     group_size: int
 
 
-def _tensor_bytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-
-
 def named_arguments(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> dict[str, Any]:
     """An operator's arguments by their schema names."""
     return dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
@@ -177,18 +128,20 @@ def operator_group(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> d
     return dist.group.WORLD
 
 
+def _tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
 def message_bytes(args: tuple, kwargs: dict, result: Any) -> int:
-    """A collective's whole message: the larger of what goes in and what comes out (an all-gather's
-    output, a reduce-scatter's input, an all-reduce's tensor either way)."""
+    """A collective's whole message (nccl-tests' size): the larger of what goes in and what comes out (what an
+    all-gather assembles, what a reduce-scatter starts from, what an all-reduce or a broadcast carries)."""
     return max(_tensor_bytes(part) for part in [*args, *kwargs.values(), result])
 
 
 class CollectiveRecorder(TorchDispatchMode):
-    """Records each collective operator that runs while it is active.
-
-    Tensor subclasses (FSDP2's and DTensor's) are let through first, so that the collectives
-    they turn into reach this mode as plain operators and count once.
-    """
+    """Records each collective operator that runs while it is active. Tensor subclasses (FSDP2's and DTensor's) are
+    let through first, so that the collectives they turn into reach this mode as plain operators and count once.
+    Counting here, not in the backend, matters: gloo has no reduce-scatter and runs one as an all-reduce."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -227,24 +180,21 @@ def _is_dispatching_subclass(cls: type) -> bool:
     # ("all __torch_dispatch__ handlers returned NotImplemented") and ended the measured step.
     if issubclass(cls, FakeTensor):
         return False
-    return cls is not torch.Tensor and getattr(cls, "__torch_dispatch__", None) is not getattr(
-        torch.Tensor, "__torch_dispatch__", None
-    )
+    return cls is not torch.Tensor and getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
 
 
 def measured_step(profile_steps: int) -> int:
-    """Which step of a run (1 = the first it trains) is measured: after the one-time work, after the trace."""
+    """Which step of a run (1 = the first it trains) is measured: the mode costs Python time per operator, so one
+    step, the third (the first two do one-time work: FSDP's lazy initialisation, DDP's rebuilding of its buckets),
+    or the first after the trace."""
     return max(3, profile_steps + 2)
 
 
 class StepObserver:
-    """Measures one optimizer step's collectives and, with ``--profile N``, traces N steps.
-
-    The training loop calls ``begin_step(step)`` before an optimizer step's first micro-step
-    (``step``: the steps done so far) and ``end_step()`` after the optimizer (and scheduler) step,
-    every step; ``record()`` gives the final record's fields. Steps are counted from this run's
-    first one, so a resumed run skips its own one-time work too.
-    """
+    """Measures one optimizer step's collectives and, with ``--profile N``, traces N steps. The loop calls
+    ``begin_step(step)`` (``step``: steps done so far) before an optimizer step's first micro-step and ``end_step()``
+    after the optimizer (and scheduler) step, every step; ``record()`` gives the final record's fields. Steps count
+    from this run's first one, so a resumed run skips its own one-time work too."""
 
     def __init__(self, run_dir: Path, ctx: DistContext, profile_steps: int = 0) -> None:
         self.ctx = ctx
@@ -260,7 +210,12 @@ class StepObserver:
     def begin_step(self, step: int) -> None:
         self._begun += 1
         if self.profile_steps and self._begun == 2:
-            self._profiler = start_profiler(self.ctx.device)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.ctx.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            # Input shapes recorded: a collective's message size.
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._profiler.start()
         if self._profiler is not None:
             # A named range per step in the trace, so that each step's collectives are easy to find.
             self._step_range = torch.profiler.record_function(f"optimizer step {step + 1}")
@@ -281,9 +236,11 @@ class StepObserver:
             self._finish_profile()
 
     def _finish_profile(self) -> None:
+        """Stop the profiler and write this rank's Chrome-format trace, renamed into place (never half a file)."""
         assert self._profiler is not None
         self._profiler.stop()
-        path = export_trace(self._profiler, self.profile_dir, self.ctx.rank)
+        path = self.profile_dir / f"rank-{self.ctx.rank}.json"
+        write_by_name(path, self._profiler.export_chrome_trace, overwrite=True)  # this run's own trace
         self._profiler = None
         print0(f"profile: {self.profile_steps} step(s) after a warm-up step in {path.parent}/ (one file per rank)")
 
@@ -292,20 +249,3 @@ class StepObserver:
         if self._profiler is not None:  # the run ended inside the window: keep what it traced
             self._finish_profile()
         return {} if self._traffic is None else self._traffic.as_record()
-
-
-def start_profiler(device: torch.device) -> torch.profiler.profile:
-    """A running torch.profiler that records operator input shapes (a collective's message size)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-    profiler.start()
-    return profiler
-
-
-def export_trace(profiler: torch.profiler.profile, directory: Path, rank: int) -> Path:
-    """Write this rank's Chrome-format trace; renamed into place, so a reader never sees half a file."""
-    path = directory / f"rank-{rank}.json"
-    write_by_name(path, profiler.export_chrome_trace, overwrite=True)  # this run's own trace
-    return path

@@ -1,21 +1,23 @@
-"""Process-group setup and the small helpers every training script needs.
+"""Process-group setup, the small helpers every training script needs, and where this repository works around torch.
 
-The one contract is torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. A laptop run, the CPU tests and
-a SLURM job (one torchrun per node) all go through it. A plain
-``python script.py`` has none of these variables and becomes a world of one.
+The one contract is torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
+a laptop, the CPU tests and SLURM (one torchrun per node) go through it; a plain ``python script.py`` is a world of one.
+Tested on torch 2.6 (the floor: the first with the public FSDP2 API) and the newest pip resolves ("Torch's versions").
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import math
 import os
+import re
 import signal
 import sys
 import traceback
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -24,16 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-from common.compat import gloo_destroyed_without_gil
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 
 class FatalError(Exception):
-    """A problem the user can fix (bad flag, missing data).
-
-    Every rank raises it together; rank 0 alone prints it and every rank exits
-    with ``exit_code``, so a job shows one message instead of one per rank.
-    """
+    """A problem the user can fix (bad flag, missing data): every rank raises it together; rank 0 alone prints it
+    and every rank exits with ``exit_code``, so a job shows one message instead of one per rank."""
 
     def __init__(self, message: str, exit_code: int = 2) -> None:
         super().__init__(message)
@@ -48,9 +46,9 @@ class DistContext:
     local_world_size: int
     device: torch.device
     backend: str
-    # Where ranks agree on host-side facts (a stop request, a file that failed to load) with CPU
-    # tensors: gloo. On a GPU run a group of its own beside NCCL, so agreeing never waits for the
-    # GPU's queue; on a CPU run the default group, which is gloo already (None means that one).
+    # Where ranks agree on host-side facts (a stop request, a file that failed to load) with CPU tensors: gloo.
+    # On a GPU run a group of its own beside NCCL, so agreeing never waits for the GPU's queue; on a CPU run the
+    # default group, which is gloo already (None means that one).
     host_group: dist.ProcessGroup | None = None
 
     @property
@@ -58,21 +56,14 @@ class DistContext:
         return self.rank == 0
 
     def rendezvous_store(self, timeout: timedelta) -> dist.Store:
-        """Where the ranks meet for init_process_group: torchrun's store, one generation at a time (see
-        generation_store).
-
-        A plain ``python script.py`` has no torchrun: a world of one meets in memory, so DDP and FSDP
-        wrap exactly as they do under torchrun, and no port is taken.
-        """
+        """Where the ranks meet for init_process_group: torchrun's store, a generation at a time (generation_store);
+        without torchrun, in memory: DDP and FSDP wrap as under torchrun, and no port is taken."""
         if "MASTER_ADDR" not in os.environ:
             return dist.HashStore()
         return generation_store(self.rank, self.world_size, timeout)
 
     def with_host_group(self) -> DistContext:
-        """This context with the group in which ranks agree on host-side facts: gloo beside NCCL on a GPU run.
-
-        Every rank creates it right after the process group, so all create their groups in the same order.
-        """
+        """This context with its host group; every rank creates it right after the process group, in the same order."""
         if self.backend == "gloo":
             return self  # the default group is gloo already
         return replace(self, host_group=dist.new_group(backend="gloo"))
@@ -89,27 +80,11 @@ def wants_cuda(requested: str) -> bool:
     return requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
 
 
-def choose_device(requested: str, local_rank: int) -> torch.device:
-    """``auto`` takes this process's GPU when CUDA is present, else the CPU."""
-    if wants_cuda(requested):
-        if not torch.cuda.is_available():
-            raise FatalError("--device cuda was asked for, but CUDA is not available here")
-        # The local rank, not the global one: rank 9 on a node of 8 GPUs is GPU 1.
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def set_cpu_threads(local_world_size: int) -> None:
-    """Share the cores between the processes of this node.
-
-    torchrun exports OMP_NUM_THREADS=1 when it starts several workers and
-    SLURM launchers set it per task; an explicit value always wins. Without one,
-    every process would otherwise spawn a thread per core and they would fight.
-    Where torch already runs one thread per core this process may use (one process, no
-    CPU limit), its count is left alone: setting it, even to the same number, also makes
-    MKL use every thread on small matrix products, and the tiny preset's step took 15%
-    longer (19.2 against 16.5 ms, medians of 5, 2 cores; MKL_DYNAMIC=FALSE alone did the same).
-    """
+    """Share the cores between this node's processes (each would spawn a thread per core), unless OMP_NUM_THREADS
+    is set (torchrun sets 1 for several workers, SLURM launchers per task). Where torch already has its share (one
+    process, no CPU limit) its count is left alone: setting it, even to the same number, makes MKL use every thread
+    on small matrix products: the tiny preset's step took 15% longer (19.2 against 16.5 ms, medians of 5, 2 cores)."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -118,28 +93,13 @@ def set_cpu_threads(local_world_size: int) -> None:
         torch.set_num_threads(share)
 
 
-def end_with_torchrun() -> None:
-    """Under torchrun on Linux, have the kernel send this process SIGTERM when torchrun dies.
-
-    A torchrun killed outright (SIGKILL, the OOM killer) cannot stop its workers. They would train
-    on, orphaned: SLURM does not see the node fail while they hold the step's output open, and may
-    not find them to kill. SIGTERM is a stop request like any other.
-    """
-    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1  # from <linux/prctl.h>
-        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
 def generation_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
-    """The rendezvous store at MASTER_ADDR:MASTER_PORT, seen through a prefix for this generation of workers.
+    """The store env:// would build at MASTER_ADDR:MASTER_PORT, seen through a prefix for this generation of workers.
 
-    torchrun --max-restarts starts a new generation of workers after a failure, and they meet in
-    the same store as the generation that failed. Without a prefix, gloo and NCCL can read the old
-    generation's addresses there and connect to a dead worker (NCCL: pytorch#167288). Measured with
-    torch 2.14, gloo, 2 processes and rank 1 SIGKILLed once: without the prefix 6 of 10 restarts
-    failed ("Connection refused", or a hang in init_process_group past 120 s); with it, 13 of 13
-    resumed and finished. Otherwise the store is the one env:// would build.
-    """
+    torchrun --max-restarts starts a new generation after a failure, in the same store: without a prefix, gloo and
+    NCCL can read the failed generation's addresses and connect to a dead worker (NCCL: pytorch#167288). Torch 2.14,
+    gloo, 2 processes, rank 1 SIGKILLed once: without it 6 of 10 restarts failed ("Connection refused", or a hang in
+    init_process_group past 120 s); with it, 13 of 13 resumed and finished."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     # torchrun's agent hosts the store and says so; a launcher of one's own leaves it to rank 0.
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -148,18 +108,21 @@ def generation_store(rank: int, world_size: int, timeout: timedelta) -> dist.Sto
 
 
 def launch_context(requested_device: str) -> DistContext:
-    """This process's place in the job (torchrun's variables) and its device, before the process group exists.
-
-    It also prepares the process for its place: under torchrun it ends when torchrun dies; on a GPU it
-    takes its own GPU and TF32 matmuls; on the CPU it takes its share of the cores.
-    """
-    end_with_torchrun()
-    rank = env_rank()
+    """This process's place in the job (torchrun's variables) and its device, before the process group exists; and
+    the process set up for it: under torchrun it ends with torchrun, on a GPU it takes its own, on a CPU its cores."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
+        # A torchrun killed outright (SIGKILL, OOM) cannot stop its workers: orphaned, they would train on, holding
+        # the SLURM step open. So the kernel sends SIGTERM (a stop request like any other) when torchrun dies.
+        pr_set_pdeathsig = 1  # from <linux/prctl.h>
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    rank, world_size = env_rank(), env_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = env_world_size()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    device = choose_device(requested_device, local_rank)
-    if device.type == "cuda":
+    device = torch.device("cpu")
+    if wants_cuda(requested_device):
+        if not torch.cuda.is_available():
+            raise FatalError("--device cuda was asked for, but CUDA is not available here")
+        device = torch.device("cuda", local_rank)  # the local rank: rank 9 on a node of 8 GPUs is GPU 1
         torch.cuda.set_device(device)
         # TF32 tensor cores for fp32 matmuls (torch's default is full fp32, a fraction of the speed);
         # --deterministic sets "highest" again (seed_everything).
@@ -173,16 +136,12 @@ def launch_context(requested_device: str) -> DistContext:
 def clean_teardown() -> Iterator[None]:
     """Around ``dist.destroy_process_group()``: free what still holds the groups first.
 
-    FSDP's modules form reference cycles that hold on to their process groups: collected at the
-    interpreter's exit instead, a gloo group's worker threads can outlive the interpreter, find no
-    GIL, and abort a finished run (torch 2.14.1, about 1 run in 10). A run refused with a FatalError
-    holds the model in its traceback's frames as well: those frames let go of their locals here,
-    before the collection (the traceback itself is kept, for its message). Only those: a crash keeps
-    its frames, and its teardown its old pace (freeing the model sooner, and DDP with it, let the peer
-    of a crashed rank report first now and then, and torchrun then named the wrong rank as the root
-    cause). Collected before the destroy, not after: on torch < 2.8 a group freed by the collector
-    holds the GIL while it waits for gloo's threads (common.compat.gloo_destroyed_without_gil).
-    """
+    FSDP's modules form reference cycles that hold their process groups: collected at the interpreter's exit, a gloo
+    group's threads can outlive the interpreter, find no GIL, and abort a finished run (torch 2.14.1, 1 run in 10).
+    A FatalError's traceback frames hold the model too: they drop their locals here (the message is kept). A crash
+    keeps its frames: freeing DDP sooner let a crashed rank's peer report first, and torchrun blamed the wrong rank.
+    Collected before the destroy: on torch < 2.8 a group the collector frees holds the GIL while it waits for gloo's
+    threads (gloo_destroyed_without_gil)."""
     failure = sys.exc_info()[1]
     if isinstance(failure, FatalError):
         traceback.clear_frames(failure.__traceback__)
@@ -225,13 +184,10 @@ def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext
     with errors_reported_once():
         ctx = launch_context(requested_device)
         timeout = timedelta(seconds=timeout_s)
+        device_id = ctx.device if ctx.device.type == "cuda" else None
+        store = ctx.rendezvous_store(timeout)
         dist.init_process_group(
-            ctx.backend,
-            store=ctx.rendezvous_store(timeout),
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            timeout=timeout,
-            device_id=ctx.device if ctx.device.type == "cuda" else None,
+            ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout, device_id=device_id
         )
         try:
             yield ctx.with_host_group()
@@ -240,12 +196,8 @@ def distributed(requested_device: str, timeout_s: float) -> Iterator[DistContext
 
 
 def all_ranks_agree(ok: bool, ctx: DistContext) -> bool:
-    """True only if ``ok`` holds on every rank: one rank's failure stops them all.
-
-    A collective on the host group: every rank calls it at the same point, and it reads no GPU value.
-    A world of one agrees with itself: the stop check calls this every step, and its all-reduce alone
-    cost 0.5 to 0.9 ms of an 18 ms step (the tiny preset on this 2-core CPU, measured).
-    """
+    """True only if ``ok`` holds on every rank: one rank's failure stops them all. A collective on the host group,
+    reading no GPU value. A world of one skips it: it cost 0.5 to 0.9 ms of an 18 ms step (tiny preset, 2-core CPU)."""
     if ctx.world_size == 1:
         return ok
     flag = torch.tensor([1 if ok else 0])
@@ -285,21 +237,18 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = local_part(tensor)
-    return local.numel() * local.element_size()
-
-
 def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state that this rank holds."""
+
+    def size(tensors: Iterable[torch.Tensor]) -> int:
+        return sum(part.numel() * part.element_size() for part in map(local_part, tensors))
+
     params = list(model.parameters())
-    optimizer_tensors = [
-        value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)
-    ]
+    states = (value for state in optimizer.state.values() for value in state.values())
     return {
-        "params": sum(_local_bytes(p) for p in params),
-        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(_local_bytes(t) for t in optimizer_tensors),
+        "params": size(params),
+        "grads": size(p.grad for p in params if p.grad is not None),
+        "optimizer": size(value for value in states if isinstance(value, torch.Tensor)),
     }
 
 
@@ -337,3 +286,83 @@ def env_num_nodes() -> int:
     """Machines in the job: one torchrun (LOCAL_WORLD_SIZE workers) per node."""
     world_size = env_world_size()
     return max(1, world_size // int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+
+
+# ---- Torch's versions: what depends on them, and torch's bugs that the scripts avoid ----------------------------
+# Each helper says which releases need it; a part that needs a later release stops first (require_torch).
+
+# FSDP2 on the CPU (gloo) needs torch 2.9:
+# - 2.6: the first forward fails ('Stream' object has no attribute 'record_event'): torch.cpu.Stream got its no-op
+#   record_event/wait_event in 2.7 (pytorch/pytorch#145935);
+# - 2.7 and 2.8: gloo's reduce_scatter_tensor takes ReduceOp.AVG, which FSDP2 uses for fp32 gradients, and sums:
+#   every gradient is world-size times too large, silently (pytorch/pytorch#162338; checked with a 2-rank
+#   reduce-scatter on 2.6 to 2.14.1).
+FSDP2_ON_CPU = (2, 9)
+# FSDP2 --cpu-offload gives the mesh a CPU backend beside NCCL, through init_device_mesh(backend_override=...), which
+# torch 2.9 added (pytorch/pytorch#159371).
+FSDP2_CPU_OFFLOAD = (2, 9)
+
+
+def torch_release(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version``, by default the installed torch's (2.6.0+cu124 gives (2, 6))."""
+    text = version if version is not None else torch.__version__
+    match = re.match(r"(\d+)\.(\d+)", text)
+    if match is None:
+        raise ValueError(f"not a torch version: {text!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def torch_at_least(release: tuple[int, int]) -> bool:
+    return torch_release() >= release
+
+
+def require_torch(parser: argparse.ArgumentParser, release: tuple[int, int], feature: str) -> None:
+    """Stop with one line (exit code 2, from rank 0 only) if this torch is older than ``release``; called while the
+    flags are checked, so nothing has been started or written yet."""
+    if not torch_at_least(release):
+        needed = ".".join(map(str, release))
+        parser.exit(2, f"error: {feature} needs torch {needed} or newer; this is torch {torch.__version__}\n")
+
+
+def full_state_dict_options(device: torch.device) -> StateDictOptions:
+    """Options that gather the whole model (and optimizer) state, as plain tensors, for rank 0 to save. On a GPU only
+    rank 0 keeps them, on the CPU (``cpu_offload=True``); a CPU run gathers on every rank and the others drop it."""
+    # Offloading on a CPU run is not only pointless: FSDP1's offload paths take the move to the CPU for a copy.
+    # - torch < 2.14: FlatParamHandle.to_cpu() frees the gathered parameters after "moving" them, so the model state
+    #   dict reads freed memory and rank 0 dies with a segmentation fault (pytorch/pytorch#188989, fixed in 2.14 by
+    #   #188990).
+    # - every release from 2.6 to 2.14.1: the gathered optimizer state is copied out of a reused buffer only by
+    #   `.cpu()`, so every exp_avg comes back as a view that the next state, exp_avg_sq, overwrites: the checkpoint
+    #   holds exp_avg_sq twice and a resumed run silently trains differently.
+    return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
+
+
+@contextmanager
+def gloo_destroyed_without_gil() -> Iterator[None]:
+    """Around ``dist.destroy_process_group()``, which with gloo can deadlock on torch < 2.8."""
+    if torch_at_least((2, 8)):
+        yield
+        return
+    # torch < 2.8: destroying a ProcessGroup from Python runs ProcessGroupGloo's destructor with the GIL held, and it
+    # joins gloo's worker threads. A worker that is just then freeing a finished collective's tensor needs the GIL to
+    # drop that tensor's Python object, so both wait forever: after the final record, at random (pytorch/pytorch#154976
+    # releases the GIL there, in 2.8). ProcessGroupGloo's own Python binding releases the GIL in its destructor:
+    # holding it here moves its destruction to the `del` below, without the GIL. (No reference to a ProcessGroup may
+    # outlive destroy_process_group here, or its destruction, with the GIL held, would come later and deadlock.)
+    cpu = torch.device("cpu")
+    gloo = [
+        group._get_backend(cpu) for group in dist.distributed_c10d._world.pg_map if "gloo" in dist.get_backend(group)
+    ]
+    yield
+    del gloo
+
+
+@contextmanager
+def quiet_internal_warnings() -> Iterator[None]:
+    """Silence warnings about torch's own internals that a user cannot act on: FSDP1's sharded state dict still goes
+    through ShardedTensor, which warns about its deprecated helpers on every save and load (torch 2.14)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*will be deprecated")
+        warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup")
+        yield

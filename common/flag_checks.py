@@ -16,8 +16,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from common.cli import Parser
-from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, require_torch
-from common.distributed import LAUNCH_VARIABLES, env_num_nodes, env_world_size, wants_cuda
+from common.distributed import (
+    FSDP2_CPU_OFFLOAD,
+    FSDP2_ON_CPU,
+    LAUNCH_VARIABLES,
+    env_num_nodes,
+    env_world_size,
+    require_torch,
+    wants_cuda,
+)
 from common.fine_tuning import DEFAULT_LORA_TARGETS, trained_difference
 from common.models import COMPUTE_DTYPES, GPT_PRESETS
 from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step

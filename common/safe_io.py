@@ -22,8 +22,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from common.compat import quiet_internal_warnings
-from common.distributed import DistContext, FatalError, all_ranks_agree, broadcast_object, print0
+from common.distributed import (
+    DistContext,
+    FatalError,
+    all_ranks_agree,
+    broadcast_object,
+    print0,
+    quiet_internal_warnings,
+)
 from common.fine_tuning import is_adapter
 from common.models import tied_parameters
 from common.outputs import save_torch

@@ -17,8 +17,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from common.compat import quiet_internal_warnings
-from common.distributed import DistContext, FatalError, broadcast_object, max_over_ranks, print0
+from common.distributed import (
+    DistContext,
+    FatalError,
+    broadcast_object,
+    max_over_ranks,
+    print0,
+    quiet_internal_warnings,
+)
 from common.fine_tuning import is_adapter
 from common.models import tied_parameters
 from common.outputs import output_folder, write_by_name, write_text

@@ -56,9 +56,16 @@ from common import cli, flag_checks
 from common.bookkeeping import Bookkeeping, FinalRecord
 from common.checkpoint import Checkpointer
 from common.cli import Parser
-from common.compat import full_state_dict_options
 from common.data import CompactDistributedSampler, eval_loader, train_loader
-from common.distributed import DistContext, clean_teardown, env_world_size, errors_reported_once, launch_context, print0
+from common.distributed import (
+    DistContext,
+    clean_teardown,
+    env_world_size,
+    errors_reported_once,
+    full_state_dict_options,
+    launch_context,
+    print0,
+)
 from common.fine_tuning import add_adapters, freeze, merge_adapters
 from common.flags import positive_int
 from common.models import (

@@ -54,7 +54,7 @@ CASES = [
     ("fsdp1-mnist", "fsdp/train_mnist.py", MNIST_ARGS, 20, 40, "sharded"),
     ("ddp-transformer", "ddp/train_transformer.py", TRANSFORMER_ARGS, 20, 40, "full"),
     ("fsdp1-transformer", "fsdp/train_transformer.py", TRANSFORMER_ARGS, 20, 40, "sharded"),
-    # One file gathered on rank 0: on a CPU, torch < 2.14 needs common.compat.full_state_dict_options.
+    # One file gathered on rank 0: on a CPU, torch < 2.14 needs common.distributed.full_state_dict_options.
     (
         "fsdp1-transformer-full",
         "fsdp/train_transformer.py",

@@ -17,8 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from common.collectives import CollectiveRecorder, StepObserver, measured_step, ring_link_bytes
-from common.compat import torch_at_least
-from common.distributed import DistContext, teardown_distributed
+from common.distributed import DistContext, teardown_distributed, torch_at_least
 from common.mnist import MnistNet
 from common.models import GPT, GPTConfig
 from tools.benchmarks.compare_strategies import markdown_table, micro_steps

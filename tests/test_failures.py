@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.compat import torch_at_least
-from common.distributed import FatalError, distributed, generation_store
+from common.distributed import FatalError, distributed, generation_store, torch_at_least
 from common.models import GPT, GPTConfig
 from common.run_dir import complete_checkpoints
 from common.tokens import token_file_data

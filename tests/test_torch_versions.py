@@ -1,6 +1,6 @@
 """Both ends of the supported torch range, and the parts that need more than the floor.
 
-The floor is torch 2.6 (TORCH_FLOOR, as common/compat.py's docstring says). A part that needs a later
+The floor is torch 2.6 (TORCH_FLOOR, as common/distributed.py's docstring says). A part that needs a later
 release stops there before anything starts: exit code 2, one line that names
 the release, nothing written. On a torch that has the release, the same
 command runs. CI runs this file on the floor and on the newest torch pip
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import common.compat
-from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, torch_at_least, torch_release
+import common.distributed
+from common.distributed import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, torch_at_least, torch_release
 from tests.harness.cases import FSDP2_SCRIPT
 from tests.harness.runs import REPO, Run, run_script
 from tests.harness.wrappers import TEARDOWN_ROUNDS
@@ -72,10 +72,9 @@ def test_fsdp2_cpu_offload_from_torch_2_9(tmp_path: Path) -> None:
 
 
 def test_process_groups_end_without_deadlock(tmp_path: Path) -> None:
-    """common.compat.gloo_destroyed_without_gil: 200 gloo process groups at 3 ranks, each started, used and torn down.
-
-    Without the workaround torch 2.6 deadlocked within these rounds on every try;
-    the helper's own watchdog turns a deadlock into a failure with every stack.
+    """common.distributed.gloo_destroyed_without_gil: 200 gloo process groups at 3 ranks, each started, used and
+    torn down. Without the workaround torch 2.6 deadlocked within these rounds on every try; the helper's own
+    watchdog turns a deadlock into a failure with every stack.
     """
     run = run_script(TEARDOWN_ROUNDS, ["--rounds", "200", "--watchdog", "100"], tmp_path, nproc=3, timeout=150)
     assert run.check().output.count("200 rounds at 3 ranks") == 1, run.describe()
@@ -91,8 +90,8 @@ def test_torch_release_reads_every_kind_of_version() -> None:
 
 
 def test_the_floor_is_the_same_everywhere() -> None:
-    """requirements.txt, the floor pass's environment and common/compat.py name one floor."""
-    assert f"torch {TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (the floor" in (common.compat.__doc__ or "")
+    """requirements.txt, the floor pass's environment and common/distributed.py name one floor."""
+    assert f"torch {TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (the floor" in (common.distributed.__doc__ or "")
     requirement = next(
         line for line in (REPO / "requirements.txt").read_text().splitlines() if line.startswith("torch")
     )

@@ -12,7 +12,7 @@ from collections.abc import Collection
 
 import pytest
 
-from common.compat import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, torch_at_least
+from common.distributed import FSDP2_CPU_OFFLOAD, FSDP2_ON_CPU, torch_at_least
 
 # A short MNIST run: 2 epochs of the 3000-image rendered-digit fixture.
 MNIST_ARGS = ["--epochs", "2", "--batch-size", "32", "--log-interval", "10"]

@@ -5,7 +5,7 @@
 Each round ends like a training run: small collectives on tensors that Python
 drops at once (the final record's), then common.distributed.teardown_distributed.
 On torch 2.6 and 2.7 a plain destroy_process_group() deadlocks now and then at
-that point (common.compat.gloo_destroyed_without_gil says why); 200 rounds at 3
+that point (common.distributed.gloo_destroyed_without_gil says why); 200 rounds at 3
 ranks met it on every try. A deadlock holds the GIL, so the watchdog is
 faulthandler's, which runs without it: it prints every thread's stack and exits.
 """
