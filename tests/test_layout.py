@@ -42,7 +42,8 @@ WORKERS = {"tools.benchmarks.bare_loop"}
 
 SOURCES = {module_name(path): path for path in sorted([*REPO.glob("common/*.py"), *REPO.glob("tools/**/*.py")])}
 MODULES = {name: parsed(path) for name, path in SOURCES.items()}
-LIBRARY = {name for name in MODULES if name.startswith("common.")}
+# The package itself too: ``from common import cli`` names it before the module.
+LIBRARY = {name for name in MODULES if name == "common" or name.startswith("common.")}
 COMMANDS = {name for name, module in MODULES.items() if is_command(module)}
 PROGRAMS = {name for name, module in MODULES.items() if is_program(module)}
 
