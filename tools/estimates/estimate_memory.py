@@ -60,6 +60,7 @@ from tools.command_flags import positive_int_up_to
 from tools.estimates.activations import ActivationBytes, gpt_activations, mnist_activations
 from tools.estimates.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from tools.estimates.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
+from tools.estimates.tensor_parallel import as_fsdp2
 from tools.model_shapes import (
     add_estimator_flags,
     estimator_shapes,
@@ -138,18 +139,21 @@ def estimate_model(
     activations: ActivationBytes,
     layout: str = "flat",
     trainable: Collection[str] | None = None,
+    tp_degree: int = 1,
 ) -> Estimate:
     """The estimate for a GPT of these parameter shapes, its units gathered as ``layout`` pads them (FSDP1's
-    "flat" or FSDP2's "dim0"), with its measured activations: DDP's (``unit_gradients`` False) or FSDP's.
+    "flat", FSDP2's "dim0", or "tp": FSDP2 over each rank's tensor-parallel pieces, groups of ``tp_degree``),
+    with its measured activations: DDP's (``unit_gradients`` False) or FSDP's.
     ``trainable``: the names that train (None: all), as --freeze and --lora-rank leave them."""
+    params = sum(math.prod(shape) for shape in shapes.values())
+    pieces, layout = as_fsdp2(shapes, layout, tp_degree)  # what FSDP shards: a tensor-parallel rank's pieces
     alone = layout if shard_group == 1 else None  # a shard group of one: what FSDP gathers changes
     layout = "replicated" if shard_group == 1 else layout
-    state = between_steps(shapes, shard_group, layout, trainable, precision)
-    units = gathered_units(shapes, layout, shard_group, precision, trainable)
+    state = between_steps(pieces, shard_group, layout, trainable, precision)
+    units = gathered_units(pieces, layout, shard_group, precision, trainable)
     in_flight = in_flight_bytes(strategy, units, precision, weight_copies=activations.weight_copies, alone=alone)
     if strategy != "ddp" and activations.unit_ends:
         in_flight += reduce_scatter_bytes(alone or layout, units, shard_group, precision, activations)
-    params = sum(math.prod(shape) for shape in shapes.values())
     return Estimate(params, strategy, shard_group, state, in_flight, activations.peak)
 
 
