@@ -2,9 +2,10 @@
 
     python -m tools.estimates.simulate --world-size 1024 --strategy fsdp2 --model gpt2 --out fsdp2-1024.json
     python -m tools.estimates.simulate --model medium gpt2 --world-size 8 64 256 1024 --strategy ddp fsdp1 fsdp2 hsdp
+    python -m tools.estimates.simulate --model medium --world-size 1024 --strategy fsdp2 fsdp2_tp --tp-degree 8
 
 The transformer script of the strategy wraps its model with its own ``wrap_model`` (the real DDP,
-FSDP1 or fully_shard: their buckets, flat parameters and padding) on torch's fake process group,
+FSDP1 or fully_shard: their buckets, flat parameters and padding; fsdp2_tp's parallelize_module first) on torch's fake process group,
 whose collectives return at once, and fake tensors, which have shapes and sizes but no memory. The
 steps run as the script runs them (zero_grad, forward, loss, backward, clipping, AdamW), and one is
 measured as the runs measure theirs (see ``warm_up``). For the rank: its parameter, gradient and
@@ -46,7 +47,7 @@ from tools.command_flags import output_file, positive_int_up_to, refuse_outputs_
 from tools.estimates import estimate_memory, modelled_collectives
 from tools.estimates.activations import gpt_activations
 from tools.estimates.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
-from tools.estimates.tensor_parallel import TensorParallel
+from tools.estimates.tensor_parallel import TensorParallel, check_degree
 from tools.model_shapes import ParameterShapes, estimator_shapes, fine_tune, fine_tuned_shapes, gpt_step_overflow
 from tools.output_checks import add_overwrite_flag, check_output_path
 from tools.runs.plot import check_figure_path, draw_scale, save_figure_or_exit
@@ -206,7 +207,9 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
     if strategy == "fsdp1" and (args.freeze or args.lora_rank):
         # Its fake flat parameters lose the units with nothing to train (measured: half the bytes held).
         raise ValueError("--freeze and --lora-rank are simulated for ddp, fsdp2 and hsdp, not fsdp1")
-    tp_degree = tensor_parallel_degree(args, world_size, strategy, model)
+    # The ranks of a tensor-parallel group: a world of one trains unsplit; refused where the script refuses.
+    tp_degree = 1 if strategy != "fsdp2_tp" or world_size == 1 else args.tp_degree
+    check_degree(tp_degree, world_size, GPT_PRESETS[model]["n_head"], args.lora_rank)
     return argparse.Namespace(
         world_size=world_size,
         strategy=strategy,
@@ -220,21 +223,6 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
         # fine_tune's arguments, by name
         fine_tuning={"freeze_patterns": args.freeze, "lora_rank": args.lora_rank, "lora_targets": args.lora_targets},
     )
-
-
-def tensor_parallel_degree(args: argparse.Namespace, world_size: int, strategy: str, model: str) -> int:
-    """The ranks of a tensor-parallel group in this job: --tp-degree for fsdp2_tp (1 in a world of one, which
-    the script trains unsplit), 1 for the others; ValueError where the script would refuse it."""
-    if strategy != "fsdp2_tp" or world_size == 1:
-        return 1
-    if world_size % args.tp_degree:
-        raise ValueError(f"--tp-degree {args.tp_degree} does not divide --world-size {world_size}")
-    heads = GPT_PRESETS[model]["n_head"]
-    if heads % args.tp_degree:
-        raise ValueError(f"--tp-degree {args.tp_degree} must divide {model}'s {heads} attention heads")
-    if args.lora_rank:
-        raise ValueError("--lora-rank with fsdp2_tp: the script does not split the adapters' layers")
-    return args.tp_degree
 
 
 def script_argv(args: argparse.Namespace) -> list[str]:

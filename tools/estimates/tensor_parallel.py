@@ -61,6 +61,18 @@ def split(size: int, degree: int, name: str) -> int:
     return size // degree
 
 
+def check_degree(degree: int, world_size: int, heads: int, lora_rank: int | None = None) -> None:
+    """ValueError for a tensor-parallel group of ``degree`` ranks that the script refuses in this job."""
+    if degree == 1:
+        return
+    if world_size % degree:
+        raise ValueError(f"--tp-degree {degree} does not divide the world size {world_size}")
+    if heads % degree:
+        raise ValueError(f"--tp-degree {degree} must divide the attention heads ({heads}): a rank holds whole heads")
+    if lora_rank:
+        raise ValueError("--lora-rank with --tp-degree above 1: the script does not split the adapters' layers")
+
+
 def fsdp_shapes(shapes: Mapping[str, Sequence[int]], degree: int) -> dict[str, tuple[int, ...]]:
     """Each parameter as FSDP2 cuts it over the data-parallel groups: the rank's tensor-parallel piece, the
     dimension FSDP2 shards first (the fused q|k|v piece's columns, so written transposed when split)."""
