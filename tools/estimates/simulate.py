@@ -4,9 +4,9 @@
     python -m tools.estimates.simulate --model medium gpt2 --world-size 8 64 256 1024 --strategy ddp fsdp1 fsdp2 hsdp
     python -m tools.estimates.simulate --model medium --world-size 1024 --strategy fsdp2 fsdp2_tp --tp-degree 8
 
-The transformer script of the strategy wraps its model with its own ``wrap_model`` (the real DDP,
-FSDP1 or fully_shard: their buckets, flat parameters and padding; fsdp2_tp's parallelize_module first) on torch's fake process group,
-whose collectives return at once, and fake tensors, which have shapes and sizes but no memory. The
+The transformer script of the strategy wraps its model with its own ``wrap_model`` (the real DDP, FSDP1 or
+fully_shard: their buckets, flat parameters and padding; fsdp2_tp's parallelize_module first) on torch's fake
+process group, whose collectives return at once, and fake tensors, which have shapes and sizes but no memory. The
 steps run as the script runs them (zero_grad, forward, loss, backward, clipping, AdamW), and one is
 measured as the runs measure theirs (see ``warm_up``). For the rank: its parameter, gradient and
 optimizer bytes after the step, the peak of its live tensors' bytes during it, and each collective
