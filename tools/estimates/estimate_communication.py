@@ -231,7 +231,7 @@ def gpt_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConf
     args.layers = config.n_layer
     if args.tp_degree is not None:
         try:
-            check_degree(args.tp_degree, args.world_size, config.n_head)
+            check_degree(args.tp_degree, args.world_size, config.n_head, config.d_model)
         except ValueError as err:
             parser.error(str(err))
     return config

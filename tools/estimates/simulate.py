@@ -209,7 +209,8 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
         raise ValueError("--freeze and --lora-rank are simulated for ddp, fsdp2 and hsdp, not fsdp1")
     # The ranks of a tensor-parallel group: a world of one trains unsplit; refused where the script refuses.
     tp_degree = 1 if strategy != "fsdp2_tp" or world_size == 1 else args.tp_degree
-    check_degree(tp_degree, world_size, GPT_PRESETS[model]["n_head"], args.lora_rank)
+    preset = GPT_PRESETS[model]
+    check_degree(tp_degree, world_size, preset["n_head"], preset["d_model"], args.lora_rank)
     return argparse.Namespace(
         world_size=world_size,
         strategy=strategy,

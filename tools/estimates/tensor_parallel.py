@@ -61,14 +61,21 @@ def split(size: int, degree: int, name: str) -> int:
     return size // degree
 
 
-def check_degree(degree: int, world_size: int, heads: int, lora_rank: int | None = None) -> None:
-    """ValueError for a tensor-parallel group of ``degree`` ranks that the script refuses in this job."""
+def check_degree(degree: int, world_size: int, heads: int, d_model: int, lora_rank: int | None = None) -> None:
+    """ValueError for a tensor-parallel group of ``degree`` ranks that the script cannot run in this job."""
     if degree == 1:
         return
     if world_size % degree:
         raise ValueError(f"--tp-degree {degree} does not divide the world size {world_size}")
     if heads % degree:
         raise ValueError(f"--tp-degree {degree} must divide the attention heads ({heads}): a rank holds whole heads")
+    if d_model % (world_size // degree):
+        # FSDP2 cuts the q|k|v piece by its columns, and refuses an uneven cut of any dimension but the first
+        # (torch 2.14.1: "FSDP does not support uneven sharding on dim 1").
+        raise ValueError(
+            f"the {world_size // degree} data-parallel groups must divide the width ({d_model}): FSDP2 cuts the "
+            "q|k|v weight by its columns, evenly only"
+        )
     if lora_rank:
         raise ValueError("--lora-rank with --tp-degree above 1: the script does not split the adapters' layers")
 
