@@ -29,7 +29,7 @@ from tests.harness.cases import NEEDS_FSDP2_ON_CPU
 from tests.harness.noise_floor import TRANSFORMER_ARGS, TRANSFORMER_STEPS, NoiseRuns, assert_same_training
 from tests.harness.runs import Run, run_script, run_until_stopped
 from tools.benchmarks.compare_strategies import estimated_state, tensor_parallel_of
-from tools.estimates import simulate
+from tools.estimates import estimate_communication, simulate
 from tools.estimates.modelled_collectives import run_estimate
 from tools.model_shapes import gpt_parameter_shapes
 
@@ -123,3 +123,17 @@ def test_estimators_agree_with_the_simulation_of_fsdp2_tp(world_size: int, tp_de
     result = simulate.simulate(job)
     for name in ("params_bytes", "grads_bytes", "optimizer_bytes", "sent_bytes_per_step"):
         assert result["estimate"][name] == result[name], name
+
+
+def test_estimators_refuse_groups_that_do_not_divide_the_width(capsys: pytest.CaptureFixture[str]) -> None:
+    """FSDP2 cuts the q|k|v piece by its columns and refuses an uneven cut there: 256 groups of 4 cannot share
+    the tiny preset's 64 columns. Both commands say so before any work, as the script would fail."""
+    why = "the 256 data-parallel groups must divide the width (64)"
+    commands = [
+        (simulate.parse_args, ["--world-size", "1024", "--strategy", "fsdp2_tp", "--tp-degree", "4"]),
+        (estimate_communication.parse_args, ["--model", "tiny", "--world-size", "1024", "--tp-degree", "4"]),
+    ]
+    for parse_args, argv in commands:
+        with pytest.raises(SystemExit) as refused:
+            parse_args(argv)
+        assert refused.value.code == 2 and why in capsys.readouterr().err, argv
