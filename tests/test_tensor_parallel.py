@@ -28,7 +28,7 @@ from common.models import GPTConfig
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU
 from tests.harness.noise_floor import TRANSFORMER_ARGS, TRANSFORMER_STEPS, NoiseRuns, assert_same_training
 from tests.harness.runs import Run, run_script, run_until_stopped
-from tools.benchmarks.compare_strategies import estimated_state, tensor_parallel_of
+from tools.benchmarks.compare_strategies import estimated_state, markdown_table, tensor_parallel_of
 from tools.estimates import estimate_communication, simulate
 from tools.estimates.modelled_collectives import run_estimate
 from tools.model_shapes import gpt_parameter_shapes
@@ -112,6 +112,12 @@ def test_2x2_holds_and_sends_what_the_estimate_and_the_simulation_say(tmp_path: 
     # The simulated step does not log, so it skips the loss check's one int64 all-reduce over the world.
     simulated_sent = Traffic.of(simulated["collectives"]) + Traffic.of([("all_reduce", 8, 4)])
     assert simulated_sent.bytes == final["comm_bytes_per_step"]
+    # compare_strategies' row of this run: each measured figure beside the same estimate.
+    cells = [cell.strip() for cell in markdown_table([(final, shapes_of(final))]).splitlines()[2].split("|")[1:-1]]
+    assert cells[:3] == ["fsdp2_tp", "4", "4"], cells
+    for cell in [*cells[3:7], *cells[11:]]:
+        measured, estimated = cell.rstrip(")").split(" (")
+        assert measured == estimated, cells
 
 
 @pytest.mark.parametrize(("world_size", "tp_degree"), [(8, 2), (256, 4)])

@@ -142,7 +142,7 @@ def markdown_table(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], mic
         step_ms = f"{record['step_ms']:.1f}" if "step_ms" in record else "n/a"
         rate = f"{record['tokens_per_s']:.0f}" if "tokens_per_s" in record else "n/a"
         lines.append(
-            f"| {record['strategy']} | {record['world_size']} | {record['shard_group_size']} "
+            f"| {record['strategy']} | {record['world_size']} | {ranks_per_copy(record)} "
             f"| {_mib(held['params'], predicted.params)} | {_mib(held['grads'], predicted.grads)} "
             f"| {_mib(held['optimizer'], predicted.optimizer)} | {_mib(total, predicted.total)} | {ratio} "
             f"| {record['peak_memory_bytes'] / MIB:.0f} | {step_ms} | {rate} | "
@@ -163,6 +163,13 @@ def tensor_parallel_of(record: dict, micro_steps: int = 1) -> TensorParallel | N
     config, dp = record["model_config"], record["shard_group_size"]
     batch = record["global_batch_size"] // dp // micro_steps
     return TensorParallel(record["world_size"] // dp, batch, config["block_size"], config["d_model"])
+
+
+def ranks_per_copy(record: dict) -> int:
+    """The ranks that hold one copy of the model between them: FSDP's shard group, and under tensor parallelism
+    each of its ranks' groups too (the record's shard_group_size counts the data-parallel groups only)."""
+    tp = tensor_parallel_of(record)
+    return record["shard_group_size"] * (tp.degree if tp else 1)
 
 
 def sharded_shapes(record: dict, shapes: Mapping[str, Sequence[int]]) -> tuple[dict[str, tuple[int, ...]], str]:
