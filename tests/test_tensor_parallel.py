@@ -29,7 +29,7 @@ from tests.harness.cases import NEEDS_FSDP2_ON_CPU
 from tests.harness.noise_floor import TRANSFORMER_ARGS, TRANSFORMER_STEPS, NoiseRuns, assert_same_training
 from tests.harness.runs import Run, run_script, run_until_stopped
 from tools.benchmarks.compare_strategies import estimated_state, markdown_table, tensor_parallel_of
-from tools.estimates import estimate_communication, simulate
+from tools.estimates import estimate_communication, estimate_memory, simulate
 from tools.estimates.modelled_collectives import run_estimate
 from tools.model_shapes import gpt_parameter_shapes
 
@@ -108,6 +108,11 @@ def test_2x2_holds_and_sends_what_the_estimate_and_the_simulation_say(tmp_path: 
     simulated = simulate.simulate(job)
     assert {kind: simulated[f"{kind}_bytes"] for kind in ("params", "grads", "optimizer")} == final["local_state_bytes"]
     assert estimated_state(final, shapes_of(final)).as_dict() == final["local_state_bytes"]
+    memory = estimate_memory.parse_args(
+        ["--model", "tiny", "--world-size", "4", "--gpu-memory", "1", "--tp-degree", "2"]
+    )
+    (row,) = [e for e in estimate_memory.measure_model(memory).estimates if e.strategy == "fsdp2_tp"]
+    assert row.state.as_dict() == final["local_state_bytes"]
     assert_sent_as_estimated(final)
     # The simulated step does not log, so it skips the loss check's one int64 all-reduce over the world.
     simulated_sent = Traffic.of(simulated["collectives"]) + Traffic.of([("all_reduce", 8, 4)])
