@@ -61,7 +61,7 @@ from tools.command_flags import block_count, layer_count, parameter_count
 from tools.estimates.activations import ActivationBytes, gpt_activations, mnist_activations
 from tools.estimates.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from tools.estimates.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
-from tools.estimates.tensor_parallel import as_fsdp2, check_degree
+from tools.estimates.tensor_parallel import as_fsdp2, chained, check_degree, local_blocks
 from tools.model_shapes import (
     add_estimator_flags,
     estimator_shapes,
@@ -250,8 +250,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tp-degree",
         type=positive_int,
-        help="add fsdp/train_transformer_fsdp2_tp.py's row, its Blocks split over groups of this many ranks (its "
-        "activations counted as if unsplit: a ceiling)",
+        help="add fsdp/train_transformer_fsdp2_tp.py's row, its Blocks split over groups of this many ranks",
     )
 
 
@@ -284,10 +283,10 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if args.batch_size is None:
         args.batch_size = DEFAULT_BATCH[MNIST if args.model == MNIST else "gpt"]
     if args.model == MNIST:
-        if any(getattr(args, flag) is not None for flag in (*GPT_SHAPE_FLAGS, "tp_degree")):
-            parser.error(
-                "--n-layer, --n-head, --d-model, --block-size, --vocab-size, --tp-degree: the GPT's, not MNIST's"
-            )
+        if any(getattr(args, flag) is not None for flag in GPT_SHAPE_FLAGS):
+            parser.error("--n-layer, --n-head, --d-model, --block-size and --vocab-size describe the GPT, not MNIST")
+        if args.tp_degree is not None:
+            parser.error("--tp-degree splits the GPT's Blocks, not the MNIST net")
         if args.precision != "fp32" or args.activation_checkpointing:
             parser.error("the MNIST scripts have neither --mixed-precision nor --activation-checkpointing")
         if (overflow := mnist_step_overflow(args.batch_size)) is not None:
@@ -376,9 +375,18 @@ def measure_model(args: argparse.Namespace) -> MeasuredModel:
             )
         group = shard_group_for(strategy, args.world_size, args.shard_group_size)
         estimates.append(estimate_model(shapes, strategy, group, args.precision, measured[how], trainable=trainable))
-    if args.tp_degree is not None:  # FSDP2 over each rank's pieces, with FSDP's activations (unsplit: a ceiling)
-        dp, fsdp = args.world_size // args.tp_degree, measured[(forward_of("full_shard", args.precision), True)]
-        split = estimate_model(shapes, "full_shard", dp, args.precision, fsdp, "tp", trainable, args.tp_degree)
+    if args.tp_degree is not None:  # FSDP2 over each rank's pieces, with the activations of what a rank computes
+        local = chained(prepare, functools.partial(local_blocks, degree=args.tp_degree))
+        split = gpt_activations(
+            config,
+            args.batch_size,
+            checkpointing=args.activation_checkpointing,
+            forward=forward_of("full_shard", args.precision),
+            unit_gradients=True,
+            prepare=local,
+        )
+        dp = args.world_size // args.tp_degree
+        split = estimate_model(shapes, "full_shard", dp, args.precision, split, "tp", trainable, args.tp_degree)
         estimates.append(replace(split, strategy="fsdp2_tp", shard_group=args.world_size))
     description = (
         f"GPT {args.model} ({args.n_layer} Blocks of width {args.d_model}, vocabulary {args.vocab_size}), "

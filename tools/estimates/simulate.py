@@ -47,7 +47,7 @@ from tools.command_flags import output_file, positive_int_up_to, refuse_outputs_
 from tools.estimates import estimate_memory, modelled_collectives
 from tools.estimates.activations import gpt_activations
 from tools.estimates.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
-from tools.estimates.tensor_parallel import TensorParallel, check_degree
+from tools.estimates.tensor_parallel import TensorParallel, chained, check_degree, local_blocks
 from tools.model_shapes import ParameterShapes, estimator_shapes, fine_tune, fine_tuned_shapes, gpt_step_overflow
 from tools.output_checks import add_overwrite_flag, check_output_path
 from tools.runs.plot import check_figure_path, draw_scale, save_figure_or_exit
@@ -365,6 +365,8 @@ def estimate(args: argparse.Namespace, config: Any, batch_size: int, tuned: Para
     group = 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree // args.tp_degree
     kind = "ddp" if strategy == "ddp" else "hybrid_shard" if args.replicate_degree > 1 else "full_shard"
     forward = estimate_memory.forward_of(kind, args.mixed_precision)
+    if args.tp_degree > 1:  # what one rank of a group computes
+        prepare = chained(prepare, functools.partial(local_blocks, degree=args.tp_degree))
     activations = gpt_activations(
         config, batch_size, checkpointing=False, forward=forward, unit_gradients=kind != "ddp", prepare=prepare
     )

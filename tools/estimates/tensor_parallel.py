@@ -17,16 +17,19 @@ counting of tools.estimates.shard_sizes counts each rank's share exactly.
 
 Each row-wise layer ends forward with an all-reduce of its partial output over the group, and each
 column-wise layer's input gradient is one in backward: 2 + 2 per Block and micro-step, each of the
-micro-batch's hidden states, batch x block_size x d_model in the compute dtype (under activation
-checkpointing forward runs twice: 2 more). The gradient-norm clipping adds, per mesh of gradients (the
+micro-batch's hidden states, batch x block_size x d_model in the compute dtype (activation checkpointing,
+not counted here, would run forward's twice). The gradient-norm clipping adds, per mesh of gradients (the
 split layers' on (dp, tp), the rest on dp), an fp32 all-reduce of one value per tensor over each of that
-mesh's dimensions; a dimension of one rank sends nothing.
+mesh's dimensions; a dimension of one rank sends nothing. For the peak, ``local_blocks`` gives a GPT the
+Blocks one rank computes, whose activations tools.estimates.activations measures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+
+import torch.nn as nn
 
 from tools.estimates.shard_sizes import FP32
 
@@ -93,21 +96,16 @@ def fsdp_shapes(shapes: Mapping[str, Sequence[int]], degree: int) -> dict[str, t
 @dataclass(frozen=True)
 class TensorParallel:
     """A job's tensor parallelism: ``degree`` ranks per group, each micro-step's hidden states on a rank
-    (``batch`` sequences of ``block_size`` tokens of width ``d_model``), and whether activation
-    checkpointing runs each Block's forward again in backward."""
+    (``batch`` sequences of ``block_size`` tokens of width ``d_model``)."""
 
     degree: int
     batch: int
     block_size: int
     d_model: int
-    recomputed: bool = False
 
     def activation_bytes(self, compute_bytes: int) -> int:
         """One TP all-reduce's message: the micro-batch's hidden states in the compute dtype."""
         return self.batch * self.block_size * self.d_model * compute_bytes
-
-    def all_reduces_per_block(self) -> int:
-        return FORWARD_ALL_REDUCES * (2 if self.recomputed else 1) + BACKWARD_ALL_REDUCES
 
 
 def tp_collectives(
@@ -117,7 +115,7 @@ def tp_collectives(
     every Block, forward and backward; none in a group of one."""
     if tp.degree == 1:
         return []
-    count = micro_steps * blocks * tp.all_reduces_per_block()
+    count = micro_steps * blocks * (FORWARD_ALL_REDUCES + BACKWARD_ALL_REDUCES)
     return [("all_reduce", tp.activation_bytes(compute_bytes), tp.degree)] * count
 
 
@@ -141,3 +139,27 @@ def as_fsdp2(shapes: Mapping[str, Sequence[int]], layout: str, degree: int) -> t
     if layout != "tp":
         return {name: tuple(shape) for name, shape in shapes.items()}, layout
     return fsdp_shapes(shapes, degree), "dim0"
+
+
+def local_blocks(model: nn.Module, degree: int) -> None:
+    """Make ``model``'s Blocks what one rank of a group computes (its heads, its hidden units), so that a measure of
+    its activations (tools.estimates.activations, ``prepare``) counts a tensor-parallel rank's; the residual stream,
+    the norms, the embeddings and the logits stay whole, as they do on the rank."""
+    for block in model.blocks:
+        width = block.attn.qkv.in_features
+        block.attn.qkv = nn.Linear(width, 3 * width // degree, bias=False)
+        block.attn.proj = nn.Linear(width // degree, width)
+        block.attn.n_head //= degree
+        block.mlp.fc = nn.Linear(width, block.mlp.fc.out_features // degree)
+        block.mlp.proj = nn.Linear(block.mlp.proj.in_features // degree, width)
+
+
+def chained(*steps: Callable[[nn.Module], None] | None) -> Callable[[nn.Module], None]:
+    """One ``prepare`` of tools.estimates.activations that takes ``steps`` in turn (None: no step)."""
+
+    def prepare(model: nn.Module) -> None:
+        for step in steps:
+            if step is not None:
+                step(model)
+
+    return prepare
