@@ -128,6 +128,14 @@ def check_tensor_parallel_flags(parser: Parser, args: argparse.Namespace) -> Non
         parser.error(
             f"--tp-degree {args.tp_size} must divide the attention heads ({args.n_head}): a rank holds whole heads"
         )
+    groups = env_world_size() // args.tp_size
+    if args.d_model % groups:
+        # FSDP2 cuts the q|k|v pieces by their columns (wrap_model's shard_placement_fn), and only evenly: torch
+        # 2.14.1 raised "FSDP does not support uneven sharding on dim 1" in the wrap, on every rank.
+        parser.error(
+            f"the {groups} data-parallel groups must divide the width (--d-model {args.d_model}): FSDP2 cuts the "
+            "q|k|v weight by its columns, evenly only. Launch fewer or more processes, or change --tp-degree"
+        )
     if args.lora_rank is not None:
         parser.error("--lora-rank with --tp-degree above 1: the adapters' layers are not split across ranks here")
     if args.replicate_degree != 1:

@@ -128,8 +128,9 @@ TP_SCRIPT = "fsdp/train_transformer_fsdp2_tp.py"
         ("3", ["--tp-degree", "2"], "--tp-degree 2 does not divide the world size 3: each tensor-parallel group"),
         ("4", ["--tp-degree", "4", "--n-head", "2", "--d-model", "64"], "--tp-degree 4 must divide the attention"),
         ("4", ["--global-batch-size", "5"], "--global-batch-size 5 does not divide into 2 data-parallel group(s) x 1"),
+        ("12", ["--tp-degree", "2"], "the 6 data-parallel groups must divide the width (--d-model 64)"),
     ],
-    ids=["world-3", "heads-2", "batch-5"],
+    ids=["world-3", "heads-2", "batch-5", "width-64-over-6"],
 )
 def test_a_mesh_the_world_size_or_the_model_cannot_make_is_refused(
     world_size: str,

@@ -18,6 +18,8 @@ from common.flags import (
     _refuse_long_names,
     _refuse_unwritable,
     flag_kind,
+    float_in_range,
+    int_in_range,
     path_kind,
     positive_int,
     shown,
@@ -37,6 +39,30 @@ def positive_int_up_to(limit: int, unit: str, why: str, *, name: str) -> Callabl
 
     parse.__name__ = name
     return parse
+
+
+# The estimators' sizes of a model (tools.estimates.estimate_memory and estimate_communication).
+# A trillion parameters. The estimates list DDP's buckets, 25 MiB each: 1.5 million of them at 1e13
+# parameters, and 1e30 overflowed (OverflowError).
+parameter_count = float_in_range(1, 1e12, name="parameter_count")
+# Far more FSDP units than any model has: the estimate lists each unit's collectives per micro-step.
+layer_count = int_in_range(1, 10_000, name="layer_count")
+
+
+# --model's activations come from one fake step of the GPT (tools.estimates.activations), whose time grows faster
+# than its Blocks: the tiny preset took 14 s at 12 and 24 Blocks, 31 s at 48, 154 s (142 CPU-s) at 128, and was
+# stopped after 10 minutes at 1,000, with another process on the second core. 128 is past the deepest
+# published models (Llama 3.1 405B: 126 Blocks); --params with --layers answers for any depth at once.
+MAX_BLOCKS = 128
+
+
+block_count = positive_int_up_to(
+    MAX_BLOCKS,
+    "Blocks",
+    "the fake step that measures the activations takes minutes at 128; --params N --layers L (no --model) "
+    "estimates the model state of any depth at once",
+    name="n_layer",
+)
 
 
 @path_kind(EXISTING_DIR)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 DDP_SCRIPT = "ddp/train_transformer.py"
 FSDP1_SCRIPT = "fsdp/train_transformer.py"
 FSDP2_SCRIPT = "fsdp/train_transformer_fsdp2.py"
+FSDP2_TP_SCRIPT = "fsdp/train_transformer_fsdp2_tp.py"
+TP_DEGREE = 2  # the TP script's default --tp-degree: the row's ranks per tensor-parallel group
 
 # How a strategy gathers and sends during a step, as the estimators model it (tools.estimates.in_flight,
 # modelled_collectives): FSDP2 gathers as FSDP1's full_shard does, HSDP as its hybrid_shard, no_shard as DDP.
@@ -25,13 +27,17 @@ class Strategy:
     script: str
     textbook: str  # one of TEXTBOOK
     # "replicated" (every rank holds it all), "flat" (FSDP1: each unit's parameters flattened and cut into
-    # equal pieces) or "dim0" (FSDP2: every parameter cut along its first dimension, the first ranks taking
-    # the larger pieces).
+    # equal pieces), "dim0" (FSDP2: every parameter cut along its first dimension, the first ranks taking
+    # the larger pieces) or "tp" (tensor parallelism inside groups of tp_degree ranks, then FSDP2's "dim0" cut
+    # of each rank's piece across the groups: tools.estimates.tensor_parallel).
     layout: str
     flags: tuple[str, ...] = ()  # what selects it in its script
     hybrid: bool = False  # two copies of the sharded model, so an even world of 4 ranks or more
+    tp_degree: int = 1  # ranks that split each Block between them
 
     def runs_at(self, world_size: int) -> bool:
+        if self.tp_degree > 1:  # a world of one trains unsplit; any other needs whole groups
+            return world_size == 1 or world_size % self.tp_degree == 0
         return not self.hybrid or (world_size >= 4 and world_size % 2 == 0)
 
 
@@ -50,6 +56,8 @@ STRATEGIES = (
     ),
     Strategy("fsdp2", FSDP2_SCRIPT, "full_shard", "dim0"),
     Strategy("fsdp2_hsdp", FSDP2_SCRIPT, "hybrid_shard", "dim0", ("--replicate-degree", "2"), hybrid=True),
+    # FSDP2 shards across the groups as it does across all ranks; the TP all-reduces come on top.
+    Strategy("fsdp2_tp", FSDP2_TP_SCRIPT, "full_shard", "tp", ("--tp-degree", str(TP_DEGREE)), tp_degree=TP_DEGREE),
 )
 BY_NAME = {strategy.name: strategy for strategy in STRATEGIES}
 assert {strategy.textbook for strategy in STRATEGIES} == set(TEXTBOOK)

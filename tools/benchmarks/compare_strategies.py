@@ -1,4 +1,4 @@
-"""Train the transformer under DDP and every FSDP mode, and show what each rank holds and sends.
+"""Train the transformer under DDP, every FSDP mode and FSDP2 + TP, and show what each rank holds and sends.
 
     python -m tools.benchmarks.compare_strategies --model tiny --world-sizes 1 2 4
     python -m tools.benchmarks.compare_strategies --model small --world-sizes 2 4 --steps 50 --png memory.png
@@ -45,6 +45,7 @@ from tools.estimates.estimate_memory import LAYOUTS, Estimate
 from tools.estimates.in_flight import gathered_units, in_flight_bytes
 from tools.estimates.modelled_collectives import run_estimate
 from tools.estimates.shard_sizes import StateBytes, between_steps
+from tools.estimates.tensor_parallel import TensorParallel, as_fsdp2
 from tools.output_checks import (
     add_overwrite_flag,
     check_output_folder,
@@ -112,6 +113,7 @@ def communication_cells(record: dict, shapes: Mapping[str, Sequence[int]], micro
         record["shard_group_size"],
         record.get("mixed_precision", "fp32"),
         micro_steps,
+        tp=tensor_parallel_of(record, micro_steps),
     )
     sent = record["comm_bytes_per_step"]
     cells = [_mib(sent.get(kind, 0), predicted.bytes.get(kind, 0)) for kind in COMM_KINDS]
@@ -133,14 +135,14 @@ def markdown_table(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], mic
     ]
     for record, shapes in runs:
         held = record["local_state_bytes"]
-        predicted = between_steps(shapes.values(), record["shard_group_size"], LAYOUTS[record["strategy"]])
+        predicted = estimated_state(record, shapes)
         total = sum(held.values())
         ddp_total = ddp_totals.get(record["world_size"])
         ratio = f"{total / ddp_total:.2f}" if ddp_total else "n/a"
         step_ms = f"{record['step_ms']:.1f}" if "step_ms" in record else "n/a"
         rate = f"{record['tokens_per_s']:.0f}" if "tokens_per_s" in record else "n/a"
         lines.append(
-            f"| {record['strategy']} | {record['world_size']} | {record['shard_group_size']} "
+            f"| {record['strategy']} | {record['world_size']} | {ranks_per_copy(record)} "
             f"| {_mib(held['params'], predicted.params)} | {_mib(held['grads'], predicted.grads)} "
             f"| {_mib(held['optimizer'], predicted.optimizer)} | {_mib(total, predicted.total)} | {ratio} "
             f"| {record['peak_memory_bytes'] / MIB:.0f} | {step_ms} | {rate} | "
@@ -153,8 +155,32 @@ def markdown_table(runs: Sequence[tuple[dict, Mapping[str, Sequence[int]]]], mic
 MARKERS = ("o", "s", "^", "v", "D", "P")
 
 
+def tensor_parallel_of(record: dict, micro_steps: int = 1) -> TensorParallel | None:
+    """An FSDP2 + TP run's tensor parallelism, from its final record: its groups are its ranks over FSDP's shard
+    group (the script has no HSDP), and each group trains one micro-batch of the global batch."""
+    if LAYOUTS[record["strategy"]] != "tp":
+        return None
+    config, dp = record["model_config"], record["shard_group_size"]
+    batch = record["global_batch_size"] // dp // micro_steps
+    return TensorParallel(record["world_size"] // dp, batch, config["block_size"], config["d_model"])
+
+
+def ranks_per_copy(record: dict) -> int:
+    """The ranks that hold one copy of the model between them: FSDP's shard group, and under tensor parallelism
+    each of its ranks' groups too (the record's shard_group_size counts the data-parallel groups only)."""
+    tp = tensor_parallel_of(record)
+    return record["shard_group_size"] * (tp.degree if tp else 1)
+
+
+def sharded_shapes(record: dict, shapes: Mapping[str, Sequence[int]]) -> tuple[dict[str, tuple[int, ...]], str]:
+    """The shapes FSDP shards in this run, and how: the model's, or under tensor parallelism each rank's pieces."""
+    tp = tensor_parallel_of(record)
+    return as_fsdp2(shapes, LAYOUTS[record["strategy"]], tp.degree if tp else 1)
+
+
 def estimated_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> StateBytes:
-    return between_steps(shapes.values(), record["shard_group_size"], LAYOUTS[record["strategy"]])
+    pieces, layout = sharded_shapes(record, shapes)
+    return between_steps(pieces.values(), record["shard_group_size"], layout)
 
 
 def estimated_peak_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> float:
@@ -164,8 +190,8 @@ def estimated_peak_state(record: dict, shapes: Mapping[str, Sequence[int]]) -> f
     precision = "bf16" if record.get("mixed_precision") in ("bf16", "fp16") else "fp32"  # 2 bytes either way
     strategy = BY_NAME[record["strategy"]].textbook
     group = record["shard_group_size"]
-    layout = LAYOUTS[record["strategy"]]
-    units = gathered_units(shapes, layout, group, precision)
+    pieces, layout = sharded_shapes(record, shapes)
+    units = gathered_units(pieces, layout, group, precision)
     in_flight = in_flight_bytes(strategy, units, precision, gradients=True)
     state = estimated_state(record, shapes)
     return Estimate(0, strategy, group, state, in_flight).peak

@@ -4,11 +4,12 @@
     python -m tools.estimates.estimate_communication --params 7e9 --world-size 16 --shard-group-size 8 \\
         --grad-accum-steps 4
     python -m tools.estimates.estimate_communication --model small --world-size 2 --lora-rank 4
+    python -m tools.estimates.estimate_communication --model medium --world-size 1024 --tp-degree 8 --precision bf16
 
 The formulas, and how FSDP pads its messages: modelled_collectives.py. With --params the model is that many
 parameters in --layers equal units; with --model it is the scripts' GPT, its Blocks the units, and each row is
 what that script's run records (``local_state_bytes``, ``comm_bytes_per_step``), --freeze and --lora-rank
-included.
+included; --tp-degree adds FSDP2 + tensor parallelism's (tools.estimates.tensor_parallel).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from common.collectives import Traffic
 from common.flags import existing_file, int_in_range, positive_float, positive_int
 from common.models import GPT_PRESETS, GPTConfig
 from tools.estimates.estimate_memory import (
+    DEFAULT_BATCH,
     GIB,
     GPT_SHAPE_FLAGS,
     LAYOUTS,
@@ -36,6 +38,7 @@ from tools.estimates.estimate_memory import (
 from tools.estimates.in_flight import STRATEGIES
 from tools.estimates.measured_links import CommCheck
 from tools.estimates.modelled_collectives import model_collectives, run_collectives, step_seconds
+from tools.estimates.tensor_parallel import TensorParallel, as_fsdp2, check_degree
 from tools.model_shapes import ParameterShapes, add_estimator_flags, estimator_shapes, fine_tuned_shapes
 from tools.strategies import named
 
@@ -93,7 +96,42 @@ def model_estimates(args: argparse.Namespace) -> dict[str, tuple[int, StateBytes
             strategy, model.shapes, args.world_size, group, args.precision, args.micro_steps, trainable=model.trainable
         )
         estimates[strategy] = (group, held, collectives)
+    if args.tp_degree is not None:
+        estimates["fsdp2_tp"] = tensor_parallel_estimate(args)
     return estimates
+
+
+def tensor_parallel_estimate(args: argparse.Namespace) -> tuple[int, StateBytes, list[tuple[str, int, int]]]:
+    """``model_estimates``'s row for fsdp/train_transformer_fsdp2_tp.py in groups of --tp-degree ranks: FSDP2
+    shards each rank's pieces over the world / --tp-degree groups, and each group trains --batch-size sequences.
+    Every rank of the job holds pieces of one copy: its ranks per copy are the world size."""
+    model: ParameterShapes = args.shapes
+    dp = args.world_size // args.tp_degree
+    pieces, layout = as_fsdp2(model.shapes, "tp", args.tp_degree)
+    held = between_steps(pieces, dp, layout, model.trainable, args.precision)
+    tp = TensorParallel(args.tp_degree, args.batch_size, args.block_size, args.d_model)
+    collectives = run_collectives(
+        "fsdp2_tp",
+        model.shapes,
+        args.world_size,
+        dp,
+        args.precision,
+        args.micro_steps,
+        trainable=model.trainable,
+        tp=tp,
+    )
+    return args.world_size, held, collectives
+
+
+def tensor_parallel_seconds(
+    collectives: list[tuple[str, int, int]], degree: int, machine: int, fast: float, slow: float, spans: bool
+) -> float:
+    """fsdp2_tp's step time: its groups' all-reduces stay inside a machine of ``machine`` ranks, when one holds a
+    group; FSDP2's collectives across the groups run as full_shard's. (Telling a collective by its group's size
+    also counts the gradient norm's few bytes over data-parallel groups of the same size as inside.)"""
+    inside = [c for c in collectives if c[2] == degree and degree <= machine]
+    rest = Traffic.of(c for c in collectives if c not in inside)
+    return Traffic.of(inside).total_ring_bytes / fast + step_seconds("full_shard", rest, fast, slow, spans)
 
 
 def model_table(args: argparse.Namespace, check: CommCheck | None = None) -> str:
@@ -108,10 +146,18 @@ def model_table(args: argparse.Namespace, check: CommCheck | None = None) -> str
     fast, slow = args.fast_gbps * 1e9, args.slow_gbps * 1e9
     for strategy, (group, held, collectives) in model_estimates(args).items():
         traffic = Traffic.of(collectives)
-        textbook = RUN_STRATEGIES[strategy]
         sent = [traffic.bytes.get(kind, 0) for kind in ("all_gather", "reduce_scatter", "all_reduce")]
-        one_machine = step_seconds(textbook, traffic, fast, slow, spans_machines=False)
-        across = step_seconds(textbook, traffic, fast, slow, spans_machines=machines > 1)
+        if strategy == "fsdp2_tp":
+            times = [
+                tensor_parallel_seconds(collectives, args.tp_degree, args.shard_group_size, fast, slow, spans)
+                for spans in (False, machines > 1)
+            ]
+        else:
+            times = [
+                step_seconds(RUN_STRATEGIES[strategy], traffic, fast, slow, spans_machines=spans)
+                for spans in (False, machines > 1)
+            ]
+        one_machine, across = times
         measured = f" {_precise_seconds(check.step_seconds(collectives))} |" if check else ""
         lines.append(
             f"| {strategy} | {group} | "
@@ -146,6 +192,18 @@ def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
         choices=list(GPT_PRESETS),
         help="a GPT preset of the transformer scripts: its parameters replace --params, its Blocks --layers",
     )
+    group.add_argument(
+        "--tp-degree",
+        type=positive_int,
+        help="add the row of fsdp/train_transformer_fsdp2_tp.py, its tensor-parallel groups of this many ranks "
+        "(inside a machine of --shard-group-size)",
+    )
+    group.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help=f"with --tp-degree: sequences per group per micro-step, whose hidden states its all-reduces carry "
+        f"(default: {DEFAULT_BATCH['gpt']}, the scripts')",
+    )
     for flag in GPT_SHAPE_FLAGS:
         default = f"{SYNTHETIC_VOCAB}, the scripts' synthetic data" if flag == "vocab_size" else "the preset's"
         group.add_argument(
@@ -163,9 +221,19 @@ def gpt_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConf
     if args.model is None:
         if any(getattr(args, flag) is not None for flag in GPT_SHAPE_FLAGS):
             parser.error("--n-layer, --n-head, --d-model, --block-size and --vocab-size shape --model's GPT")
+        if args.tp_degree is not None or args.batch_size is not None:
+            parser.error("--tp-degree and --batch-size need --model: tensor parallelism splits the GPT's Blocks")
         return None
+    if args.batch_size is not None and args.tp_degree is None:
+        parser.error("--batch-size sizes the tensor-parallel all-reduces: give --tp-degree with it")
+    args.batch_size = args.batch_size or DEFAULT_BATCH["gpt"]
     config = gpt_shape(parser, args)
     args.layers = config.n_layer
+    if args.tp_degree is not None:
+        try:
+            check_degree(args.tp_degree, args.world_size, config.n_head, config.d_model)
+        except ValueError as err:
+            parser.error(str(err))
     return config
 
 

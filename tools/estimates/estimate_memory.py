@@ -5,6 +5,7 @@
         --precision bf16
     python -m tools.estimates.estimate_memory --model gpt2 --vocab-size 50257 --batch-size 8 --world-size 8 \
         --gpu-memory 80 --mixed-precision bf16 --activation-checkpointing
+    python -m tools.estimates.estimate_memory --model medium --world-size 1024 --gpu-memory 80 --tp-degree 8
 
 The optimizer is AdamW, as in every transformer script here. Per parameter, in bytes:
 
@@ -53,13 +54,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from common.cli import HelpFormatter
-from common.flags import float_in_range, int_in_range, positive_float, positive_int
+from common.flags import positive_float, positive_int
 from common.mnist import MnistNet
 from common.models import GPT_PRESETS, GPTConfig, count_parameters
-from tools.command_flags import positive_int_up_to
+from tools.command_flags import block_count, layer_count, parameter_count
 from tools.estimates.activations import ActivationBytes, gpt_activations, mnist_activations
 from tools.estimates.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from tools.estimates.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
+from tools.estimates.tensor_parallel import as_fsdp2, chained, check_degree, local_blocks
 from tools.model_shapes import (
     add_estimator_flags,
     estimator_shapes,
@@ -138,18 +140,21 @@ def estimate_model(
     activations: ActivationBytes,
     layout: str = "flat",
     trainable: Collection[str] | None = None,
+    tp_degree: int = 1,
 ) -> Estimate:
     """The estimate for a GPT of these parameter shapes, its units gathered as ``layout`` pads them (FSDP1's
-    "flat" or FSDP2's "dim0"), with its measured activations: DDP's (``unit_gradients`` False) or FSDP's.
+    "flat", FSDP2's "dim0", or "tp": FSDP2 over each rank's tensor-parallel pieces, groups of ``tp_degree``),
+    with its measured activations: DDP's (``unit_gradients`` False) or FSDP's.
     ``trainable``: the names that train (None: all), as --freeze and --lora-rank leave them."""
+    params = sum(math.prod(shape) for shape in shapes.values())
+    pieces, layout = as_fsdp2(shapes, layout, tp_degree)  # what FSDP shards: a tensor-parallel rank's pieces
     alone = layout if shard_group == 1 else None  # a shard group of one: what FSDP gathers changes
     layout = "replicated" if shard_group == 1 else layout
-    state = between_steps(shapes, shard_group, layout, trainable, precision)
-    units = gathered_units(shapes, layout, shard_group, precision, trainable)
+    state = between_steps(pieces, shard_group, layout, trainable, precision)
+    units = gathered_units(pieces, layout, shard_group, precision, trainable)
     in_flight = in_flight_bytes(strategy, units, precision, weight_copies=activations.weight_copies, alone=alone)
     if strategy != "ddp" and activations.unit_ends:
         in_flight += reduce_scatter_bytes(alone or layout, units, shard_group, precision, activations)
-    params = sum(math.prod(shape) for shape in shapes.values())
     return Estimate(params, strategy, shard_group, state, in_flight, activations.peak)
 
 
@@ -185,13 +190,6 @@ def estimate_table(estimates: Sequence[Estimate], gpu_bytes: float) -> str:
 
 def gib_or_na(value: float | None) -> str:
     return "n/a" if value is None else f"{value / GIB:.1f}"
-
-
-# A trillion parameters. The estimates list DDP's buckets, 25 MiB each: 1.5 million of them at 1e13
-# parameters, and 1e30 overflowed (OverflowError).
-parameter_count = float_in_range(1, 1e12, name="parameter_count")
-# Far more FSDP units than any model has: the estimate lists each unit's collectives per micro-step.
-layer_count = int_in_range(1, 10_000, name="layer_count")
 
 
 def add_job_flags(parser: argparse.ArgumentParser, *, params_required: bool = True) -> None:
@@ -249,6 +247,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--activation-checkpointing", action="store_true", help="each Block keeps only its input, as in the scripts"
     )
+    group.add_argument(
+        "--tp-degree",
+        type=positive_int,
+        help="add fsdp/train_transformer_fsdp2_tp.py's row, its Blocks split over groups of this many ranks",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -273,7 +276,7 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
     """Refuse what the chosen model's scripts do not have; fill the GPT's shape from its preset. The GPT, if
     the model is one."""
     if args.model is None:
-        given = [flag for flag in (*GPT_SHAPE_FLAGS, "batch_size") if getattr(args, flag) is not None]
+        given = [flag for flag in (*GPT_SHAPE_FLAGS, "batch_size", "tp_degree") if getattr(args, flag) is not None]
         if given or args.activation_checkpointing:
             parser.error("activations need a model: add --model, or drop the model's flags")
         return None
@@ -282,28 +285,19 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if args.model == MNIST:
         if any(getattr(args, flag) is not None for flag in GPT_SHAPE_FLAGS):
             parser.error("--n-layer, --n-head, --d-model, --block-size and --vocab-size describe the GPT, not MNIST")
+        if args.tp_degree is not None:
+            parser.error("--tp-degree splits the GPT's Blocks, not the MNIST net")
         if args.precision != "fp32" or args.activation_checkpointing:
             parser.error("the MNIST scripts have neither --mixed-precision nor --activation-checkpointing")
         if (overflow := mnist_step_overflow(args.batch_size)) is not None:
             parser.error(overflow)
         return None
-    return gpt_shape(parser, args)
-
-
-# --model's activations come from one fake step of the GPT (tools.estimates.activations), whose time grows faster
-# than its Blocks: the tiny preset took 14 s at 12 and 24 Blocks, 31 s at 48, 154 s (142 CPU-s) at 128, and was
-# stopped after 10 minutes at 1,000, with another process on the second core. 128 is past the deepest
-# published models (Llama 3.1 405B: 126 Blocks); --params with --layers answers for any depth at once.
-MAX_BLOCKS = 128
-
-
-block_count = positive_int_up_to(
-    MAX_BLOCKS,
-    "Blocks",
-    "the fake step that measures the activations takes minutes at 128; --params N --layers L (no --model) "
-    "estimates the model state of any depth at once",
-    name="n_layer",
-)
+    config = gpt_shape(parser, args)
+    try:
+        check_degree(args.tp_degree or 1, args.world_size, config.n_head, config.d_model, args.lora_rank)
+    except ValueError as err:
+        parser.error(str(err))
+    return config
 
 
 def gpt_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConfig:
@@ -316,7 +310,7 @@ def gpt_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTC
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     config = GPTConfig(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
-    # tools.estimates.estimate_communication shares this and has no batch: what a step sends does not depend on it.
+    # tools.estimates.estimate_communication shares this; its --batch-size sizes only the TP all-reduces.
     overflow = gpt_step_overflow(config, getattr(args, "batch_size", 1), getattr(args, "lora_rank", None))
     if overflow is not None:
         parser.error(overflow)
@@ -381,6 +375,19 @@ def measure_model(args: argparse.Namespace) -> MeasuredModel:
             )
         group = shard_group_for(strategy, args.world_size, args.shard_group_size)
         estimates.append(estimate_model(shapes, strategy, group, args.precision, measured[how], trainable=trainable))
+    if args.tp_degree is not None:  # FSDP2 over each rank's pieces, with the activations of what a rank computes
+        local = chained(prepare, functools.partial(local_blocks, degree=args.tp_degree))
+        split = gpt_activations(
+            config,
+            args.batch_size,
+            checkpointing=args.activation_checkpointing,
+            forward=forward_of("full_shard", args.precision),
+            unit_gradients=True,
+            prepare=local,
+        )
+        dp = args.world_size // args.tp_degree
+        split = estimate_model(shapes, "full_shard", dp, args.precision, split, "tp", trainable, args.tp_degree)
+        estimates.append(replace(split, strategy="fsdp2_tp", shard_group=args.world_size))
     description = (
         f"GPT {args.model} ({args.n_layer} Blocks of width {args.d_model}, vocabulary {args.vocab_size}), "
         f"{args.batch_size} sequences of {args.block_size} tokens per rank"

@@ -20,6 +20,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
@@ -64,6 +65,9 @@ def fake_world(world_size: int, rank: int, script_globals: dict) -> Iterator[Dis
             stack.enter_context(
                 mock.patch.dict(script_globals, init_device_mesh=outside_fake(script_globals["init_device_mesh"]))
             )
+        # FSDP2 over a tensor-parallel mesh builds the (dp, tp) mesh of its sharded DTensors inside the wrap,
+        # and a mesh finds its rank's coordinates with nonzero(), which fake tensors cannot run.
+        stack.enter_context(mock.patch.object(DeviceMesh, "__init__", outside_fake(DeviceMesh.__init__)))
         verify = ddp_module._verify_param_shape_across_processes
         stack.enter_context(mock.patch.object(ddp_module, "_verify_param_shape_across_processes", outside_fake(verify)))
         stack.enter_context(

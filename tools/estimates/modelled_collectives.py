@@ -41,6 +41,7 @@ from tools.estimates.shard_sizes import (
     fsdp2_padded_elements,
     fsdp_unit_names,
 )
+from tools.estimates.tensor_parallel import TensorParallel, fsdp_shapes, norm_collectives, tp_collectives
 
 FP32 = 4
 REDUCE_BYTES = FP32  # every script reduces gradients in fp32, whatever it computes in
@@ -224,6 +225,7 @@ def run_collectives(
     unit_prefixes: Sequence[str] | None = None,
     loss_check: bool = True,
     trainable: Collection[str] | None = None,
+    tp: TensorParallel | None = None,
 ) -> list[tuple[str, int, int]]:
     """The collectives of one step of this repository's run, one by one as ``(kind, message bytes, group
     size)``: from its final record's strategy and sizes and the shapes of its model.pt, plus the script's
@@ -237,25 +239,77 @@ def run_collectives(
     LoRA adapter a unit of its own. Frozen units are gathered for backward as before, even where no
     gradient passes through them (the first Blocks, with the embeddings frozen too): both FSDPs prefetch
     the next unit of backward whether it needs it or not (measured at 2 ranks, torch 2.14).
+    ``tp``: for "fsdp2_tp" split into groups (world size / shard group ranks each), its micro-batch, whose
+    hidden states the tensor-parallel all-reduces carry (tools.estimates.tensor_parallel).
     """
     trains = set(shapes) if trainable is None else set(trainable)
+    degree = world_size // shard_group if strategy == "fsdp2_tp" else 1
+    if degree > 1:
+        return tensor_parallel_step(
+            shapes, world_size, shard_group, precision, micro_steps, tp, behaviour, trains, loss_check
+        )
+    if strategy == "fsdp2_tp":  # a world of one trains the model unsplit: the FSDP2 script's step
+        strategy = "fsdp2"
     tensors = sum(name in trains for name in shapes)
     scalars = scalar_collectives(strategy, tensors, world_size, shard_group, loss_check)
+    return (
+        sharded_collectives(
+            strategy, shapes, world_size, shard_group, precision, micro_steps, behaviour, unit_prefixes, trains
+        )
+        + scalars
+    )
+
+
+def tensor_parallel_step(
+    shapes: Mapping[str, Sequence[int]],
+    world_size: int,
+    dp: int,
+    precision: str,
+    micro_steps: int,
+    tp: TensorParallel | None,
+    behaviour: FsdpBehaviour | None,
+    trains: set[str],
+    loss_check: bool,
+) -> list[tuple[str, int, int]]:
+    """FSDP2 + TP: FSDP2's gathers and reduce-scatters of each rank's pieces over its ``dp`` ranks, the
+    tensor-parallel all-reduces of the activations, and the clipping's per-mesh all-reduces."""
+    degree = world_size // dp
+    if tp is None or tp.degree != degree:
+        raise ValueError(f"fsdp2_tp at {world_size} ranks, shards of {dp}: give its micro-batch, as TensorParallel")
+    pieces = fsdp_shapes(shapes, degree)
+    fsdp = sharded_collectives("fsdp2", pieces, dp, dp, precision, micro_steps, behaviour, None, trains)
+    blocks = len({".".join(name.split(".")[:2]) for name in shapes if name.startswith("blocks.")})
+    activations = tp_collectives(tp, blocks, COMPUTE_BYTES.get(precision, 2), micro_steps)
+    agreement = [("all_reduce", 8, world_size)] if loss_check else []  # the finite-loss check, as every script's
+    return fsdp + activations + agreement + norm_collectives(shapes, degree, dp, trains)
+
+
+def sharded_collectives(
+    strategy: str,
+    shapes: Mapping[str, Sequence[int]],
+    world_size: int,
+    shard_group: int,
+    precision: str,
+    micro_steps: int,
+    behaviour: FsdpBehaviour | None,
+    unit_prefixes: Sequence[str] | None,
+    trains: set[str],
+) -> list[tuple[str, int, int]]:
+    """``run_collectives`` without the script's small all-reduces: DDP's buckets, FSDP's gathers and reductions."""
     if strategy == "ddp":
         buckets = ddp_bucket_sizes([FP32 * math.prod(s) for name, s in shapes.items() if name in trains])
-        return [("all_reduce", size, world_size) for size in buckets] + scalars
+        return [("all_reduce", size, world_size) for size in buckets]
     names = fsdp_unit_names(shapes, unit_prefixes, adapters_apart=strategy.startswith("fsdp1"))
     # On one rank there is nothing to shard: FSDP1 falls back to NO_SHARD, FSDP2 sends nothing.
     if strategy == "fsdp1_no_shard" or (strategy.startswith("fsdp1") and world_size == 1):
         # Every unit's flat gradient all-reduced, once per step (no_sync).
-        reduced = [
+        return [
             ("all_reduce", FP32 * sum(math.prod(shapes[name]) for name in unit), world_size)
             for unit in names.values()
             if trains.intersection(unit)
         ]
-        return reduced + scalars
     if world_size == 1:
-        return scalars
+        return []
     behaviour = behaviour or current_behaviour(strategy, precision=precision, transformer=unit_prefixes is None)
     compute = COMPUTE_BYTES.get(precision, 2)  # fp16 gathers 2 bytes, as bf16 does
     last_block = [name for name in names if not name.endswith(".adapter")][-1]
@@ -274,7 +328,7 @@ def run_collectives(
         )
         regathers = name != last_block or behaviour.last_block_regathers
         sized.append(Unit(name, elements, reshards, regathers, reduced_elements))
-    collectives = fsdp_collectives(
+    return fsdp_collectives(
         sized,
         shard_group,
         world_size // shard_group,
@@ -283,7 +337,6 @@ def run_collectives(
         behaviour.regather_each_micro_step,
         behaviour.sync_every_micro_step,
     )
-    return collectives + scalars
 
 
 def model_collectives(

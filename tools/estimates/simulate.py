@@ -2,10 +2,11 @@
 
     python -m tools.estimates.simulate --world-size 1024 --strategy fsdp2 --model gpt2 --out fsdp2-1024.json
     python -m tools.estimates.simulate --model medium gpt2 --world-size 8 64 256 1024 --strategy ddp fsdp1 fsdp2 hsdp
+    python -m tools.estimates.simulate --model medium --world-size 1024 --strategy fsdp2 fsdp2_tp --tp-degree 8
 
-The transformer script of the strategy wraps its model with its own ``wrap_model`` (the real DDP,
-FSDP1 or fully_shard: their buckets, flat parameters and padding) on torch's fake process group,
-whose collectives return at once, and fake tensors, which have shapes and sizes but no memory. The
+The transformer script of the strategy wraps its model with its own ``wrap_model`` (the real DDP, FSDP1 or
+fully_shard: their buckets, flat parameters and padding; fsdp2_tp's parallelize_module first) on torch's fake
+process group, whose collectives return at once, and fake tensors, which have shapes and sizes but no memory. The
 steps run as the script runs them (zero_grad, forward, loss, backward, clipping, AdamW), and one is
 measured as the runs measure theirs (see ``warm_up``). For the rank: its parameter, gradient and
 optimizer bytes after the step, the peak of its live tensors' bytes during it, and each collective
@@ -46,10 +47,11 @@ from tools.command_flags import output_file, positive_int_up_to, refuse_outputs_
 from tools.estimates import estimate_memory, modelled_collectives
 from tools.estimates.activations import gpt_activations
 from tools.estimates.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
+from tools.estimates.tensor_parallel import TensorParallel, chained, check_degree, local_blocks
 from tools.model_shapes import ParameterShapes, estimator_shapes, fine_tune, fine_tuned_shapes, gpt_step_overflow
 from tools.output_checks import add_overwrite_flag, check_output_path
 from tools.runs.plot import check_figure_path, draw_scale, save_figure_or_exit
-from tools.strategies import BY_NAME
+from tools.strategies import BY_NAME, TP_DEGREE
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = {  # --strategy's names, each run by the script of its rows in tools.strategies
@@ -57,6 +59,7 @@ SCRIPTS = {  # --strategy's names, each run by the script of its rows in tools.s
     "fsdp1": BY_NAME["fsdp1_full_shard"].script,
     "fsdp2": BY_NAME["fsdp2"].script,
     "hsdp": BY_NAME["fsdp2_hsdp"].script,
+    "fsdp2_tp": BY_NAME["fsdp2_tp"].script,
 }
 MIB = 2**20
 SYNTHETIC_VOCAB = estimate_memory.SYNTHETIC_VOCAB  # the scripts' default data
@@ -154,6 +157,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--mixed-precision", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default: fp32)"
     )
+    parser.add_argument(
+        "--tp-degree",
+        type=positive_int,
+        default=TP_DEGREE,
+        help="fsdp2_tp: ranks per tensor-parallel group, which split each Block (default: %(default)s)",
+    )
     parser.add_argument("--rank", type=non_negative_int, default=0, help="the rank simulated (default: 0)")
     parser.add_argument("--batch-size", type=positive_int, help="sequences per rank per step (default: the script's)")
     parser.add_argument(
@@ -189,7 +198,7 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
     replicate_degree = args.replicate_degree
     if replicate_degree is None:
         replicate_degree = world_size // math.gcd(world_size, HSDP_SHARD_GROUP) if strategy == "hsdp" else 1
-    elif strategy in ("ddp", "fsdp2") and replicate_degree != 1:
+    elif strategy in ("ddp", "fsdp2", "fsdp2_tp") and replicate_degree != 1:
         raise ValueError(f"--replicate-degree is for hsdp and fsdp1 (hybrid_shard), not {strategy}")
     if world_size % replicate_degree:
         raise ValueError(f"--replicate-degree {replicate_degree} does not divide --world-size {world_size}")
@@ -198,6 +207,10 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
     if strategy == "fsdp1" and (args.freeze or args.lora_rank):
         # Its fake flat parameters lose the units with nothing to train (measured: half the bytes held).
         raise ValueError("--freeze and --lora-rank are simulated for ddp, fsdp2 and hsdp, not fsdp1")
+    # The ranks of a tensor-parallel group: a world of one trains unsplit; refused where the script refuses.
+    tp_degree = 1 if strategy != "fsdp2_tp" or world_size == 1 else args.tp_degree
+    preset = GPT_PRESETS[model]
+    check_degree(tp_degree, world_size, preset["n_head"], preset["d_model"], args.lora_rank)
     return argparse.Namespace(
         world_size=world_size,
         strategy=strategy,
@@ -205,6 +218,7 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
         replicate_degree=replicate_degree,
         mixed_precision=args.mixed_precision,
         rank=args.rank,
+        tp_degree=tp_degree,
         batch_size=args.batch_size,
         vocab_size=args.vocab_size,
         # fine_tune's arguments, by name
@@ -221,6 +235,8 @@ def script_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--replicate-degree", str(args.replicate_degree)]
     if args.strategy == "fsdp1" and args.replicate_degree > 1:
         argv += ["--sharding-strategy", "hybrid_shard"]
+    if args.strategy == "fsdp2_tp":
+        argv += ["--tp-degree", str(args.tp_degree)]
     tuning = args.fine_tuning
     argv += [flag for pattern in tuning["freeze_patterns"] for flag in ("--freeze", pattern)]
     argv += ["--lora-rank", str(tuning["lora_rank"])] if tuning["lora_rank"] else []
@@ -234,6 +250,8 @@ def record_strategy(args: argparse.Namespace) -> str:
         return "fsdp1_hybrid_shard" if args.replicate_degree > 1 else "fsdp1_full_shard"
     if args.strategy == "hsdp" and args.replicate_degree > 1:
         return "fsdp2_hsdp"
+    if args.strategy == "fsdp2_tp":
+        return "fsdp2_tp"
     return "ddp" if args.strategy == "ddp" else "fsdp2"  # HSDP of one replica (8 ranks or fewer by default) is FSDP2
 
 
@@ -255,6 +273,8 @@ def training_step(
     loss.backward()
     if args.strategy == "fsdp1":
         model.clip_grad_norm_(1.0)
+    elif args.strategy == "fsdp2_tp":  # its gradients live on two meshes, which torch's clipping cannot stack
+        args.script_clip(model.parameters(), 1.0)
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if hasattr(norm, "full_tensor"):
@@ -266,6 +286,7 @@ def simulate(args: argparse.Namespace, progress: Progress | None = None) -> dict
     """The figures of one rank: measured (its own state, peak and collectives) and the estimators'."""
     script = runpy.run_path(str(REPO / SCRIPTS[args.strategy]))
     wrap_model = script["wrap_model"]
+    args.script_clip = script.get("clip_grad_norm_over_meshes")  # the TP script's own
     # The torchrun variables the script's flag checks read, for the simulated rank.
     with mock.patch.dict(
         os.environ,
@@ -341,17 +362,22 @@ def estimate(args: argparse.Namespace, config: Any, batch_size: int, tuned: Para
     """What estimate_memory and estimate_communication (modelled_collectives) say of the same job."""
     shapes, trainable, prepare = tuned.shapes, tuned.trainable, functools.partial(fine_tune, **args.fine_tuning)
     strategy = record_strategy(args)
-    group = 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree
+    group = 1 if args.strategy == "ddp" else args.world_size // args.replicate_degree // args.tp_degree
     kind = "ddp" if strategy == "ddp" else "hybrid_shard" if args.replicate_degree > 1 else "full_shard"
     forward = estimate_memory.forward_of(kind, args.mixed_precision)
+    if args.tp_degree > 1:  # what one rank of a group computes
+        prepare = chained(prepare, functools.partial(local_blocks, degree=args.tp_degree))
     activations = gpt_activations(
         config, batch_size, checkpointing=False, forward=forward, unit_gradients=kind != "ddp", prepare=prepare
     )
     layout = estimate_memory.LAYOUTS[strategy]
     precision = args.mixed_precision
-    memory = estimate_memory.estimate_model(shapes, kind, group, precision, activations, layout, trainable)
+    memory = estimate_memory.estimate_model(
+        shapes, kind, group, precision, activations, layout, trainable, tp_degree=args.tp_degree
+    )
+    tp = TensorParallel(args.tp_degree, batch_size, config.block_size, config.d_model)
     traffic = modelled_collectives.run_estimate(
-        strategy, shapes, args.world_size, group, precision, loss_check=False, trainable=trainable
+        strategy, shapes, args.world_size, group, precision, loss_check=False, trainable=trainable, tp=tp
     )
     return {
         "params_bytes": memory.state.params,
