@@ -24,11 +24,9 @@ SHUFFLE_CHUNK = 1 << 14  # positions computed at a time: a few hundred KiB, what
 
 class IndexShuffle:
     """A random order of range(size), computed position by position: no table of ``size`` entries.
-
     A Feistel network (SHUFFLE_ROUNDS rounds of a hash keyed from ``seed``) is a bijection of 2 x half_bits
     bits; a number sent past ``size`` goes through again until it lands inside ("cycle walking"). torch.randperm
-    would hold 8 bytes an example: 134 MB a rank for the 16.8 million windows of a 2 GB token file.
-    """
+    would hold 8 bytes an example: 134 MB a rank for the 16.8 million windows of a 2 GB token file."""
 
     def __init__(self, size: int, seed: int) -> None:
         self.size = size
@@ -66,11 +64,9 @@ class IndexShuffle:
 
 class CompactDistributedSampler(DistributedSampler):
     """torch's DistributedSampler, shuffled and with drop_last, whose order costs no memory and can start anywhere.
-
     Each epoch's order is an IndexShuffle keyed by seed + epoch (as DistributedSampler seeds its randperm), and
     rank r takes its positions r, r + world_size, ... So every global batch is a run of consecutive positions at
-    any world size, and ``set_epoch(epoch, start)`` resumes a run after its last trained example at any world size.
-    """
+    any world size, and ``set_epoch(epoch, start)`` resumes a run after its last trained example at any world size."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
@@ -146,10 +142,8 @@ def _entropy(probs: torch.Tensor) -> torch.Tensor:
 
 class MarkovSource:
     """Tokens where each depends on the ``order`` tokens before it (a state, numbered in base ``vocab_size``).
-
     Each state's next-token distribution is a softmax of random logits; a larger ``logit_scale`` makes it more
-    peaked, so the source is predictable but not trivially so.
-    """
+    peaked, so the source is predictable but not trivially so."""
 
     def __init__(self, vocab_size: int = 16, order: int = 2, logit_scale: float = 3.0) -> None:
         generator = torch.Generator().manual_seed(MARKOV_SEED)
@@ -204,10 +198,8 @@ class MarkovSource:
 
 def _pairs(sequences: torch.Tensor, lengths: torch.Tensor | None = None) -> TensorDataset:
     """Next-token prediction: the target is the input shifted by one.
-
     With ``lengths``, sequence i keeps its first lengths[i] targets; the rest are padding, IGNORE_INDEX as targets
-    and 0 as inputs, which a causal model reads only for the padded positions' own predictions.
-    """
+    and 0 as inputs, which a causal model reads only for the padded positions' own predictions."""
     inputs, targets = sequences[:, :-1].clone(), sequences[:, 1:].clone()
     if lengths is not None:
         padding = torch.arange(targets.shape[1]) >= lengths[:, None]

@@ -94,10 +94,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A decoder-only transformer. Its head is not tied to the token embedding: a shared weight would live in two
     FSDP units at once, and every Block, the embeddings and the head should shard cleanly on their own.
-
     ``seed`` initialises the weights (``init_parameters``); None leaves them as built, for a model made on the meta
-    device and initialised once sharded.
-    """
+    device and initialised once sharded."""
 
     def __init__(self, config: GPTConfig, seed: int | None = 0) -> None:
         super().__init__()
@@ -153,11 +151,9 @@ def tied_parameters(model: nn.Module) -> dict[str, str]:
 
 def initial_value(owner: nn.Module, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     """GPT-2's initial value of the parameter ``name`` (of module ``owner``): a whole fp32 tensor on the CPU.
-
     Small normal weights, ones and zeros for layer norms, zero biases. Each parameter draws from its own generator,
     seeded by the run's seed and its name, so its value depends on nothing else (which process makes it, what was
-    made before): a sharded model initialises each shard where it lives, to exactly one process's weights.
-    """
+    made before): a sharded model initialises each shard where it lives, to exactly one process's weights."""
     if name.endswith("bias") or name.endswith(".adapter.b"):  # a LoRA adapter starts as no change at all
         return torch.zeros(shape)
     if isinstance(owner, nn.LayerNorm):
@@ -173,11 +169,9 @@ def initial_value(owner: nn.Module, name: str, shape: torch.Size, seed: int) -> 
 @torch.no_grad()
 def init_parameters(module: nn.Module, seed: int, prefix: str = "", recurse: bool = True) -> None:
     """Set ``module``'s parameters to their initial values, whole or sharded, where they are.
-
     ``prefix`` is the module's name inside the GPT; ``recurse`` False sets only its own parameters (FSDP1's
     ``param_init_fn`` gets one module at a time). A sharded parameter (an FSDP2 DTensor) keeps its own piece:
-    each rank makes the whole parameter on the CPU and copies out its slice, so no rank holds the whole model.
-    """
+    each rank makes the whole parameter on the CPU and copies out its slice, so no rank holds the whole model."""
     modules = module.named_modules(prefix=prefix) if recurse else [(prefix, module)]
     for module_name, owner in modules:
         for local_name, parameter in owner.named_parameters(recurse=False):

@@ -1,6 +1,5 @@
-"""Real text for the transformer scripts: ``--text-file`` trains character-level on any text, held in memory;
-``--token-file`` on a file of token ids (tools.runs.prepare_tokens, which writes the format defined here) of any
-size, read a window at a time. And the checks of the data flags, before a run starts."""
+"""Real text for the transformer scripts and the checks of their data flags: ``--text-file`` (character-level, held
+in memory) or ``--token-file`` (the ids tools.runs.prepare_tokens writes, in the format defined here, of any size)."""
 
 from __future__ import annotations
 
@@ -33,14 +32,10 @@ def token_metadata_path(tokens: Path) -> Path:
 
 
 class TokenWindows(Dataset):
-    """(input, target) pairs of ``block_size`` + 1 consecutive ids of a token file, from token ``first`` on, one
-    window every ``block_size`` tokens: each token is a target once.
-
-    A window is read when asked for (one ``pread``), so a rank holds the windows it trains on, never the corpus.
-    A file changed after the run checked it stops the rank with a message naming it: an id outside ``vocab_size``
-    (before the embedding's IndexError or a GPU's device assert), or a file cut short (where a memory map would
-    have read zeros or died of SIGBUS).
-    """
+    """(input, target) pairs of ``block_size`` + 1 consecutive ids of a token file from token ``first`` on, one
+    window every ``block_size`` tokens, each read when asked for (one ``pread``): a rank never holds the corpus.
+    A file changed since the run checked it stops the rank with a message: an id outside ``vocab_size`` (before an
+    IndexError or a GPU's device assert), or a file cut short (a memory map would read zeros or die of SIGBUS)."""
 
     def __init__(self, path: Path, first: int, count: int, block_size: int, vocab_size: int) -> None:
         self.path, self.first, self.count, self.block_size = path, first, count, block_size
@@ -126,12 +121,9 @@ def whole_number(metadata: dict[str, Any], key: str, described: Path, low: int, 
 
 
 def first_id_outside(path: Path, tokens: int, vocab_size: int) -> tuple[int, int] | None:
-    """(position, id) of the first id of ``path`` that is not below ``vocab_size``; None if there is none.
-
-    The whole file is read (TOKENS.json cannot vouch for bytes changed after it was written), SCAN_CHUNK_IDS at
-    a time into one buffer. Not a memory map: every page it touches stays resident until unmapped, so a 2 GB
-    file raised every rank's peak memory by 2 GB (measured), where this holds 32 MiB.
-    """
+    """(position, id) of the first id of ``path`` not below ``vocab_size``, or None: the whole file (TOKENS.json
+    cannot vouch for it), SCAN_CHUNK_IDS at a time into one buffer. Not a memory map: every page it touches stays
+    resident until unmapped, so a 2 GB file raised every rank's peak memory by 2 GB (measured); this holds 32 MiB."""
     if vocab_size >= MAX_VOCAB_SIZE or tokens == 0:  # every uint16 is an id of the vocabulary
         return None
     chunk = np.empty(SCAN_CHUNK_IDS, dtype=TOKEN_DTYPE)
@@ -256,11 +248,8 @@ def transformer_data(args: argparse.Namespace) -> TokenData:
 
 
 def text_data(path: Path, block_size: int, heldout_fraction: float = 0.1) -> TokenData:
-    """Character-level tokens from a UTF-8 text file: the first 90% trains, the rest is held out.
-
-    The ids are held as uint16 and each window made when asked for: every window built up front as int64
-    pairs took a 200 MB text's data to 5.7 GiB at its peak, where this takes 0.42 GiB (measured).
-    """
+    """Character-level tokens of a UTF-8 text, the first 90% to train: uint16 ids, each window made when asked for
+    (every window built up front as int64 took a 200 MB text's data to 5.7 GiB at its peak, this 0.42 GiB)."""
     ids, vocab = character_ids(path)
     split = int(len(ids) * (1 - heldout_fraction))
     train, heldout = CharacterWindows(ids[:split], block_size), CharacterWindows(ids[split:], block_size)
@@ -315,11 +304,8 @@ def text_character_counts(path: Path) -> tuple[int, int]:
 
 def character_ids(path: Path) -> tuple[np.ndarray, str]:
     """A UTF-8 text's characters as uint16 ids, and its vocabulary ``sorted(set(text))``, an id its place there.
-
-    One pass: ids are numbered as characters first appear, then renumbered in code point order. The array is
-    sized by the file's bytes, never fewer than its characters; pages past the last character are never
-    written, so they take no memory.
-    """
+    One pass: ids numbered as characters first appear, then renumbered in code point order. The array is sized by
+    the file's bytes (never fewer than its characters); pages past the last character are never written, so free."""
     capacity = path.stat().st_size
     ids = np.empty(capacity, dtype=np.uint16)
     first_seen_id = np.zeros(UNICODE_CODE_POINTS, dtype=np.uint16)

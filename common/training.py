@@ -53,11 +53,9 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
 
 class FiniteLossCheck:
     """Stops every rank when the training loss turns NaN or infinite, without reading the GPU every step.
-
     ``watch`` notes on the device the first step whose loss was not finite; the host reads it only where it reads
     the device anyway: at the steps that log (before their optimizer step) and before a checkpoint is written. So a
-    GPU never waits for it, and a non-finite loss never reaches a checkpoint or model.pt: the final step logs.
-    """
+    GPU never waits for it, and a non-finite loss never reaches a checkpoint or model.pt: the final step logs."""
 
     NONE = 2**62  # "no bad step yet"; the ranks agree on the smallest step any of them saw
 
@@ -148,10 +146,8 @@ def evaluate_language_model(
     model: nn.Module, loader: DataLoader, ctx: DistContext, autocast: torch.dtype | None = None, copies: int = 1
 ) -> dict[str, float]:
     """Mean next-token cross-entropy (nats per token) over every held-out sequence.
-
     ``autocast``: the dtype a DDP run trains in under torch.autocast, to evaluate the same way. ``copies``: ranks
-    that evaluate the same sequences (a tensor-parallel group), whose sums hold each sequence that many times.
-    """
+    that evaluate the same sequences (a tensor-parallel group), whose sums hold each sequence that many times."""
     model.eval()
     loss_sum, tokens, sequences = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     for (inputs, targets), counts in lockstep_batches(loader, ctx):
@@ -193,12 +189,10 @@ PER_RESTART_EVENTS = {"resume"}
 
 class MetricsLog:
     """Appends one JSON object per line to ``run_dir/metrics.jsonl`` on rank 0.
-
     Opened on the first record, so a run that fails its checks writes nothing over an earlier run's metrics. A run
     resumed at step N keeps the records up to N (the later steps are trained and logged again), leaves out a line
     cut short, and said so, and does not write twice a record of a step's state that it kept (the final evaluation
-    of a run resumed at its end).
-    """
+    of a run resumed at its end)."""
 
     def __init__(self, run_dir: Path, ctx: DistContext, resumed_at: int | None = None) -> None:
         self.path, self.ctx, self.resumed_at = run_dir / METRICS_FILE, ctx, resumed_at
