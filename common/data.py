@@ -160,11 +160,9 @@ class MarkovSource:
         """Solve pi = pi T for the chain on states exactly: (T^t - I) pi = 0, one equation swapped for sum(pi) = 1."""
         states = torch.arange(self.num_states).repeat_interleave(self.vocab_size)
         tokens = torch.arange(self.vocab_size).repeat(self.num_states)
-        state_transition = torch.zeros(self.num_states, self.num_states, dtype=torch.float64)
-        state_transition.index_put_(
-            (states, self._next_state(states, tokens)), self.transition.flatten(), accumulate=True
-        )
-        system = state_transition.T - torch.eye(self.num_states, dtype=torch.float64)
+        chain = torch.zeros(self.num_states, self.num_states, dtype=torch.float64)
+        chain.index_put_((states, self._next_state(states, tokens)), self.transition.flatten(), accumulate=True)
+        system = chain.T - torch.eye(self.num_states, dtype=torch.float64)
         system[-1] = 1.0
         rhs = torch.zeros(self.num_states, dtype=torch.float64)
         rhs[-1] = 1.0

@@ -125,14 +125,11 @@ def lockstep_batches(loader: DataLoader, ctx: DistContext) -> Iterator[tuple[Any
         raise FatalError(f"the evaluation set is smaller than the world size ({ctx.world_size} processes)")
     (most_batches,) = max_over_ranks([float(local_batches)], ctx)
     first = None
-    batches = iter(loader)
-    for index in range(int(most_batches)):
-        if index < local_batches:
-            batch = next(batches)
-            first = batch if first is None else first
-            yield batch, True
-        else:
-            yield first, False
+    for batch in loader:
+        first = batch if first is None else first
+        yield batch, True
+    for _ in range(int(most_batches) - local_batches):
+        yield first, False
 
 
 def sum_over_ranks(totals: torch.Tensor) -> list[float]:
@@ -228,10 +225,9 @@ class MetricsLog:
         if opened.st_nlink == 0:
             return "deleted"
         try:
-            there = os.stat(self.path)
+            return None if os.path.samestat(os.stat(self.path), opened) else "moved or replaced"
         except FileNotFoundError:
             return "moved or replaced"
-        return None if (there.st_ino, there.st_dev) == (opened.st_ino, opened.st_dev) else "moved or replaced"
 
     def _open(self) -> IO[str]:
         if self.resumed_at is None or not self.path.exists():
