@@ -205,8 +205,7 @@ class MetricsLog:
 
     def _append(self, record: dict[str, Any]) -> None:
         keep_holding(self.path.parent)  # where the run dir went, its lock went too
-        gone = self._file is not None and self._gone_from_its_path(self._file)
-        if gone:
+        if self._file is not None and (gone := self._gone_from_its_path(self._file)):
             # Deleted under the run (a cleanup job, an rm -rf of the run dir), or moved with a renamed
             # run dir: appending to the open file would lose every record, or put them elsewhere, without a word.
             print(f"warning: {self.path} was {gone} while this run wrote it; a new one starts here", flush=True)
