@@ -1,7 +1,6 @@
-"""Datasets and how the ranks share them: the sampler and loaders every script uses, and the transformer's
-synthetic tokens from a fixed random Markov source, whose known transition probabilities give the lowest loss
-any model can reach on it. Evaluation shards have no padding (``eval_shard``): a distributed score equals one
-process's. Real text is common.tokens'."""
+"""How the ranks share their data (the sampler and loaders; evaluation shards without padding, so a distributed
+score equals one process's), and the transformer's synthetic tokens: a fixed random Markov source, whose known
+transition probabilities give the lowest loss any model can reach on it. Real text is common.tokens'."""
 
 from __future__ import annotations
 
@@ -116,9 +115,7 @@ def eval_loader(dataset: Dataset, batch_size: int, ctx: DistContext) -> DataLoad
 
 
 IGNORE_INDEX = -100  # a target that counts for nothing (padding): F.cross_entropy's default ignore_index
-# The source is part of the task, not of the run: a fixed seed keeps it the same whatever --seed, so runs with
-# different seeds are comparable.
-MARKOV_SEED = 1234
+MARKOV_SEED = 1234  # the source is the task's, not the run's: the same whatever --seed, so runs are comparable
 
 
 @dataclass
@@ -141,9 +138,8 @@ def _entropy(probs: torch.Tensor) -> torch.Tensor:
 
 
 class MarkovSource:
-    """Tokens where each depends on the ``order`` tokens before it (a state, numbered in base ``vocab_size``).
-    Each state's next-token distribution is a softmax of random logits; a larger ``logit_scale`` makes it more
-    peaked, so the source is predictable but not trivially so."""
+    """Tokens that each depend on the ``order`` tokens before (a state, in base ``vocab_size``), drawn from a softmax
+    of random logits per state: a larger ``logit_scale`` makes it more peaked, predictable but not trivially so."""
 
     def __init__(self, vocab_size: int = 16, order: int = 2, logit_scale: float = 3.0) -> None:
         generator = torch.Generator().manual_seed(MARKOV_SEED)
@@ -195,9 +191,8 @@ class MarkovSource:
 
 
 def _pairs(sequences: torch.Tensor, lengths: torch.Tensor | None = None) -> TensorDataset:
-    """Next-token prediction: the target is the input shifted by one.
-    With ``lengths``, sequence i keeps its first lengths[i] targets; the rest are padding, IGNORE_INDEX as targets
-    and 0 as inputs, which a causal model reads only for the padded positions' own predictions."""
+    """Next-token pairs (the target is the input shifted by one). With ``lengths``, sequence i keeps lengths[i]
+    targets; the rest are padding: IGNORE_INDEX targets, and 0 inputs that only padded positions' predictions read."""
     inputs, targets = sequences[:, :-1].clone(), sequences[:, 1:].clone()
     if lengths is not None:
         padding = torch.arange(targets.shape[1]) >= lengths[:, None]

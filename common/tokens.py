@@ -189,10 +189,9 @@ def check_text_file(parser: argparse.ArgumentParser, path: Path, block_size: int
 
 
 def check_token_file(parser: argparse.ArgumentParser, path: Path, block_size: int, read_every_id: bool) -> None:
-    """A token file and its TOKENS.json that agree, and, with ``read_every_id``, every id inside the vocabulary
-    (else an IndexError, a device assert on a GPU, at the first batch that holds one). That reads the corpus:
-    2 GB took 0.4 s from the page cache, 6 s from disk (measured), so a resumed run, whose start read it,
-    leaves it to TokenWindows, which checks each window it reads."""
+    """A token file and its TOKENS.json that agree and, with ``read_every_id``, every id inside the vocabulary (else
+    an IndexError, a GPU's device assert, at the first batch with one). That reads the corpus (2 GB: 0.4 s cached,
+    6 s from disk, measured), so a resumed run, whose start read it, leaves it to TokenWindows' per-window check."""
     if not path.is_file():
         parser.error(f"--token-file {path}: no such file")
     try:

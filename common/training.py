@@ -175,12 +175,10 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.set_float32_matmul_precision("highest")  # no TF32 rounding on GPUs either
 
 
-# Dense bf16 tensor-core peaks per GPU from NVIDIA's data sheets (half the "with sparsity" figure), for MFU. More
-# specific names first: the NVL and PCIe boards must not match the SXM figure of their plain names (H200, H100).
-# MFU_PEAK_TFLOPS overrides the table.
+# Dense bf16 peaks per GPU (NVIDIA's data sheets, half the "with sparsity" figure) for MFU; MFU_PEAK_TFLOPS overrides
+# them. Specific names first: NVL and PCIe boards must not match the SXM figure of their plain names (H200, H100).
 PEAK_BF16_TFLOPS = {"H200 NVL": 835, "H200": 989, "H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "A100": 312}
-# Each restart logs one of these; every other record describes the state at its step, the same however often a
-# run restarts there.
+# Logged once per restart; any other record describes its step's state, the same however often a run restarts there.
 PER_RESTART_EVENTS = {"resume"}
 
 
