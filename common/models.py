@@ -57,12 +57,10 @@ class CausalSelfAttention(nn.Module):
         # Thirds of the projection's output and heads of self.n_head, not of the width: under tensor
         # parallelism a rank computes only its own heads' q, k and v, and n_head counts those heads.
         q, k, v = self.qkv(x).chunk(3, dim=2)
-        # (batch, time, channels) -> (batch, heads, time, head_dim)
-        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (batch, heads, time, dim)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, time, -1)
-        return self.proj(y)
+        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
 
 
 class MLP(nn.Module):
@@ -160,8 +158,7 @@ def initial_value(owner: nn.Module, name: str, shape: torch.Size, seed: int) -> 
         return torch.ones(shape)
     # One 32-bit number from both: the CPU generator keeps only the low 32 bits of its seed.
     generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-    # An adapter's down-projection, (rank, in): of unit variance per output, so that its up-projection
-    # learns at a rate that does not depend on the width.
+    # An adapter's down-projection (rank, in): unit variance per output, so its up-projection learns at any width.
     std = shape[-1] ** -0.5 if name.endswith(".adapter.a") else 0.02
     return torch.empty(shape).normal_(mean=0.0, std=std, generator=generator)
 
