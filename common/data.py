@@ -34,18 +34,15 @@ class IndexShuffle:
         # numpy's PCG64 from the seed: the same keys on every rank and machine, and no torch tensor read back.
         self.keys = list(np.random.default_rng(seed % (1 << 64)).integers(0, 1 << 32, SHUFFLE_ROUNDS, dtype=np.uint64))
 
-    def _mix(self, half: np.ndarray, key: np.uint64) -> np.ndarray:
-        # uint64 arithmetic wraps by definition, on every CPU, so every rank computes the same order.
-        mixed = (half + key) * MIX_1
-        mixed ^= mixed >> np.uint64(31)
-        mixed *= MIX_2
-        mixed ^= mixed >> np.uint64(29)
-        return mixed & self.mask
-
     def _permute_bits(self, numbers: np.ndarray) -> np.ndarray:
         left, right = numbers >> np.uint64(self.half_bits), numbers & self.mask
         for key in self.keys:
-            left, right = right, left ^ self._mix(right, key)
+            # A hash of right and the key; uint64 arithmetic wraps by definition, so every rank computes the same order.
+            mixed = (right + key) * MIX_1
+            mixed ^= mixed >> np.uint64(31)
+            mixed *= MIX_2
+            mixed ^= mixed >> np.uint64(29)
+            left, right = right, left ^ (mixed & self.mask)
         return (left << np.uint64(self.half_bits)) | right
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
