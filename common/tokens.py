@@ -38,8 +38,7 @@ class TokenWindows(Dataset):
     IndexError or a GPU's device assert), or a file cut short (a memory map would read zeros or die of SIGBUS)."""
 
     def __init__(self, path: Path, first: int, count: int, block_size: int, vocab_size: int) -> None:
-        self.path, self.first, self.count, self.block_size = path, first, count, block_size
-        self.vocab_size = vocab_size
+        self.path, self.first, self.count, self.block_size, self.vocab_size = path, first, count, block_size, vocab_size
         self._fd: int | None = None
 
     def __len__(self) -> int:
@@ -79,9 +78,7 @@ class BadTokenFile(ValueError):
 
 
 @dataclass(frozen=True)
-class TokenFileInfo:
-    """What TOKENS.json says, each field checked for what tools.runs.prepare_tokens writes."""
-
+class TokenFileInfo:  # what TOKENS.json says, each field checked by read_token_metadata
     tokens: int
     vocab_size: int
     tokenizer: str
