@@ -1,14 +1,6 @@
-"""Datasets and how the ranks share them: the sampler and loaders every script uses, and the
-transformer's synthetic data, with nothing to download.
-
-Training batches come from a DistributedSampler, so each rank sees its own slice of every epoch.
-Evaluation shards are built without padding (see ``eval_shard``), so a distributed evaluation equals
-one process's.
-
-By default the transformer's tokens come from a fixed random Markov source. Because we know its
-transition probabilities, we know the lowest loss any model can reach on it, and a run can say how
-close it got. Real text is common.tokens'.
-"""
+"""How the ranks share their data (the sampler and loaders; evaluation shards without padding, so a distributed
+score equals one process's), and the transformer's synthetic tokens: a fixed random Markov source, whose known
+transition probabilities give the lowest loss any model can reach on it. Real text is common.tokens'."""
 
 from __future__ import annotations
 
@@ -31,12 +23,9 @@ SHUFFLE_CHUNK = 1 << 14  # positions computed at a time: a few hundred KiB, what
 
 class IndexShuffle:
     """A random order of range(size), computed position by position: no table of ``size`` entries.
-
-    A Feistel network (SHUFFLE_ROUNDS rounds of a hash keyed from ``seed``) is a bijection of the
-    numbers of 2 x half_bits bits; a number it sends past ``size`` goes through again until it lands
-    inside ("cycle walking"), which keeps it a bijection of range(size). torch.randperm would hold 8
-    bytes an example: 134 MB a rank for the 16.8 million windows of a 2 GB token file.
-    """
+    A Feistel network (SHUFFLE_ROUNDS rounds of a hash keyed from ``seed``) is a bijection of 2 x half_bits
+    bits; a number sent past ``size`` goes through again until it lands inside ("cycle walking"). torch.randperm
+    would hold 8 bytes an example: 134 MB a rank for the 16.8 million windows of a 2 GB token file."""
 
     def __init__(self, size: int, seed: int) -> None:
         self.size = size
@@ -45,18 +34,15 @@ class IndexShuffle:
         # numpy's PCG64 from the seed: the same keys on every rank and machine, and no torch tensor read back.
         self.keys = list(np.random.default_rng(seed % (1 << 64)).integers(0, 1 << 32, SHUFFLE_ROUNDS, dtype=np.uint64))
 
-    def _mix(self, half: np.ndarray, key: np.uint64) -> np.ndarray:
-        # uint64 arithmetic wraps by definition, on every CPU, so every rank computes the same order.
-        mixed = (half + key) * MIX_1
-        mixed ^= mixed >> np.uint64(31)
-        mixed *= MIX_2
-        mixed ^= mixed >> np.uint64(29)
-        return mixed & self.mask
-
     def _permute_bits(self, numbers: np.ndarray) -> np.ndarray:
         left, right = numbers >> np.uint64(self.half_bits), numbers & self.mask
         for key in self.keys:
-            left, right = right, left ^ self._mix(right, key)
+            # A hash of right and the key; uint64 arithmetic wraps by definition, so every rank computes the same order.
+            mixed = (right + key) * MIX_1
+            mixed ^= mixed >> np.uint64(31)
+            mixed *= MIX_2
+            mixed ^= mixed >> np.uint64(29)
+            left, right = right, left ^ (mixed & self.mask)
         return (left << np.uint64(self.half_bits)) | right
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
@@ -73,23 +59,18 @@ class IndexShuffle:
 
 
 class CompactDistributedSampler(DistributedSampler):
-    """torch's DistributedSampler, shuffled and with drop_last (every rank the same number of examples),
-    whose order costs no memory and can start anywhere in an epoch.
-
-    Each epoch's order is an IndexShuffle keyed by seed + epoch, as DistributedSampler seeds its
-    randperm, and rank r takes the positions r, r + world_size, ... of it. So every global batch is
-    a run of consecutive positions, whatever the world size, and ``set_epoch(epoch, start)`` puts a
-    resumed run at the position after the last example it trained, at any world size, without
-    reading the examples before it.
-    """
+    """torch's DistributedSampler, shuffled and with drop_last, whose order costs no memory and can start anywhere.
+    Each epoch's order is an IndexShuffle keyed by seed + epoch (as DistributedSampler seeds its randperm), and
+    rank r takes its positions r, r + world_size, ... So every global batch is a run of consecutive positions at
+    any world size, and ``set_epoch(epoch, start)`` resumes a run after its last trained example at any world size."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.start = 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """``start``: the examples of this epoch, all ranks' together, that the run trained before it was
-        resumed; a multiple of the global batch, so a multiple of the world size."""
+        """``start``: the examples of this epoch (all ranks') trained before a resume; a multiple of the global
+        batch."""
         super().set_epoch(epoch)
         self.start = start
 
@@ -109,59 +90,29 @@ class CompactDistributedSampler(DistributedSampler):
 
 def train_loader(dataset: Dataset, batch_size: int, sampler: DistributedSampler, ctx: DistContext) -> DataLoader:
     """Batches of ``sampler``'s examples for this rank; call ``loader.sampler.set_epoch(e)`` every epoch."""
-    # drop_last keeps every rank at the same number of steps, so no rank
-    # waits forever in a gradient all-reduce that the others never join.
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=True,
-        generator=own_generator(sampler.seed),
-        pin_memory=pinned(ctx),
-    )
-
-
-def pinned(ctx: DistContext) -> bool:
-    """Batches in page-locked memory on GPU runs: only from there is ``.to(device, non_blocking=True)``
-    a copy the GPU does while the host goes on; from ordinary memory it waits for the copy."""
-    return ctx.device.type == "cuda"
+    # drop_last: every rank runs the same number of steps, so none waits forever in an all-reduce the others never
+    # join. The loader's own generator: else every iter(loader) draws from torch's global RNG, and a run resumed
+    # mid-epoch (one iter fewer) would draw other dropout masks. Pinned memory on GPUs: only from there is
+    # .to(device, non_blocking=True) a copy the GPU does while the host goes on.
+    generator = torch.Generator().manual_seed(sampler.seed)
+    pin = ctx.device.type == "cuda"
+    return DataLoader(dataset, batch_size, sampler=sampler, drop_last=True, generator=generator, pin_memory=pin)
 
 
 def eval_shard(dataset: Dataset, ctx: DistContext) -> Subset:
-    """Every world_size-th example, starting at this rank: each example counted exactly once.
-
-    DistributedSampler pads the last round with repeated examples so every rank
-    gets the same count; that is right for training and wrong for a score.
-    """
+    """Every world_size-th example from this rank's: each counted once, where DistributedSampler would pad the
+    last round with repeats (right for training, wrong for a score)."""
     return Subset(dataset, range(ctx.rank, len(dataset), ctx.world_size))
 
 
 def eval_loader(dataset: Dataset, batch_size: int, ctx: DistContext) -> DataLoader:
-    return DataLoader(
-        eval_shard(dataset, ctx),
-        batch_size=batch_size,
-        shuffle=False,
-        generator=own_generator(0),
-        pin_memory=pinned(ctx),
-    )
+    generator = torch.Generator().manual_seed(0)  # as train_loader's, for the same reasons
+    shard = eval_shard(dataset, ctx)
+    return DataLoader(shard, batch_size, shuffle=False, generator=generator, pin_memory=ctx.device.type == "cuda")
 
 
-def own_generator(seed: int) -> torch.Generator:
-    """A generator for a DataLoader's own draws, so iterating it leaves torch's global RNG alone.
-
-    Without one, every ``iter(loader)`` takes a number from the global RNG, so a
-    run resumed mid-epoch (one ``iter`` fewer) would draw different dropout masks.
-    """
-    return torch.Generator().manual_seed(seed)
-
-
-# A target that counts for nothing (padding): F.cross_entropy's default ignore_index.
-IGNORE_INDEX = -100
-
-
-# The source is part of the task, not of the run: a fixed seed keeps it the same
-# whatever --seed the training uses, so runs with different seeds are comparable.
-MARKOV_SEED = 1234
+IGNORE_INDEX = -100  # a target that counts for nothing (padding): F.cross_entropy's default ignore_index
+MARKOV_SEED = 1234  # the source is the task's, not the run's: the same whatever --seed, so runs are comparable
 
 
 @dataclass
@@ -184,13 +135,8 @@ def _entropy(probs: torch.Tensor) -> torch.Tensor:
 
 
 class MarkovSource:
-    """Tokens where each one depends on the ``order`` tokens before it.
-
-    A state is the tuple of the last ``order`` tokens, numbered in base
-    ``vocab_size``. Each state has its own next-token distribution: a softmax
-    of random logits, where a larger ``logit_scale`` makes the rows more
-    peaked, so the source is predictable but not trivially so.
-    """
+    """Tokens that each depend on the ``order`` tokens before (a state, in base ``vocab_size``), drawn from a softmax
+    of random logits per state: a larger ``logit_scale`` makes it more peaked, predictable but not trivially so."""
 
     def __init__(self, vocab_size: int = 16, order: int = 2, logit_scale: float = 3.0) -> None:
         generator = torch.Generator().manual_seed(MARKOV_SEED)
@@ -204,15 +150,12 @@ class MarkovSource:
         return (state % (self.num_states // self.vocab_size)) * self.vocab_size + token
 
     def _stationary_distribution(self) -> torch.Tensor:
-        """Solve pi = pi T for the chain on states, exactly, as a linear system."""
+        """Solve pi = pi T for the chain on states exactly: (T^t - I) pi = 0, one equation swapped for sum(pi) = 1."""
         states = torch.arange(self.num_states).repeat_interleave(self.vocab_size)
         tokens = torch.arange(self.vocab_size).repeat(self.num_states)
-        state_transition = torch.zeros(self.num_states, self.num_states, dtype=torch.float64)
-        state_transition.index_put_(
-            (states, self._next_state(states, tokens)), self.transition.flatten(), accumulate=True
-        )
-        # (T^t - I) pi = 0 with one equation swapped for sum(pi) = 1.
-        system = state_transition.T - torch.eye(self.num_states, dtype=torch.float64)
+        chain = torch.zeros(self.num_states, self.num_states, dtype=torch.float64)
+        chain.index_put_((states, self._next_state(states, tokens)), self.transition.flatten(), accumulate=True)
+        system = chain.T - torch.eye(self.num_states, dtype=torch.float64)
         system[-1] = 1.0
         rhs = torch.zeros(self.num_states, dtype=torch.float64)
         rhs[-1] = 1.0
@@ -223,12 +166,8 @@ class MarkovSource:
         return float((self.stationary * _entropy(self.transition)).sum())
 
     def loss_floor(self, block_size: int) -> float:
-        """Lowest mean loss over the ``block_size`` targets of a sequence that starts fresh.
-
-        The first targets have fewer than ``order`` tokens of context, so they
-        cost a little more than the entropy rate. By the chain rule the total
-        is H(first block_size + 1 tokens) - H(first token).
-        """
+        """Lowest mean loss over the ``block_size`` targets of a fresh sequence, whose first targets have less than
+        ``order`` tokens of context: by the chain rule, H(first block_size + 1 tokens) - H(first token)."""
         first_tokens = self.stationary.view(self.vocab_size, -1).sum(-1)
         whole_sequence = float(_entropy(self.stationary)) + (block_size + 1 - self.order) * self.entropy_rate()
         return (whole_sequence - float(_entropy(first_tokens))) / block_size
@@ -237,8 +176,7 @@ class MarkovSource:
         """Independent sequences, each started from the stationary distribution."""
         state = torch.multinomial(self.stationary, num_sequences, replacement=True, generator=generator)
         tokens = torch.empty(num_sequences, length, dtype=torch.long)
-        # The first `order` tokens are the digits of the starting state.
-        for position in range(self.order):
+        for position in range(self.order):  # the first `order` tokens are the digits of the starting state
             tokens[:, position] = (state // self.vocab_size ** (self.order - 1 - position)) % self.vocab_size
         cumulative = self.transition.cumsum(-1)
         for position in range(self.order, length):
@@ -250,11 +188,8 @@ class MarkovSource:
 
 
 def _pairs(sequences: torch.Tensor, lengths: torch.Tensor | None = None) -> TensorDataset:
-    """Next-token prediction: the target is the input shifted by one.
-
-    With ``lengths``, sequence i keeps its first lengths[i] targets; the rest are padding, IGNORE_INDEX
-    as targets and 0 as inputs, which a causal model reads only for the padded positions' own predictions.
-    """
+    """Next-token pairs (the target is the input shifted by one). With ``lengths``, sequence i keeps lengths[i]
+    targets; the rest are padding: IGNORE_INDEX targets, and 0 inputs that only padded positions' predictions read."""
     inputs, targets = sequences[:, :-1].clone(), sequences[:, 1:].clone()
     if lengths is not None:
         padding = torch.arange(targets.shape[1]) >= lengths[:, None]
@@ -270,28 +205,21 @@ def markov_data(
     generator = torch.Generator().manual_seed(MARKOV_SEED + 1)
     count = train_sequences + heldout_sequences
     sequences = source.sample(count, block_size + 1, generator)
-    lengths = torch.randint(1, block_size + 1, (count,), generator=generator) if variable_length else None
-    if lengths is None:
+    train_lengths = heldout_lengths = None
+    if not variable_length:
         floor = source.loss_floor(block_size)
         shape = f"loss floor {floor:.4f} at block size {block_size}"
     else:
+        lengths = torch.randint(1, block_size + 1, (count,), generator=generator)
+        train_lengths, heldout_lengths = lengths.split([train_sequences, heldout_sequences])
         # The held-out loss is a mean over tokens: each sequence's floor weighs by its length.
-        heldout = lengths[train_sequences:].tolist()
+        heldout = heldout_lengths.tolist()
         floor = sum(length * source.loss_floor(length) for length in heldout) / sum(heldout)
         shape = f"lengths 1 to {block_size} (padded), held-out loss floor {floor:.4f}"
     description = (
-        f"synthetic Markov tokens: vocab {source.vocab_size}, order {source.order}, "
-        f"{train_sequences} train / {heldout_sequences} held-out sequences; "
-        f"entropy rate {source.entropy_rate():.4f} nats/token, {shape}"
+        f"synthetic Markov tokens: vocab {source.vocab_size}, order {source.order}, {train_sequences} train / "
+        f"{heldout_sequences} held-out sequences; entropy rate {source.entropy_rate():.4f} nats/token, {shape}"
     )
-    train_lengths, heldout_lengths = (
-        (None, None) if lengths is None else lengths.split([train_sequences, heldout_sequences])
-    )
-    return TokenData(
-        _pairs(sequences[:train_sequences], train_lengths),
-        _pairs(sequences[train_sequences:], heldout_lengths),
-        source.vocab_size,
-        floor,
-        description,
-        padded=variable_length,
-    )
+    train = _pairs(sequences[:train_sequences], train_lengths)
+    heldout_pairs = _pairs(sequences[train_sequences:], heldout_lengths)
+    return TokenData(train, heldout_pairs, source.vocab_size, floor, description, padded=variable_length)

@@ -1,10 +1,5 @@
-"""MNIST for the two MNIST scripts: torchvision's files (or generated images for smoke tests), the CNN,
-and its evaluation.
-
-The images stay as the uint8 tensors torchvision reads from the files (all of MNIST is 47 MB that way),
-and a whole batch is normalised on the device (``normalize_images``). The usual per-image PIL transform
-would cost more than a GPU's whole training step; this gives the same numbers, bit for bit.
-"""
+"""MNIST's files (or generated images for smoke tests), the CNN and its evaluation. Images stay uint8 (all of MNIST is
+47 MB), normalised a batch at a time on the device: a per-image PIL transform costs more than a GPU's training step."""
 
 from __future__ import annotations
 
@@ -17,49 +12,37 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from common.distributed import DistContext, FatalError, all_ranks_agree
-from common.training import check_every_rank_has_data, lockstep_batches, sum_over_ranks
+from common.training import lockstep_batches, sum_over_ranks
 
-# Mean and standard deviation of MNIST's training pixels, as everyone normalises them.
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-SYNTHETIC_TRAIN_SIZE, SYNTHETIC_TEST_SIZE = 10_000, 2_000
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # of MNIST's training pixels, as everyone normalises them
 # What torchvision's MNIST reads from DATA_DIR/MNIST/raw/ (unpacked).
 MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
 def _open_mnist(data_dir: Path, download: bool) -> tuple[TensorDataset, TensorDataset]:
-    # Imported here: torchvision takes seconds to import, and a --synthetic run, like the
-    # commands that only build the CNN (tools.estimates), never needs it.
+    # Imported here: torchvision takes seconds to import, and a --synthetic run or tools.estimates never needs it.
     from torchvision import datasets
 
-    def images_and_labels(train: bool) -> TensorDataset:
-        mnist = datasets.MNIST(str(data_dir), train=train, download=download)
-        # .data: (N, 28, 28) uint8, as in the files; a channel dimension for the CNN, no copy.
-        return TensorDataset(mnist.data.unsqueeze(1), mnist.targets)
-
-    return images_and_labels(train=True), images_and_labels(train=False)
+    train, test = (datasets.MNIST(str(data_dir), train=is_train, download=download) for is_train in (True, False))
+    # .data: (N, 28, 28) uint8, as in the files; a channel dimension for the CNN, no copy.
+    return TensorDataset(train.data.unsqueeze(1), train.targets), TensorDataset(test.data.unsqueeze(1), test.targets)
 
 
 def normalize_images(images: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels (a batch, on any device) to the CNN's input: what ToTensor and Normalize do per image,
-    with the same float32 operations, so the same bits. (torchvision's normalize checks its std on the
-    device, which on a GPU makes the host wait for every batch.)"""
+    """uint8 pixels (a batch, on any device) to the CNN's input: ToTensor and Normalize's float32 operations, so the
+    same bits (torchvision's normalize checks its std on the device: on a GPU the host would wait every batch)."""
     return images.float().div(255).sub(MNIST_MEAN).div(MNIST_STD)
 
 
 def load_mnist(data_dir: Path, ctx: DistContext) -> tuple[TensorDataset, TensorDataset]:
-    """Open MNIST under ``data_dir``, downloading it once per node if it is missing.
-
-    Only local rank 0 downloads; the others wait at the barrier and then read
-    the files it wrote. A failure anywhere stops every rank with one message.
-    """
+    """Open MNIST under ``data_dir``, downloaded once per node (local rank 0) if missing; a failure stops every rank."""
     ok, failure = True, ""
     raw = data_dir / "MNIST" / "raw"
     if ctx.local_rank == 0:
         created = [folder for folder in (data_dir, data_dir / "MNIST", raw) if not folder.exists()]
         try:
             _open_mnist(data_dir, download=True)
-        # torchvision checks a file's header with assert, and its size when it reads the data.
-        except (RuntimeError, OSError, AssertionError, ValueError) as err:
+        except (RuntimeError, OSError, AssertionError, ValueError) as err:  # torchvision asserts headers, checks sizes
             ok, failure = False, str(err) or type(err).__name__
             # A failed download leaves empty folders that look like a data set; remove what it made.
             for folder in reversed(created):
@@ -79,23 +62,17 @@ def load_mnist(data_dir: Path, ctx: DistContext) -> tuple[TensorDataset, TensorD
 
 
 def synthetic_mnist(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """Generated 28x28 uint8 images in 10 classes, learnable but not MNIST.
-
-    Each class is a fixed random pattern and each image adds noise to its
-    class's pattern, so a smoke test can see the loss fall. Every rank builds
-    the same tensors from the same seed, so nothing needs to be shared.
-    """
+    """Generated 28x28 uint8 images in 10 classes, learnable but not MNIST: noise on each class's fixed random
+    pattern, so a smoke test sees the loss fall. Every rank builds the same tensors from the same seed."""
     generator = torch.Generator().manual_seed(seed)
     patterns = torch.randn(10, 1, 28, 28, generator=generator)
-
-    def make(count: int) -> TensorDataset:
+    splits = []
+    for count in (10_000, 2_000):  # train, test
         labels = torch.randint(0, 10, (count,), generator=generator)
         noisy = patterns[labels] + 1.5 * torch.randn(count, 1, 28, 28, generator=generator)
         # Pixels like MNIST's: 0..255, so both kinds of data go through normalize_images.
-        images = (noisy * 40 + 128).clamp(0, 255).to(torch.uint8)
-        return TensorDataset(images, labels)
-
-    return make(SYNTHETIC_TRAIN_SIZE), make(SYNTHETIC_TEST_SIZE)
+        splits.append(TensorDataset((noisy * 40 + 128).clamp(0, 255).to(torch.uint8), labels))
+    return splits[0], splits[1]
 
 
 class MnistNet(nn.Module):
@@ -103,33 +80,21 @@ class MnistNet(nn.Module):
 
     def __init__(self, dropout: bool = True) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
-        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
+        self.conv1, self.conv2 = nn.Conv2d(1, 32, 3, 1), nn.Conv2d(32, 64, 3, 1)
+        self.dropout1, self.dropout2 = nn.Dropout(0.25 if dropout else 0.0), nn.Dropout(0.5 if dropout else 0.0)
+        self.fc1, self.fc2 = nn.Linear(9216, 128), nn.Linear(128, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = self.dropout1(x)
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        x = self.dropout2(x)
-        return self.fc2(x)  # logits; the loss applies log-softmax itself
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = F.relu(self.fc1(torch.flatten(self.dropout1(x), 1)))
+        return self.fc2(self.dropout2(x))  # logits; the loss applies log-softmax itself
 
 
 @torch.no_grad()
 def evaluate_classifier(
     model: nn.Module, loader: DataLoader, ctx: DistContext, prepare: Callable[[torch.Tensor], torch.Tensor]
 ) -> dict[str, float]:
-    """Mean cross-entropy and accuracy over every example of the evaluation set.
-
-    ``prepare`` turns a batch of images, already on the device, into the model's input.
-    """
-    check_every_rank_has_data(loader, ctx)
+    """Mean cross-entropy and accuracy over the evaluation set; ``prepare`` makes a batch on the device the input."""
     model.eval()
     # float64: exact counts, and loss sums that lose nothing to the order in which ranks add them.
     loss_sum, correct, count = torch.zeros(3, dtype=torch.float64, device=ctx.device)

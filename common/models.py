@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -11,11 +10,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -44,26 +39,16 @@ GPT_PRESETS: dict[str, dict[str, int]] = {
 
 
 def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
-    """The GPT that the transformer flags describe, once check_transformer_flags has filled them in from
-    the preset; the vocabulary is the data's."""
-    return GPTConfig(
-        vocab_size=vocab_size,
-        block_size=args.block_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        d_model=args.d_model,
-        dropout=args.dropout,
-    )
+    """The GPT of the transformer flags (as check_transformer_flags fills them in), on the data's vocabulary."""
+    return GPTConfig(vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model, args.dropout)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
-        self.dropout = config.dropout
-        # No bias: a bias on the keys adds the same amount to every score of a
-        # query, which softmax cancels. Its gradient is pure rounding noise, and
-        # Adam, which divides by the gradient's size, turns noise into full steps.
+        self.n_head, self.dropout = config.n_head, config.dropout
+        # No bias: a bias on the keys adds the same amount to every score of a query, which softmax cancels. Its
+        # gradient is pure rounding noise, and Adam, which divides by the gradient's size, turns noise into full steps.
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
@@ -72,12 +57,10 @@ class CausalSelfAttention(nn.Module):
         # Thirds of the projection's output and heads of self.n_head, not of the width: under tensor
         # parallelism a rank computes only its own heads' q, k and v, and n_head counts those heads.
         q, k, v = self.qkv(x).chunk(3, dim=2)
-        # (batch, time, channels) -> (batch, heads, time, head_dim)
-        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (batch, heads, time, dim)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, time, -1)
-        return self.proj(y)
+        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
 
 
 class MLP(nn.Module):
@@ -107,15 +90,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A decoder-only transformer.
-
-    The output head is not tied to the token embedding: a shared weight would
-    live in two FSDP units at once, and this reference wants every Block, the
-    embeddings and the head to shard cleanly on their own.
-
-    ``seed`` initialises the weights (``init_parameters``); None leaves them as
-    built, for a model made on the meta device and initialised once sharded.
-    """
+    """A decoder-only transformer. Its head is not tied to the token embedding: a shared weight would live in two
+    FSDP units at once, and every Block, the embeddings and the head should shard cleanly on their own.
+    ``seed`` initialises the weights (``init_parameters``); None leaves them as built, for a model made on the meta
+    device and initialised once sharded."""
 
     def __init__(self, config: GPTConfig, seed: int | None = 0) -> None:
         super().__init__()
@@ -141,13 +119,9 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# What wrappers insert into parameter names; a parameter's initial value depends on its plain name.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-
-
 def plain_name(name: str) -> str:
     """A parameter's name in the model as built, whatever wraps it (FSDP1, activation checkpointing, compile)."""
-    for wrapper in WRAPPER_PREFIXES:
+    for wrapper in ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod."):
         name = name.replace(wrapper, "")
     return name
 
@@ -158,16 +132,13 @@ def unwrapped(model: nn.Module) -> nn.Module:
 
 
 def tied_parameters(model: nn.Module) -> dict[str, str]:
-    """Names that are another parameter under a second name, each with the first name it has: GPT-2's
-    ``{"lm_head.weight": "transformer.wte.weight"}``, its output head tied to its token embedding.
-
-    One tensor, so one gradient and one optimizer state; a file of the weights holds it once, under the
-    first name (as a Hugging Face folder does). ``model`` may be wrapped (DDP, FSDP1, FSDP2).
-    """
-    inner = unwrapped(model)
+    """Names that are another parameter under a second name, each with its first name: GPT-2's
+    ``{"lm_head.weight": "transformer.wte.weight"}``, its head tied to its token embedding. One tensor, so one
+    gradient and optimizer state; a weights file holds it once, under the first name (as a Hugging Face folder
+    does). ``model`` may be wrapped (DDP, FSDP1, FSDP2)."""
     first: dict[int, str] = {}
     tied = {}
-    for name, parameter in inner.named_parameters(remove_duplicate=False):
+    for name, parameter in unwrapped(model).named_parameters(remove_duplicate=False):
         name = plain_name(name)
         if id(parameter) in first:
             tied[name] = first[id(parameter)]
@@ -178,21 +149,16 @@ def tied_parameters(model: nn.Module) -> dict[str, str]:
 
 def initial_value(owner: nn.Module, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     """GPT-2's initial value of the parameter ``name`` (of module ``owner``): a whole fp32 tensor on the CPU.
-
-    Small normal weights for linear layers and embeddings, ones and zeros for layer norms, zero
-    biases. Each parameter draws from a generator of its own, seeded by the run's seed and the
-    parameter's name, so its value depends on nothing else: not on which process makes it, nor
-    on what was made before. That is what lets a sharded model initialise each shard where it
-    lives and still start from exactly the weights one process would build.
-    """
+    Small normal weights, ones and zeros for layer norms, zero biases. Each parameter draws from its own generator,
+    seeded by the run's seed and its name, so its value depends on nothing else (which process makes it, what was
+    made before): a sharded model initialises each shard where it lives, to exactly one process's weights."""
     if name.endswith("bias") or name.endswith(".adapter.b"):  # a LoRA adapter starts as no change at all
         return torch.zeros(shape)
     if isinstance(owner, nn.LayerNorm):
         return torch.ones(shape)
     # One 32-bit number from both: the CPU generator keeps only the low 32 bits of its seed.
     generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-    # An adapter's down-projection, (rank, in): of unit variance per output, so that its up-projection
-    # learns at a rate that does not depend on the width.
+    # An adapter's down-projection (rank, in): unit variance per output, so its up-projection learns at any width.
     std = shape[-1] ** -0.5 if name.endswith(".adapter.a") else 0.02
     return torch.empty(shape).normal_(mean=0.0, std=std, generator=generator)
 
@@ -200,12 +166,9 @@ def initial_value(owner: nn.Module, name: str, shape: torch.Size, seed: int) -> 
 @torch.no_grad()
 def init_parameters(module: nn.Module, seed: int, prefix: str = "", recurse: bool = True) -> None:
     """Set ``module``'s parameters to their initial values, whole or sharded, where they are.
-
-    ``prefix`` is the module's name inside the GPT; ``recurse`` False sets only its own parameters
-    (FSDP1's ``param_init_fn`` gets one module at a time). A sharded parameter (an FSDP2 DTensor)
-    keeps only its own piece of the value: each rank makes the whole parameter on the CPU and
-    copies out its slice, one parameter at a time, so no rank ever holds the whole model.
-    """
+    ``prefix`` is the module's name inside the GPT; ``recurse`` False sets only its own parameters (FSDP1's
+    ``param_init_fn`` gets one module at a time). A sharded parameter (an FSDP2 DTensor) keeps its own piece:
+    each rank makes the whole parameter on the CPU and copies out its slice, so no rank holds the whole model."""
     modules = module.named_modules(prefix=prefix) if recurse else [(prefix, module)]
     for module_name, owner in modules:
         for local_name, parameter in owner.named_parameters(recurse=False):
@@ -224,16 +187,10 @@ COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfl
 
 
 def checkpoint_activations(model: nn.Module, layers: Iterable[nn.Module]) -> None:
-    """Keep only each layer's input in forward; recompute the rest in backward (non-reentrant, the supported kind).
-
-    Each of ``layers`` (modules inside ``model``) is wrapped where it sits in ``model``.
-    """
+    """Keep only each of ``layers``' input in forward and recompute the rest in backward: each layer is wrapped
+    where it sits in ``model``, by torch's checkpoint_wrapper, non-reentrant (the supported kind) by default."""
     wrapped = set(layers)
-    apply_activation_checkpointing(
-        model,
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda module: module in wrapped,
-    )
+    apply_activation_checkpointing(model, check_fn=lambda module: module in wrapped)
 
 
 def compile_layers(layers: Iterable[nn.Module]) -> None:

@@ -1,7 +1,5 @@
-"""Real text for the transformer scripts: ``--text-file`` trains character-level on any text, held in
-memory; ``--token-file`` on a file of token ids (tools.runs.prepare_tokens) of any size, read a window
-at a time. And the checks of the data flags, before a run starts.
-"""
+"""Real text for the transformer scripts and the checks of their data flags: ``--text-file`` (character-level, held
+in memory) or ``--token-file`` (the ids tools.runs.prepare_tokens writes, in the format defined here, of any size)."""
 
 from __future__ import annotations
 
@@ -21,23 +19,26 @@ from torch.utils.data import Dataset
 from common.data import TokenData, markov_data
 from common.flag_checks import check_synthetic_size, machine_memory
 from common.run_dir import checkpoint_to_resume
-from common.token_format import MAX_VOCAB_SIZE, TOKEN_BYTES, TOKEN_DTYPE, token_metadata_path
+
+TOKEN_DTYPE = "<u2"  # a token file's ids: little-endian uint16
+TOKEN_BYTES = 2
+MAX_VOCAB_SIZE = 1 << 16  # no token file holds an id of a larger vocabulary
+SCAN_CHUNK_IDS = 1 << 24  # ids read at a time while a file is checked: a 32 MiB buffer, whatever its size
+
+
+def token_metadata_path(tokens: Path) -> Path:
+    """TOKENS.json: what tools.runs.prepare_tokens writes beside a token file about it."""
+    return tokens.with_name(tokens.name + ".json")
 
 
 class TokenWindows(Dataset):
-    """(input, target) pairs of ``block_size`` + 1 consecutive ids of a token file, from token ``first``
-    on, one window every ``block_size`` tokens: each token is a target once.
-
-    The file is opened in each process on first use, and a window is read when it is asked for (one
-    ``pread``), so a rank's memory holds the windows it trains on, never the corpus. The file changed
-    after the run checked it stops the rank with a message that names the file: an id outside
-    ``vocab_size``, before the embedding's IndexError or a GPU's device assert could; a file cut short,
-    where a memory map would have read zeros or died of SIGBUS.
-    """
+    """(input, target) pairs of ``block_size`` + 1 consecutive ids of a token file from token ``first`` on, one
+    window every ``block_size`` tokens, each read when asked for (one ``pread``): a rank never holds the corpus.
+    A file changed since the run checked it stops the rank with a message: an id outside ``vocab_size`` (before an
+    IndexError or a GPU's device assert), or a file cut short (a memory map would read zeros or die of SIGBUS)."""
 
     def __init__(self, path: Path, first: int, count: int, block_size: int, vocab_size: int) -> None:
-        self.path, self.first, self.count, self.block_size = path, first, count, block_size
-        self.vocab_size = vocab_size
+        self.path, self.first, self.count, self.block_size, self.vocab_size = path, first, count, block_size, vocab_size
         self._fd: int | None = None
 
     def __len__(self) -> int:
@@ -72,17 +73,12 @@ class TokenWindows(Dataset):
         return {**self.__dict__, "_fd": None}  # a DataLoader worker opens the file itself
 
 
-SCAN_CHUNK_IDS = 1 << 24  # ids read at a time while a file is checked: a 32 MiB buffer, whatever its size
-
-
 class BadTokenFile(ValueError):
     """A token file, or the TOKENS.json beside it, that training cannot use; the message says why."""
 
 
 @dataclass(frozen=True)
-class TokenFileInfo:
-    """What TOKENS.json says, each field checked for what tools.runs.prepare_tokens writes."""
-
+class TokenFileInfo:  # what TOKENS.json says, each field checked by read_token_metadata
     tokens: int
     vocab_size: int
     tokenizer: str
@@ -105,11 +101,8 @@ def read_token_metadata(path: Path) -> TokenFileInfo:
         raise BadTokenFile(f"{described}: tokenizer is {tokenizer!r}, not the name of one")
     if metadata.get("dtype", "uint16") != "uint16":
         raise BadTokenFile(f"{described}: dtype is {metadata['dtype']!r}; token files hold uint16 ids")
-    return TokenFileInfo(
-        tokens=whole_number(metadata, "tokens", described, 0, None),
-        vocab_size=whole_number(metadata, "vocab_size", described, 1, MAX_VOCAB_SIZE),
-        tokenizer=tokenizer,
-    )
+    tokens = whole_number(metadata, "tokens", described, 0, None)
+    return TokenFileInfo(tokens, whole_number(metadata, "vocab_size", described, 1, MAX_VOCAB_SIZE), tokenizer)
 
 
 def whole_number(metadata: dict[str, Any], key: str, described: Path, low: int, high: int | None) -> int:
@@ -125,13 +118,9 @@ def whole_number(metadata: dict[str, Any], key: str, described: Path, low: int, 
 
 
 def first_id_outside(path: Path, tokens: int, vocab_size: int) -> tuple[int, int] | None:
-    """(position, id) of the first id of ``path`` that is not below ``vocab_size``; None if there is none.
-
-    The whole file is read, SCAN_CHUNK_IDS at a time into one buffer: what TOKENS.json says cannot vouch
-    for bytes changed after it was written. Plain reads, not a memory map: every page a map touches stays
-    in the process's resident set until it is unmapped, so a 2 GB file read that way raised the run's
-    peak memory by 2 GB in every rank (measured), where this holds 32 MiB whatever the file's size.
-    """
+    """(position, id) of the first id of ``path`` not below ``vocab_size``, or None: the whole file (TOKENS.json
+    cannot vouch for it), SCAN_CHUNK_IDS at a time into one buffer. Not a memory map: every page it touches stays
+    resident until unmapped, so a 2 GB file raised every rank's peak memory by 2 GB (measured); this holds 32 MiB."""
     if vocab_size >= MAX_VOCAB_SIZE or tokens == 0:  # every uint16 is an id of the vocabulary
         return None
     chunk = np.empty(SCAN_CHUNK_IDS, dtype=TOKEN_DTYPE)
@@ -150,26 +139,23 @@ def first_id_outside(path: Path, tokens: int, vocab_size: int) -> tuple[int, int
 
 
 def token_file_data(path: Path, block_size: int, heldout_windows: int) -> TokenData:
-    """A token file's last ``heldout_windows`` windows held out (at most a tenth of it), which never
-    train; every window before them trains. A fixed held-out count keeps an evaluation's cost the same
-    whatever the corpus's size."""
+    """A token file's last ``heldout_windows`` windows held out (at most a tenth of it); every window before
+    them trains. A fixed held-out count keeps an evaluation's cost the same whatever the corpus's size."""
     metadata = read_token_metadata(path)
-    total = metadata.tokens
+    total, vocab_size = metadata.tokens, metadata.vocab_size
     held = max(1, min(heldout_windows, total // 10 // block_size))
     split = total - held * block_size - 1
-    train = TokenWindows(path, 0, (split - 1) // block_size, block_size, metadata.vocab_size)
-    heldout = TokenWindows(path, split, held, block_size, metadata.vocab_size)
+    train = TokenWindows(path, 0, (split - 1) // block_size, block_size, vocab_size)
+    heldout = TokenWindows(path, split, held, block_size, vocab_size)
     description = (
-        f"{total:,} {metadata.tokenizer} tokens of {path} (vocab {metadata.vocab_size}), read a window at a time: "
+        f"{total:,} {metadata.tokenizer} tokens of {path} (vocab {vocab_size}), read a window at a time: "
         f"{len(train):,} train / {len(heldout):,} held-out windows"
     )
-    decoding = {"tokenizer": metadata.tokenizer}
-    return TokenData(train, heldout, metadata.vocab_size, None, description, decoding, padded=False)
+    return TokenData(train, heldout, vocab_size, None, description, {"tokenizer": metadata.tokenizer}, padded=False)
 
 
 def check_text_file(parser: argparse.ArgumentParser, path: Path, block_size: int) -> None:
-    """A text that common.tokens.text_data can hold and number, read a chunk at a time: this runs in
-    every rank before training, so it keeps no more than a chunk of it."""
+    """A text that text_data can hold and number, read a chunk at a time (every rank runs this)."""
     try:
         characters, distinct = text_character_counts(path)
     except FileNotFoundError:
@@ -178,8 +164,7 @@ def check_text_file(parser: argparse.ArgumentParser, path: Path, block_size: int
         parser.error(f"--text-file {path}: not UTF-8 text")
     except OSError as err:
         parser.error(f"--text-file {path}: cannot read it ({err.strerror})")
-    # 90% trains and 10% is held out; each part needs at least one window.
-    needed = 10 * (block_size + 1)
+    needed = 10 * (block_size + 1)  # 90% trains and 10% is held out; each part needs at least one window
     if characters < needed:
         parser.error(
             f"--text-file {path} has {characters} characters; at --block-size {block_size} it needs at least {needed}"
@@ -201,11 +186,9 @@ def check_text_file(parser: argparse.ArgumentParser, path: Path, block_size: int
 
 
 def check_token_file(parser: argparse.ArgumentParser, path: Path, block_size: int, read_every_id: bool) -> None:
-    """A token file and its TOKENS.json that agree, and, with ``read_every_id``, every id in the file inside the
-    vocabulary: the model has a row for each, instead of an IndexError (a device assert on a GPU) at the first
-    batch that holds one. Reading them is reading the corpus: 2 GB took 0.4 s from the page cache and 6 s from
-    this machine's disk (measured), so a resumed run, whose start read them, leaves it to TokenWindows, which
-    checks each window as it reads it."""
+    """A token file and its TOKENS.json that agree and, with ``read_every_id``, every id inside the vocabulary (else
+    an IndexError, a GPU's device assert, at the first batch with one). That reads the corpus (2 GB: 0.4 s cached,
+    6 s from disk, measured), so a resumed run, whose start read it, leaves it to TokenWindows' per-window check."""
     if not path.is_file():
         parser.error(f"--token-file {path}: no such file")
     try:
@@ -215,8 +198,7 @@ def check_token_file(parser: argparse.ArgumentParser, path: Path, block_size: in
     size = path.stat().st_size
     if size != 2 * metadata.tokens:
         parser.error(f"--token-file {path} holds {size} bytes; its .json says {metadata.tokens} uint16 tokens")
-    # 90% trains and 10% is held out; each part needs at least one window.
-    needed = 10 * (block_size + 2)
+    needed = 10 * (block_size + 2)  # 90% trains and 10% is held out; each part needs at least one window
     if metadata.tokens < needed:
         parser.error(
             f"--token-file {path} has {metadata.tokens} tokens; --block-size {block_size} needs at least {needed}"
@@ -237,8 +219,7 @@ def check_token_file(parser: argparse.ArgumentParser, path: Path, block_size: in
 
 
 def check_data_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The transformer's data flags, after check_transformer_flags has filled --block-size: one source, and
-    one the run can read and hold."""
+    """The data flags, once check_transformer_flags has filled --block-size: one source the run can read and hold."""
     if args.text_file is not None and args.token_file is not None:
         parser.error("give --text-file or --token-file, not both")
     if args.text_file is not None:
@@ -254,8 +235,7 @@ def check_data_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def transformer_data(args: argparse.Namespace) -> TokenData:
-    """The transformer scripts' data, as their flags choose it: --text-file, --token-file, or else the
-    synthetic Markov source (--train-sequences, --heldout-sequences, --variable-length)."""
+    """--text-file, --token-file, or else the synthetic Markov source, as the flags choose."""
     if args.text_file is not None:
         return text_data(args.text_file, args.block_size)
     if args.token_file is not None:
@@ -264,12 +244,8 @@ def transformer_data(args: argparse.Namespace) -> TokenData:
 
 
 def text_data(path: Path, block_size: int, heldout_fraction: float = 0.1) -> TokenData:
-    """Character-level tokens from a UTF-8 text file: the first 90% trains, the rest is held out.
-
-    The ids are held as uint16, 2 bytes a character, and each window is made when it is asked for:
-    every window built up front as int64 pairs took a 200 MB text's data to 5.7 GiB at its peak, where
-    this takes 0.42 GiB (measured).
-    """
+    """Character-level tokens of a UTF-8 text, the first 90% to train: uint16 ids, each window made when asked for
+    (every window built up front as int64 took a 200 MB text's data to 5.7 GiB at its peak, this 0.42 GiB)."""
     ids, vocab = character_ids(path)
     split = int(len(ids) * (1 - heldout_fraction))
     train, heldout = CharacterWindows(ids[:split], block_size), CharacterWindows(ids[split:], block_size)
@@ -281,8 +257,8 @@ def text_data(path: Path, block_size: int, heldout_fraction: float = 0.1) -> Tok
 
 
 class CharacterWindows(Dataset):
-    """(input, target) pairs of ``block_size`` + 1 consecutive ids, one window every ``block_size`` ids:
-    each character is a target once. The pair is int64, made from the uint16 ids when asked for."""
+    """(input, target) int64 pairs of ``block_size`` + 1 consecutive uint16 ids, one window every ``block_size``
+    ids: each character is a target once."""
 
     def __init__(self, ids: np.ndarray, block_size: int) -> None:
         self.ids, self.block_size = ids, block_size
@@ -301,14 +277,12 @@ class CharacterWindows(Dataset):
 
 # Characters decoded at a time: the chunk's code points as uint32 take 16 MiB, whatever the text's size.
 TEXT_CHUNK_CHARACTERS = 1 << 22
-
-
 UNICODE_CODE_POINTS = 0x110000  # a slot for each in the lookup tables: 1.1 MiB each as bool, 2.2 as uint16
 
 
 def text_code_points(path: Path) -> Iterator[np.ndarray]:
-    """The code points of a UTF-8 text, a chunk at a time, as ``path.read_text`` would give them: its
-    newlines translated (\\r\\n and \\r read as \\n). UnicodeDecodeError where it is not UTF-8."""
+    """A UTF-8 text's code points a chunk at a time, as ``path.read_text`` gives them (\\r\\n and \\r read as
+    \\n); UnicodeDecodeError where it is not UTF-8."""
     with path.open(encoding="utf-8") as text:
         while chunk := text.read(TEXT_CHUNK_CHARACTERS):
             yield np.frombuffer(chunk.encode("utf-32-le"), dtype="<u4")
@@ -325,13 +299,9 @@ def text_character_counts(path: Path) -> tuple[int, int]:
 
 
 def character_ids(path: Path) -> tuple[np.ndarray, str]:
-    """The ids of a UTF-8 text's characters as uint16, and its vocabulary: every character it holds,
-    in code point order (``sorted(set(text))``), a character's id its place there.
-
-    One pass: ids are numbered as characters first appear, then renumbered in code point order.
-    The array is sized by the file's bytes, never fewer than its characters; the pages past the last
-    character are never written, so they take no memory.
-    """
+    """A UTF-8 text's characters as uint16 ids, and its vocabulary ``sorted(set(text))``, an id its place there.
+    One pass: ids numbered as characters first appear, then renumbered in code point order. The array is sized by
+    the file's bytes (never fewer than its characters); pages past the last character are never written, so free."""
     capacity = path.stat().st_size
     ids = np.empty(capacity, dtype=np.uint16)
     first_seen_id = np.zeros(UNICODE_CODE_POINTS, dtype=np.uint16)

@@ -1,7 +1,5 @@
-"""Pieces of the training loop that do not depend on the distribution strategy: the schedule, the
-loss's checks and token counts, the evaluation, and the metrics a run logs (metrics.jsonl, the
-progress line, memory and FLOPs).
-"""
+"""The training loop's pieces that do not depend on the strategy: the schedule, the loss's checks and token
+counts, the evaluation, and the metrics a run logs (metrics.jsonl, the progress line, memory and FLOPs)."""
 
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ def plan_total_steps(steps_per_epoch: int, epochs: int | None, max_steps: int | 
             "world size and --grad-accum-steps: lower the batch size or use fewer processes"
         )
     by_epochs = steps_per_epoch * epochs if epochs is not None else None
-    candidates = [n for n in (by_epochs, max_steps) if n is not None]
-    return min(candidates)
+    return min(n for n in (by_epochs, max_steps) if n is not None)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float) -> LambdaLR:
@@ -56,12 +53,9 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
 
 class FiniteLossCheck:
     """Stops every rank when the training loss turns NaN or infinite, without reading the GPU every step.
-
-    ``watch`` notes on the device the first step whose loss was not finite. The host reads that
-    note only where it reads the device anyway: at the steps that log (before their optimizer
-    step) and before a checkpoint is written. A GPU therefore never waits for this check, and a
-    non-finite loss still never reaches a checkpoint or model.pt: the final step always logs.
-    """
+    ``watch`` notes on the device the first step whose loss was not finite; the host reads it only where it reads
+    the device anyway: at the steps that log (before their optimizer step) and before a checkpoint is written. So a
+    GPU never waits for it, and a non-finite loss never reaches a checkpoint or model.pt: the final step logs."""
 
     NONE = 2**62  # "no bad step yet"; the ranks agree on the smallest step any of them saw
 
@@ -76,10 +70,7 @@ class FiniteLossCheck:
             self.check(step, before_update=True)
 
     def check(self, step: int, before_update: bool = False) -> None:
-        """Raise on every rank if any rank's loss was not finite at a step up to ``step``.
-
-        A collective: every rank calls it at the same step.
-        """
+        """Raise on every rank if any rank's loss was not finite at a step up to ``step``; a collective."""
         first_bad = self.first_bad_step.clone()
         dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
         bad_step = int(first_bad.item())
@@ -100,13 +91,10 @@ class FiniteLossCheck:
 
 
 def global_token_count(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], ctx: DistContext) -> torch.Tensor:
-    """The targets that count in one optimizer step, over all its micro-batches and every rank: what
-    the step's summed loss is divided by, so that every token weighs the same wherever it falls.
-
-    Counted where the batches were loaded (on the host), then added up over the ranks on the device:
-    the step never waits to read it. A mean per micro-batch would instead weigh a token by how many
-    others share its micro-batch, which changes with the world size and the accumulation split.
-    """
+    """The targets that count in one optimizer step, over its micro-batches and every rank: what its summed loss
+    is divided by, so every token weighs the same (a mean per micro-batch would weigh a token by how many share
+    its micro-batch, which changes with the world size and accumulation). Counted on the host where the batches
+    were loaded, added up over the ranks on the device: the step never waits to read it."""
     local = sum((targets != IGNORE_INDEX).sum() for _, targets in micro_batches)
     count = local.to(ctx.device, non_blocking=True)
     dist.all_reduce(count)
@@ -114,13 +102,11 @@ def global_token_count(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], c
 
 
 class TokenCount:
-    """What each optimizer step's summed loss is divided by: ``global_token_count``, or, for data that never
-    pads, the number every step has (every target counts), known before the run: no step counts or sends it.
-    On a GPU that is one NCCL collective a step fewer, and no host sum over every micro-batch's targets."""
+    """What each step's summed loss is divided by: ``global_token_count``, or, for data that never pads, every
+    step's number of targets, known before the run: on a GPU one NCCL collective a step fewer, and no host sum.
+    ``copies``: ranks that train on the same batches (a tensor-parallel group), each target counted that often."""
 
     def __init__(self, padded: bool, targets_per_step: int, ctx: DistContext, copies: int = 1) -> None:
-        # copies: ranks that train on the same batches (a tensor-parallel group); the sum over every rank
-        # counts each target that many times.
         self.padded, self.ctx, self.copies = padded, ctx, copies
         self.every_target = torch.tensor(targets_per_step, device=ctx.device)  # int64, as the count is
 
@@ -131,30 +117,19 @@ class TokenCount:
 
 
 def lockstep_batches(loader: DataLoader, ctx: DistContext) -> Iterator[tuple[Any, bool]]:
-    """Yield ``(batch, counts)`` for as many batches as the busiest rank has.
-
-    Unpadded shards can differ by one example, and so by one batch. A sharded
-    model gathers its parameters inside every forward, so every rank must call
-    it equally often: a rank that runs out repeats its first batch and marks it
-    as not counted.
-    """
+    """Yield ``(batch, counts)`` for as many batches as the busiest rank has: unpadded shards can differ by a
+    batch, and a sharded model gathers its parameters in every forward, so every rank must call it equally
+    often. A rank that runs out repeats its first batch and marks it as not counted."""
     local_batches = len(loader)
+    if local_batches == 0:  # the same dataset size on every rank, so every rank raises together
+        raise FatalError(f"the evaluation set is smaller than the world size ({ctx.world_size} processes)")
     (most_batches,) = max_over_ranks([float(local_batches)], ctx)
     first = None
-    batches = iter(loader)
-    for index in range(int(most_batches)):
-        if index < local_batches:
-            batch = next(batches)
-            first = batch if first is None else first
-            yield batch, True
-        else:
-            yield first, False
-
-
-def check_every_rank_has_data(loader: DataLoader, ctx: DistContext) -> None:
-    if len(loader) == 0:
-        # Same dataset size on every rank, so every rank raises together.
-        raise FatalError(f"the evaluation set is smaller than the world size ({ctx.world_size} processes)")
+    for batch in loader:
+        first = batch if first is None else first
+        yield batch, True
+    for _ in range(int(most_batches) - local_batches):
+        yield first, False
 
 
 def sum_over_ranks(totals: torch.Tensor) -> list[float]:
@@ -163,29 +138,20 @@ def sum_over_ranks(totals: torch.Tensor) -> list[float]:
     return totals.tolist()
 
 
-def logits_of(output: Any) -> torch.Tensor:
-    """A language model's logits: its output itself, or the ``logits`` of the output object a Hugging Face
-    model returns."""
-    return output if isinstance(output, torch.Tensor) else output.logits
-
-
 @torch.no_grad()
 def evaluate_language_model(
     model: nn.Module, loader: DataLoader, ctx: DistContext, autocast: torch.dtype | None = None, copies: int = 1
 ) -> dict[str, float]:
     """Mean next-token cross-entropy (nats per token) over every held-out sequence.
-
-    ``autocast``: the dtype a DDP run trains in under torch.autocast, so that it evaluates the same way.
-    ``copies``: ranks that evaluate the same sequences together (a tensor-parallel group), whose sums over
-    every rank hold each sequence that many times.
-    """
-    check_every_rank_has_data(loader, ctx)
+    ``autocast``: the dtype a DDP run trains in under torch.autocast, to evaluate the same way. ``copies``: ranks
+    that evaluate the same sequences (a tensor-parallel group), whose sums hold each sequence that many times."""
     model.eval()
     loss_sum, tokens, sequences = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     for (inputs, targets), counts in lockstep_batches(loader, ctx):
         inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
         with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
-            logits = logits_of(model(inputs))
+            output = model(inputs)
+            logits = output if isinstance(output, torch.Tensor) else output.logits  # a Hugging Face model's output
         if counts:
             # Padding (IGNORE_INDEX) adds nothing to the sum and is not counted.
             loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
@@ -198,11 +164,8 @@ def evaluate_language_model(
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
-    """Seed Python and torch (CPU and every GPU) so a run can be repeated.
-
-    ``deterministic`` also makes torch pick kernels that give the same bits on
-    every run (and fail loudly where none exists), at some cost in speed.
-    """
+    """Seed Python and torch (CPU and every GPU) so a run can be repeated. ``deterministic`` also makes torch pick
+    kernels that give the same bits every run (failing loudly where none exists), at some cost in speed."""
     random.seed(seed)
     torch.manual_seed(seed)
     if deterministic:
@@ -212,40 +175,22 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.set_float32_matmul_precision("highest")  # no TF32 rounding on GPUs either
 
 
-# Dense bf16 tensor-core peaks from NVIDIA's data sheets (half the "with sparsity" figure), per GPU,
-# for MFU. More specific names first: the NVL and PCIe boards must not match the SXM figure of
-# their plain names. MFU_PEAK_TFLOPS overrides the table.
-PEAK_BF16_TFLOPS = {
-    "H200 NVL": 835.0,
-    "H200": 989.0,  # SXM
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,  # SXM
-    "A100": 312.0,
-}
-
-
-# Each restart logs one of these; every other record describes the state at its step, which is the same
-# however often a run restarts there.
+# Dense bf16 peaks per GPU (NVIDIA's data sheets, half the "with sparsity" figure) for MFU; MFU_PEAK_TFLOPS overrides
+# them. Specific names first: NVL and PCIe boards must not match the SXM figure of their plain names (H200, H100).
+PEAK_BF16_TFLOPS = {"H200 NVL": 835, "H200": 989, "H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "A100": 312}
+# Logged once per restart; any other record describes its step's state, the same however often a run restarts there.
 PER_RESTART_EVENTS = {"resume"}
 
 
 class MetricsLog:
     """Appends one JSON object per line to ``run_dir/metrics.jsonl`` on rank 0.
-
-    The file is opened on the first record, not when the run starts, so a run
-    that fails its checks writes nothing over an earlier run's metrics. A run
-    resumed at step N keeps the records up to N and drops the later ones: the
-    steps after the checkpoint are trained again and logged again. A line that
-    is not a whole record (a write cut short) is left out, and said so. A record
-    of the state at a step that the kept ones already hold (the final evaluation
-    of a run resumed at its end) is not written twice.
-    """
+    Opened on the first record, so a run that fails its checks writes nothing over an earlier run's metrics. A run
+    resumed at step N keeps the records up to N (the later steps are trained and logged again), leaves out a line
+    cut short, and said so, and does not write twice a record of a step's state that it kept (the final evaluation
+    of a run resumed at its end)."""
 
     def __init__(self, run_dir: Path, ctx: DistContext, resumed_at: int | None = None) -> None:
-        self.path = run_dir / METRICS_FILE
-        self.ctx = ctx
-        self.resumed_at = resumed_at
+        self.path, self.ctx, self.resumed_at = run_dir / METRICS_FILE, ctx, resumed_at
         self._file = None
         self._kept: set[tuple[str, int]] = set()  # (event, step) of the records kept from before the resume
 
@@ -253,15 +198,12 @@ class MetricsLog:
         """Append one record. Every rank calls it at the same point; if rank 0 cannot write, all stop."""
         failure = write_failure(lambda: self._append({"event": event, **fields})) if self.ctx.is_main else None
         if not all_ranks_agree(failure is None, self.ctx):
-            raise FatalError(
-                f"could not write {self.path}: {failure}. {what_is_kept(self.path.parent)}. {then_resume(failure)}",
-                exit_code=1,
-            )
+            kept = what_is_kept(self.path.parent)
+            raise FatalError(f"could not write {self.path}: {failure}. {kept}. {then_resume(failure)}", exit_code=1)
 
     def _append(self, record: dict[str, Any]) -> None:
         keep_holding(self.path.parent)  # where the run dir went, its lock went too
-        gone = self._file is not None and self._gone_from_its_path(self._file)
-        if gone:
+        if self._file is not None and (gone := self._gone_from_its_path(self._file)):
             # Deleted under the run (a cleanup job, an rm -rf of the run dir), or moved with a renamed
             # run dir: appending to the open file would lose every record, or put them elsewhere, without a word.
             print(f"warning: {self.path} was {gone} while this run wrote it; a new one starts here", flush=True)
@@ -280,10 +222,9 @@ class MetricsLog:
         if opened.st_nlink == 0:
             return "deleted"
         try:
-            there = os.stat(self.path)
+            return None if os.path.samestat(os.stat(self.path), opened) else "moved or replaced"
         except FileNotFoundError:
             return "moved or replaced"
-        return None if (there.st_ino, there.st_dev) == (opened.st_ino, opened.st_dev) else "moved or replaced"
 
     def _open(self) -> IO[str]:
         if self.resumed_at is None or not self.path.exists():
@@ -301,11 +242,8 @@ class MetricsLog:
             else:
                 replaced += 1
         if replaced:
-            print(
-                f"{self.path}: {replaced} record(s) after step {self.resumed_at} are replaced by this run, "
-                "which trains those steps again",
-                flush=True,
-            )
+            what = f"{replaced} record(s) after step {self.resumed_at} are replaced by this run"
+            print(f"{self.path}: {what}, which trains those steps again", flush=True)
         if torn:
             lines = ", ".join(map(str, torn))
             print(f"{self.path}: left out {len(torn)} line(s) cut off mid-write (line {lines})", flush=True)
@@ -329,8 +267,8 @@ def progress_line(
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the GPU's queue, so that a clock read next counts the work queued before it: a kernel or
-    an NCCL collective returns once enqueued, gloo's once done."""
+    """Wait for the GPU's queue, so a clock read next counts the work queued before it (a kernel or an NCCL
+    collective returns once enqueued, gloo's once done)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -357,16 +295,12 @@ def max_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Dis
 
 
 def transformer_flops_per_token(model: nn.Module) -> float | None:
-    """Training FLOPs per token of the GPT inside ``model`` (None if there is none).
-
-    6 per weight that multiplies (2 forward, 4 backward), plus attention's
-    scores and weighted sum, 12 x layers x width x sequence length (the PaLM
-    paper's estimate). Embedding lookups multiply nothing, so they are left out.
-    """
-    gpt = next((module for module in model.modules() if isinstance(module, GPT)), None)
-    if gpt is None:
+    """Training FLOPs per token of the GPT inside ``model`` (None if there is none): 6 per weight that multiplies
+    (2 forward, 4 backward), plus attention's 12 x layers x width x sequence length (the PaLM paper's estimate);
+    embedding lookups multiply nothing."""
+    config = next((module.config for module in model.modules() if isinstance(module, GPT)), None)
+    if config is None:
         return None
-    config = gpt.config
     # Sharded models hold only part of each weight: count a copy that takes no memory.
     with torch.device("meta"):
         whole = GPT(config)

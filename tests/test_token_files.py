@@ -264,6 +264,15 @@ def test_prepare_tokens_never_imports_torch() -> None:
     assert imported.stdout.strip() == "[]", imported.stdout
 
 
+def test_prepare_tokens_writes_the_format_that_common_tokens_reads() -> None:
+    """The command spells the format itself (common.tokens imports torch): both spellings must agree."""
+    from common import tokens
+
+    assert (prepare_tokens.TOKEN_DTYPE, prepare_tokens.MAX_VOCAB_SIZE) == (tokens.TOKEN_DTYPE, tokens.MAX_VOCAB_SIZE)
+    path = Path("data/books.tokens")
+    assert prepare_tokens.token_metadata_path(path) == tokens.token_metadata_path(path)
+
+
 def test_a_resumed_run_leaves_the_ids_to_the_windows_it_reads(
     token_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -103,7 +103,7 @@ SAMPLER = [
     Mistake(
         name="short-last-batch",
         path="common/data.py",
-        edits={"        sampler=sampler,\n        drop_last=True,\n": "        sampler=sampler,\n"},
+        edits={"sampler=sampler, drop_last=True,": "sampler=sampler,"},
         test=ORDER,
         reason=r"a batch not of --batch-size 8",
         harm="the loader keeps each epoch's last, short batch: one step an epoch averages fewer examples",
@@ -217,10 +217,10 @@ EVALUATION = [
         name="eval-padded-duplicates-counted",
         path="common/data.py",
         edits={
-            "        eval_shard(dataset, ctx),\n        batch_size=batch_size,\n        shuffle=False,\n": (
-                "        dataset,\n        batch_size=batch_size,\n"
-                "        sampler=DistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False),\n"
-            )
+            "shard = eval_shard(dataset, ctx)": "shard = dataset",
+            "batch_size, shuffle=False,": (
+                "batch_size, sampler=DistributedSampler(dataset, ctx.world_size, ctx.rank, shuffle=False),"
+            ),
         },
         test="tests/test_data.py::test_the_evaluation_loaders_deal_every_example_once",
         reason=r"evaluation loaders deal \d+ examples of 1999, \d+ of them more than once",

@@ -30,7 +30,6 @@ import numpy as np
 
 from common.flags import existing_file
 from common.outputs import write_outputs
-from common.token_format import MAX_VOCAB_SIZE, TOKEN_DTYPE, token_metadata_path
 from tools.command_flags import output_file
 from tools.output_checks import add_overwrite_flag, check_output_path
 from tools.processes import exit_code_of
@@ -38,6 +37,15 @@ from tools.processes import exit_code_of
 VOCAB_SIZE = 256  # YOUR TOKENIZER: its vocabulary size
 TOKENIZER = "bytes"  # what tools.runs.sample decodes with: "bytes", or the name of yours
 CHUNK_BYTES = 1 << 22
+# The format common.tokens reads, spelled here because common.tokens imports torch (530 MiB of this command's
+# peak); tests/test_token_files.py checks that the two agree.
+TOKEN_DTYPE = "<u2"  # one id, a little-endian uint16
+MAX_VOCAB_SIZE = 1 << 16
+
+
+def token_metadata_path(tokens: Path) -> Path:
+    """TOKENS.json: what this command writes beside a token file about it."""
+    return tokens.with_name(tokens.name + ".json")
 
 
 def encode(chunk: bytes) -> np.ndarray | list[int]:
