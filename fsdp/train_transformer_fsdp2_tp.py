@@ -52,10 +52,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from common import cli, flag_checks
+from common import cli, flag_checks, flags
 from common.bookkeeping import Bookkeeping, FinalRecord
 from common.checkpoint import Checkpointer
-from common.cli import Parser
 from common.data import CompactDistributedSampler, eval_loader, train_loader
 from common.distributed import (
     DistContext,
@@ -67,34 +66,20 @@ from common.distributed import (
     print0,
 )
 from common.fine_tuning import add_adapters, freeze, merge_adapters
-from common.flags import positive_int
-from common.models import (
-    GPT,
-    checkpoint_activations,
-    compile_layers,
-    count_parameters,
-    gpt_config,
-    init_parameters,
-)
+from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config, init_parameters
 from common.run_dir import RunDirLock
 from common.tokens import check_data_flags, transformer_data
-from common.training import (
-    TokenCount,
-    evaluate_language_model,
-    plan_total_steps,
-    seed_everything,
-    warmup_cosine,
-)
+from common.training import TokenCount, evaluate_language_model, plan_total_steps, seed_everything, warmup_cosine
 
 # TENSOR PARALLELISM: what this script alone needs, kept here rather than in common/, so that a copy of any
 # other script carries none of it (tests/test_layout.py's budget), and a reader sees all that TP adds in one file.
 
 
-def add_tensor_parallel_flags(parser: Parser) -> None:
+def add_tensor_parallel_flags(parser: cli.Parser) -> None:
     """The FSDP2 + tensor-parallel script's own flag: how many ranks split each Block between them."""
     parser.add_argument_group("tensor parallelism").add_argument(
         "--tp-degree",
-        type=positive_int,
+        type=flags.positive_int,
         default=2,
         metavar="N",
         help="ranks of each tensor-parallel group: they split every Block's attention heads and MLP between "
@@ -103,7 +88,7 @@ def add_tensor_parallel_flags(parser: Parser) -> None:
     )
 
 
-def tensor_parallel_size(parser: Parser, tp_degree: int) -> int:
+def tensor_parallel_size(parser: cli.Parser, tp_degree: int) -> int:
     """The ranks each Block is split over: --tp-degree, which must divide the world size; 1 in a world of one,
     which trains the whole model unsplit, the run a split one is compared with (tools.checks.check_equivalence
     gives its one-process reference the candidate's flags)."""
@@ -119,7 +104,7 @@ def tensor_parallel_size(parser: Parser, tp_degree: int) -> int:
     return tp_degree
 
 
-def check_tensor_parallel_flags(parser: Parser, args: argparse.Namespace) -> None:
+def check_tensor_parallel_flags(parser: cli.Parser, args: argparse.Namespace) -> None:
     """What a split of each Block over ``args.tp_size`` ranks rules out; after check_transformer_flags, which
     fills in the preset's heads."""
     if args.tp_size == 1:
