@@ -32,7 +32,6 @@ from common.distributed import (
     FatalError,
     all_ranks_agree,
     broadcast_object,
-    full_state_dict_options,
     local_part,
     local_state_bytes,
     max_over_ranks,
@@ -48,6 +47,19 @@ from common.run_dir import CHECKPOINTS, MODEL_FILE, checkpoint_step, checkpoint_
 
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
 FORMAT_VERSION = 1
+
+
+def full_state_dict_options(device: torch.device) -> StateDictOptions:
+    """Options that gather the whole model (and optimizer) state, as plain tensors, for rank 0 to save. On a GPU only
+    rank 0 keeps them, on the CPU (``cpu_offload=True``); a CPU run gathers on every rank and the others drop it."""
+    # Offloading on a CPU run is not only pointless: FSDP1's offload paths take the move to the CPU for a copy.
+    # - torch < 2.14: FlatParamHandle.to_cpu() frees the gathered parameters after "moving" them, so the model state
+    #   dict reads freed memory and rank 0 dies with a segmentation fault (pytorch/pytorch#188989, fixed in 2.14 by
+    #   #188990).
+    # - every release from 2.6 to 2.14.1: the gathered optimizer state is copied out of a reused buffer only by
+    #   `.cpu()`, so every exp_avg comes back as a view that the next state, exp_avg_sq, overwrites: the checkpoint
+    #   holds exp_avg_sq twice and a resumed run silently trains differently.
+    return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
 
 
 def capture_rng() -> dict[str, Any]:

@@ -31,16 +31,9 @@ from torch.optim.lr_scheduler import StepLR
 
 from common import cli, flag_checks
 from common.bookkeeping import Bookkeeping, FinalRecord
-from common.checkpoint import Checkpointer
+from common.checkpoint import Checkpointer, full_state_dict_options
 from common.data import CompactDistributedSampler, eval_loader, train_loader
-from common.distributed import (
-    DistContext,
-    clean_teardown,
-    errors_reported_once,
-    full_state_dict_options,
-    launch_context,
-    print0,
-)
+from common.distributed import DistContext, clean_teardown, errors_reported_once, launch_context, print0
 from common.mnist import MnistNet, evaluate_classifier, load_mnist, normalize_images, synthetic_mnist
 from common.run_dir import RunDirLock
 from common.training import plan_total_steps, seed_everything

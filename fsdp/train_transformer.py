@@ -42,16 +42,9 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 
 from common import cli, flag_checks
 from common.bookkeeping import Bookkeeping, FinalRecord
-from common.checkpoint import Checkpointer
+from common.checkpoint import Checkpointer, full_state_dict_options
 from common.data import CompactDistributedSampler, eval_loader, train_loader
-from common.distributed import (
-    DistContext,
-    clean_teardown,
-    errors_reported_once,
-    full_state_dict_options,
-    launch_context,
-    print0,
-)
+from common.distributed import DistContext, clean_teardown, errors_reported_once, launch_context, print0
 from common.fine_tuning import LowRankUpdate, add_adapters, freeze, merge_adapters
 from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config, init_parameters
 from common.run_dir import RunDirLock

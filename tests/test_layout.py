@@ -106,6 +106,29 @@ def test_a_copy_of_any_script_carries_no_more_modules_and_lines_than_its_budget(
         assert lines_of(needed) <= MOST_LINES_A_SCRIPT_NEEDS, f"{where} needs {lines_of(needed):,} lines of common/"
 
 
+# What a reader meets before a script's lesson starts, and the FSDP2 script's train() (issue 53's acceptance).
+MOST_IMPORT_LINES = 30
+MOST_LINES_OF_FSDP2_TRAIN = 120
+
+
+def import_lines(module: ast.Module) -> int:
+    """The lines a module's top-level import statements take as formatted."""
+    imports = [node for node in module.body if isinstance(node, ast.Import | ast.ImportFrom)]
+    return sum(node.end_lineno - node.lineno + 1 for node in imports)  # type: ignore[operator]
+
+
+def test_every_script_imports_in_a_few_lines_and_the_fsdp2_train_stays_short() -> None:
+    for script in SCRIPTS:
+        lines = import_lines(parsed(script))
+        assert lines <= MOST_IMPORT_LINES, f"{script.relative_to(REPO)}: its imports take {lines} lines"
+    (train,) = [
+        node
+        for node in parsed(REPO / "fsdp" / "train_transformer_fsdp2.py").body
+        if getattr(node, "name", "") == "train"
+    ]
+    assert train.end_lineno - train.lineno + 1 <= MOST_LINES_OF_FSDP2_TRAIN
+
+
 def test_the_mnist_scripts_carry_no_token_file_code() -> None:
     assert needed_by(REPO / "fsdp" / "train_transformer.py") >= TOKEN_FILE_MODULES, "the rule must see the module"
     for script in MNIST_SCRIPTS:

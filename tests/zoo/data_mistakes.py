@@ -75,8 +75,9 @@ SAMPLER = [
         name="ddp-torch-sampler-without-drop-last",
         path="ddp/train_transformer.py",
         edits={
-            "from common.checkpoint import Checkpointer\n": (
-                "from torch.utils.data import DistributedSampler\n\nfrom common.checkpoint import Checkpointer\n"
+            "from common.checkpoint import Checkpointer, full_state_dict_options\n": (
+                "from torch.utils.data import DistributedSampler\n\n"
+                "from common.checkpoint import Checkpointer, full_state_dict_options\n"
             ),
             "sampler = CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)": (
                 "sampler = DistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)"
