@@ -219,6 +219,16 @@ def test_the_overhead_benchmark_times_a_script_beside_a_bare_loop_that_trains_th
     assert "| tiny | fsdp2 | 2 |" in capsys.readouterr().out
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_on_a_gpu_the_bare_loop_trains_the_scripts_numbers(strategy: str, tmp_path: Path) -> None:
+    """On a GPU the script's fp32 matmuls run on TF32 tensor cores: a bare loop without them trained other
+    numbers on an H200 (last loss 1.440988 against 1.441212 after 225 steps), and the benchmark stopped."""
+    flags = ["--overhead", "--model", "tiny", "--strategy", strategy, "--nproc", "1", "--warmup", "5", "--steps", "20"]
+    assert benchmark.main([*flags, "--rounds", "1", "--out", str(tmp_path / "overhead.json")]) == 0
+
+
 def test_the_clock_of_an_interval_stops_once_the_device_has_done_its_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
