@@ -103,7 +103,7 @@ def _torch_folder() -> str:
 
 def call_sites(script: str) -> tuple[str, str]:
     """The innermost frame in ``script``, and the innermost outside torch (the script's or a helper's, such
-    as common/evaluation.py), each as "file:line"; torch's own frame would be the same for every all-reduce."""
+    as common/training.py), each as "file:line"; torch's own frame would be the same for every all-reduce."""
     frame, script_line, innermost = sys._getframe(1), "", ""
     while frame is not None and not script_line:
         path = _real_path(frame.f_code.co_filename)
