@@ -99,6 +99,11 @@ def tensor_parallel_size(parser: cli.Parser, tp_degree: int) -> int:
 def check_tensor_parallel_flags(parser: cli.Parser, args: argparse.Namespace) -> None:
     """What a split of each Block over ``args.tp_size`` ranks rules out; after check_transformer_flags, which
     fills in the preset's heads."""
+    if args.replicate_degree != 1:  # at any degree: wrap_model builds no replicas, so it would go unheard
+        parser.error(
+            "--replicate-degree: this script shards over every data-parallel group (no HSDP replicas); "
+            "HSDP is fsdp/train_transformer_fsdp2.py --replicate-degree"
+        )
     if args.tp_size == 1:
         return
     if args.n_head % args.tp_size:
@@ -115,8 +120,18 @@ def check_tensor_parallel_flags(parser: cli.Parser, args: argparse.Namespace) ->
         )
     if args.lora_rank is not None:
         parser.error("--lora-rank with --tp-degree above 1: the adapters' layers are not split across ranks here")
-    if args.replicate_degree != 1:
-        parser.error("--replicate-degree with --tp-degree above 1: HSDP plus tensor parallelism is a 3-D mesh")
+    # torch 2.14.1's broadcast of a whole state dict (set_model_state_dict, broadcast_from_rank0) cuts the q|k|v
+    # weight into contiguous rows, not by its thirds: a rank got rows of q and k, with no error, and trained on them.
+    if args.checkpoint_format == "full":
+        parser.error(
+            "--checkpoint-format full with --tp-degree above 1: loading a whole state dict into split "
+            "q|k|v weights scrambles them in this torch; keep the sharded format (the default)"
+        )
+    if args.init_from is not None:
+        parser.error(
+            f"--init-from with --tp-degree above 1: loading whole weights into split q|k|v weights "
+            f"scrambles them in this torch. Start from {args.init_from} with fsdp/train_transformer_fsdp2.py"
+        )
 
 
 class FusedColwiseParallel(ColwiseParallel):

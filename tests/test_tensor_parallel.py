@@ -22,9 +22,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.collectives import Traffic
-from common.models import GPTConfig
+from common.models import GPT, GPTConfig
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU
 from tests.harness.noise_floor import TRANSFORMER_ARGS, TRANSFORMER_STEPS, NoiseRuns, assert_same_training
 from tests.harness.runs import Run, run_script, run_until_stopped
@@ -32,6 +33,7 @@ from tools.benchmarks.compare_strategies import estimated_state, markdown_table,
 from tools.estimates import estimate_communication, estimate_memory, simulate
 from tools.estimates.modelled_collectives import run_estimate
 from tools.model_shapes import gpt_parameter_shapes
+from tools.runs import export_checkpoint
 
 TP_SCRIPT = "fsdp/train_transformer_fsdp2_tp.py"
 TP_2 = ["--tp-degree", "2"]
@@ -96,6 +98,17 @@ def test_2x2_stopped_and_resumed_at_1x2_matches_one_process(transformer_noise: N
     # The 2 x 2 steps before the checkpoint and the 1 x 2 steps after it, against one process.
     assert_same_training(transformer_noise, run_dir, run.describe(), TRANSFORMER_STEPS)
     assert_scored_once(run, transformer_noise.reference)
+    assert_exported_as_the_model_holds_it(run_dir, tmp_path)
+
+
+def assert_exported_as_the_model_holds_it(run_dir: Path, tmp_path: Path) -> None:
+    """The stop's sharded checkpoint, which the resumed run just trained on as one process would, exported loads
+    strictly into the GPT it belongs to: an export once wrote its split q|k|v weights as (3, d, d)."""
+    (checkpoint,) = (run_dir / "checkpoints").glob("step-*")
+    assert export_checkpoint.main([str(checkpoint), str(tmp_path / "exported.pt")]) == 0
+    exported = torch.load(tmp_path / "exported.pt", weights_only=True)
+    final = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    GPT(GPTConfig(**final["model_config"])).load_state_dict(exported)  # strict: every name and shape
 
 
 def test_2x2_holds_and_sends_what_the_estimate_and_the_simulation_say(tmp_path: Path) -> None:

@@ -85,13 +85,25 @@ def read_model_state(checkpoint: Path, trust: bool = False) -> tuple[dict[str, t
     run (``trainer``: flags, identity; empty if none)."""
     if checkpoint.is_dir():
         trainer = load_file(checkpoint / TRAINER_FILE)
-        return read_sharded_model_state(checkpoint, trust), trainer if isinstance(trainer, dict) else {}
+        trainer = trainer if isinstance(trainer, dict) else {}
+        return parts_together(read_sharded_model_state(checkpoint, trust), trainer), trainer
     saved = load_file(checkpoint)
     model = saved.get("model") if isinstance(saved, dict) else None
     if not isinstance(model, dict) or not all(isinstance(value, torch.Tensor) for value in model.values()):
         raise ValueError("it holds no model state dict (a training checkpoint has one under 'model')")
     trainer = saved.get("trainer")
     return model, trainer if isinstance(trainer, dict) else {}
+
+
+def parts_together(model: dict[str, torch.Tensor], trainer: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A sharded checkpoint of fsdp/train_transformer_fsdp2_tp.py split over ranks (its identity's "qkv") holds each
+    fused q|k|v tensor as (3, rows / 3, ...), the boxes DCP can write (the script's parts_apart); the model's
+    layout is (rows, ...). Exported as saved, its model.pt loaded into no GPT."""
+    identity = trainer.get("identity")
+    if not isinstance(identity, dict) or identity.get("qkv") != "3 parts":
+        return model
+    fused = ("attn.qkv.weight", "attn.qkv.bias")
+    return {name: value.flatten(0, 1) if name.endswith(fused) else value for name, value in model.items()}
 
 
 def recorded_settings(trainer: dict[str, Any]) -> dict[str, Any]:
