@@ -127,9 +127,10 @@ def tensor_parallel_seconds(
     collectives: list[tuple[str, int, int]], degree: int, machine: int, fast: float, slow: float, spans: bool
 ) -> float:
     """fsdp2_tp's step time: its groups' all-reduces stay inside a machine of ``machine`` ranks, when one holds a
-    group; FSDP2's collectives across the groups run as full_shard's. (Telling a collective by its group's size
-    also counts the gradient norm's few bytes over data-parallel groups of the same size as inside.)"""
-    inside = [c for c in collectives if c[2] == degree and degree <= machine]
+    group; FSDP2's collectives across the groups run as full_shard's. TP's are all-reduces, FSDP2's gathers and
+    reduce-scatters: told by the group's size alone, those over as many data-parallel groups as a TP group has
+    ranks were priced at the fast links. (The gradient norm's few bytes over such groups still count as inside.)"""
+    inside = [c for c in collectives if c[0] == "all_reduce" and c[2] == degree and degree <= machine]
     rest = Traffic.of(c for c in collectives if c not in inside)
     return Traffic.of(inside).total_ring_bytes / fast + step_seconds("full_shard", rest, fast, slow, spans)
 
