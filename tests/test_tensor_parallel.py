@@ -98,17 +98,16 @@ def test_2x2_stopped_and_resumed_at_1x2_matches_one_process(transformer_noise: N
     # The 2 x 2 steps before the checkpoint and the 1 x 2 steps after it, against one process.
     assert_same_training(transformer_noise, run_dir, run.describe(), TRANSFORMER_STEPS)
     assert_scored_once(run, transformer_noise.reference)
-    assert_exported_as_the_model_holds_it(run_dir, tmp_path)
+    assert_exported_as_the_model_holds_it(run_dir, tmp_path, GPTConfig(**run.final()["model_config"]))
 
 
-def assert_exported_as_the_model_holds_it(run_dir: Path, tmp_path: Path) -> None:
+def assert_exported_as_the_model_holds_it(run_dir: Path, tmp_path: Path, config: GPTConfig) -> None:
     """The stop's sharded checkpoint, which the resumed run just trained on as one process would, exported loads
     strictly into the GPT it belongs to: an export once wrote its split q|k|v weights as (3, d, d)."""
     (checkpoint,) = (run_dir / "checkpoints").glob("step-*")
     assert export_checkpoint.main([str(checkpoint), str(tmp_path / "exported.pt")]) == 0
     exported = torch.load(tmp_path / "exported.pt", weights_only=True)
-    final = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    GPT(GPTConfig(**final["model_config"])).load_state_dict(exported)  # strict: every name and shape
+    GPT(config).load_state_dict(exported)  # strict: every name and shape
 
 
 def test_2x2_holds_and_sends_what_the_estimate_and_the_simulation_say(tmp_path: Path) -> None:
