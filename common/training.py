@@ -21,7 +21,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
 from common.data import IGNORE_INDEX
-from common.distributed import DistContext, FatalError, all_ranks_agree, local_state_bytes, max_over_ranks
+from common.distributed import DistContext, FatalError, all_ranks_agree, local_part, local_state_bytes, max_over_ranks
 from common.models import GPT
 from common.outputs import open_log, write_text
 from common.run_dir import METRICS_FILE, keep_holding
@@ -154,7 +154,8 @@ def evaluate_language_model(
             logits = output if isinstance(output, torch.Tensor) else output.logits  # a Hugging Face model's output
         if counts:
             # Padding (IGNORE_INDEX) adds nothing to the sum and is not counted.
-            loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            # Logits split over a tensor-parallel group, under loss_parallel, give a DTensor, alike on its ranks.
+            loss_sum += local_part(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
             tokens += (targets != IGNORE_INDEX).sum()
             sequences += targets.shape[0]
     model.train()

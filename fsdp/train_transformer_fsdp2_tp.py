@@ -2,19 +2,23 @@
 
 The ranks form a grid, ("dp", "tp"). Along "tp", the --tp-degree ranks of a group
 split every Block between them (tensor parallelism): each holds a slice of the
-attention heads and of the MLP's hidden units, computes only those, and the
-group adds its partial outputs with one all-reduce after the attention and one
-after the MLP (two more in backward). They all train on the same batch. Along
-"dp", the groups are FSDP2's data parallelism: each trains on its own slice of
-the batch and fully_shard cuts every parameter (a slice already) once more among
-them. The result is the model one process trains. Lines marked DISTRIBUTED are
-the ones a single-GPU script would not have.
+attention heads and of the MLP's hidden units and computes only those. Between
+the Blocks each holds a slice of the sequence instead (sequence parallelism), so
+the group gathers the whole sequence before the attention and the MLP, and hands
+each rank its slice of their summed outputs after (an all-gather and a
+reduce-scatter each; backward runs them the other way). The head splits the
+vocabulary, and loss_parallel computes the loss from the slices of the logits.
+The ranks of a group train on the same batch. Along "dp", the groups are FSDP2's
+data parallelism: each trains on its own slice of the batch and fully_shard cuts
+every parameter (a slice already) once more among them. The result is the model
+one process trains. Lines marked DISTRIBUTED are the ones a single-GPU script
+would not have.
 
 This is fsdp/train_transformer_fsdp2.py with tensor parallelism added, kept as a
 script of its own so that both stay lessons: `diff` the two to see what TP adds.
 Add it when one Block's activations or gathered parameters no longer fit, or
 when FSDP's all-gathers over many ranks cost more than the step: inside a
-machine, where the two all-reduces per Block per pass are cheap
+machine, where the gathers and scatters of every Block are cheap
 (docs/strategies.md).
 
 A world of one process trains the whole model unsplit, whatever --tp-degree says:
@@ -48,8 +52,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel.style import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from common import cli, flag_checks, flags
@@ -110,6 +115,11 @@ def check_tensor_parallel_flags(parser: cli.Parser, args: argparse.Namespace) ->
         parser.error(
             f"--tp-degree {args.tp_size} must divide the attention heads ({args.n_head}): a rank holds whole heads"
         )
+    if args.block_size % args.tp_size:
+        parser.error(
+            f"--tp-degree {args.tp_size} must divide the block size ({args.block_size}): between the Blocks each "
+            "rank holds an equal slice of every sequence"
+        )
     groups = env_world_size() // args.tp_size
     if args.d_model % groups:
         # FSDP2 cuts the q|k|v pieces by their columns (wrap_model's shard_placement_fn), and only evenly: torch
@@ -151,6 +161,33 @@ class FusedColwiseParallel(ColwiseParallel):
         for key, parameter in list(module.named_parameters(recurse=False)):
             split = distribute_tensor(parameter, device_mesh, [_StridedShard(0, split_factor=self.parts)])
             module.register_parameter(key, nn.Parameter(split, requires_grad=parameter.requires_grad))
+
+
+def parallelize_blocks(layers: Iterable[nn.Module], tp_mesh: DeviceMesh, local_heads: int) -> None:
+    """Split every Block over the ranks of ``tp_mesh`` (Megatron-LM's tensor and sequence parallelism).
+
+    Between the Blocks each rank holds its own slice of the sequence, and the LayerNorms, whose weights every
+    rank keeps whole, work on that slice alone (SequenceParallel). Before the attention and the MLP the
+    group gathers the whole sequence (all-gather); each rank then computes its own heads (their q, k and v)
+    and its own hidden units: a column-wise layer cuts the outputs, and the row-wise layer after it cuts its
+    inputs to match and hands each rank its slice of the summed output (reduce-scatter). Backward runs the
+    other one at each place. A norm's gradient from one slice of the sequence is part of the gradient:
+    SequenceParallel's DTensor weights make autograd sum it over the group.
+    """
+    gather_the_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan = {
+        "ln1": SequenceParallel(),
+        "attn": gather_the_sequence,
+        "attn.qkv": FusedColwiseParallel(parts=3),
+        "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln2": SequenceParallel(),
+        "mlp": gather_the_sequence,
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, plan)
+        layer.attn.n_head = local_heads
 
 
 def _tp_placement(tensor: torch.Tensor) -> object:
@@ -196,12 +233,17 @@ def parts_apart(tensor: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(view, tensor.device_mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """A value that every rank of a group holds alike, as a plain tensor: the loss_parallel loss is a DTensor."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
 def clip_grad_norm_over_meshes(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """clip_grad_norm_ for DTensor gradients that live on different meshes; the global norm, a plain tensor.
 
-    Under FSDP2 plus tensor parallelism a Block's split weights live on the 2-D mesh and everything else
-    (norms, embeddings, head) on the data-parallel one, and torch's clip_grad_norm_ refuses to stack their
-    norms. Each mesh's part is combined over its own ranks first, as torchtitan does.
+    Under FSDP2 plus tensor parallelism every parameter that parallelize_module placed lives on the 2-D mesh
+    and the embeddings on the data-parallel one, and torch's clip_grad_norm_ refuses to stack their norms.
+    Each mesh's part is combined over its own ranks first, as torchtitan does.
     """
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for parameter in parameters:
@@ -247,8 +289,8 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
     """
     layers = model.blocks  # YOUR LAYERS: the ones that repeat; each is split, then becomes one FSDP unit
     # The mesh: a grid of (world size / tp) x tp ranks, row by row, so that a tensor-parallel group is
-    # consecutive ranks (one machine's GPUs: TP's all-reduces run in every Block, fast links only) and FSDP
-    # shards across the groups. Passed explicitly (on CPU too) so FSDP2 never guesses a device type.
+    # consecutive ranks (one machine's GPUs: TP's gathers and scatters run in every Block, fast links only)
+    # and FSDP shards across the groups. Passed explicitly (on CPU too) so FSDP2 never guesses a device type.
     shape, dim_names = (ctx.world_size // args.tp_size, args.tp_size), ("dp", "tp")
     print0(f"2-D mesh: {shape[0]} data-parallel group(s) of {shape[1]} tensor-parallel rank(s)")
     if args.cpu_offload:
@@ -259,21 +301,25 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
     else:
         mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names)
     if args.tp_size > 1:  # a world of one trains the model unsplit: the reference a split run must match
-        for layer in layers:
-            # Each rank computes its own heads (their q, k and v) and its own hidden units of the MLP: a
-            # column-wise layer cuts the outputs, and the row-wise layer after it cuts its inputs to match
-            # and ends with one all-reduce of the partial sums (in backward, the column-wise one's input
-            # gradient takes the other). The norms stay whole on every rank of the group.
-            plan = {
-                "attn.qkv": FusedColwiseParallel(parts=3),
-                "attn.proj": RowwiseParallel(),
-                "mlp.fc": ColwiseParallel(),
-                "mlp.proj": RowwiseParallel(),
-            }
-            parallelize_module(layer, mesh["tp"], plan)
-            layer.attn.n_head = args.n_head // args.tp_size  # the heads this rank computes
-        # The embeddings, final norm and head stay whole: every rank of a group computes all the logits, so
-        # the loss sees every target (a small vocabulary; a large one would split the head too, loss_parallel).
+        frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]  # --freeze
+        parallelize_blocks(layers, mesh["tp"], args.n_head // args.tp_size)
+        parallelize_module(
+            model,
+            mesh["tp"],
+            {
+                # Each rank keeps its own slice of the sequence from the embeddings on (a slice of a whole
+                # tensor: nothing sent), and the final norm works on that slice too.
+                "drop": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+                "ln_f": SequenceParallel(),
+                # The head gathers the sequence and computes its own slice of the vocabulary's logits, kept as a
+                # DTensor for loss_parallel (forward_backward): no rank ever holds every logit.
+                "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+            },
+        )
+        # torch 2.14.1's SequenceParallel makes the norms' weights anew, forgetting a frozen one's requires_grad:
+        # turned off again here, before fully_shard sees which parameters train.
+        for name in frozen:
+            model.get_parameter(name).requires_grad_(False)
     if args.compile:
         compile_layers(layers)
     if args.activation_checkpointing:
@@ -327,10 +373,13 @@ def forward_backward(
         # YOUR LOSS. In fp32 whatever the compute dtype: a bf16 softmax is too coarse.
         # DISTRIBUTED: times the data-parallel groups, since FSDP's gradient reduction averages over them;
         # the ranks of a group hold parts of one gradient, which no reduction averages.
-        summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-        loss = summed * dp_size / tokens
-        loss.backward()
-        step_loss += loss.detach()
+        # DISTRIBUTED: under TP the logits are a DTensor, each rank's slice of the vocabulary; loss_parallel
+        # computes the cross-entropy from the slices (small all-reduces per token), gathering no logits.
+        with loss_parallel():
+            summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            loss = summed * dp_size / tokens
+            loss.backward()
+        step_loss += whole(loss.detach())
     return step_loss
 
 
@@ -434,7 +483,7 @@ def train(args, ctx: DistContext) -> None:
             step_loss = forward_backward(model, micro_batches, tokens, ctx, dp_size)
             run.watch_loss(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
             # Clipping also measures the logged global gradient norm (--grad-clip 0: measures only).
-            # DISTRIBUTED: of DTensor slices on two meshes (a Block's split weights on both dimensions, the rest on
+            # DISTRIBUTED: of DTensor slices on two meshes (what TP placed on both dimensions, the embeddings on
             # "dp"), which torch's clip_grad_norm_ cannot stack: each mesh's part is combined over its ranks first.
             grad_norm = clip_grad_norm_over_meshes(model.parameters(), args.grad_clip or math.inf)
             optimizer.step()
@@ -444,7 +493,7 @@ def train(args, ctx: DistContext) -> None:
             if logs:
                 run.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
             if step % args.eval_interval == 0 or step == total_steps:
-                with run.paused():
+                with run.paused(), loss_parallel():  # DISTRIBUTED: the logits stay split, as in training
                     result = evaluate_language_model(model, heldout_loader, ctx, copies=args.tp_size)
                     run.write("eval", step=step, epoch=epoch, **result)
                     print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
@@ -452,7 +501,8 @@ def train(args, ctx: DistContext) -> None:
     if checkpoints.due(step):
         checkpoints.save(step)
     if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
-        result = evaluate_language_model(model, heldout_loader, ctx, copies=args.tp_size)
+        with loss_parallel():
+            result = evaluate_language_model(model, heldout_loader, ctx, copies=args.tp_size)
         run.write("eval", step=step, **result)
     save_model(model, args, ctx, checkpoints)  # DISTRIBUTED
     run.finish(

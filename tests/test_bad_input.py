@@ -129,13 +129,24 @@ TP_SCRIPT = "fsdp/train_transformer_fsdp2_tp.py"
         ("4", ["--tp-degree", "4", "--n-head", "2", "--d-model", "64"], "--tp-degree 4 must divide the attention"),
         ("4", ["--global-batch-size", "5"], "--global-batch-size 5 does not divide into 2 data-parallel group(s) x 1"),
         ("12", ["--tp-degree", "2"], "the 6 data-parallel groups must divide the width (--d-model 64)"),
+        # Sequence-parallel: an uneven slice gave each rank a DTensor of another global length.
+        ("2", ["--block-size", "33"], "--tp-degree 2 must divide the block size (33): between the Blocks each rank"),
         # Each ran, unrefused, before: full checkpoints and --init-from loaded scrambled q|k|v weights (issue 57's
         # hostile pass), and --replicate-degree at --tp-degree 1 trained plain FSDP2 instead of the HSDP asked for.
         ("4", ["--checkpoint-format", "full"], "--checkpoint-format full with --tp-degree above 1"),
         ("4", ["--init-from", __file__], "--init-from with --tp-degree above 1: loading whole weights"),
         ("2", ["--tp-degree", "1", "--replicate-degree", "2"], "--replicate-degree: this script shards over every"),
     ],
-    ids=["world-3", "heads-2", "batch-5", "width-64-over-6", "full-format", "init-from", "replicate-at-tp-1"],
+    ids=[
+        "world-3",
+        "heads-2",
+        "batch-5",
+        "width-64-over-6",
+        "block-33",
+        "full-format",
+        "init-from",
+        "replicate-at-tp-1",
+    ],
 )
 def test_a_mesh_the_world_size_or_the_model_cannot_make_is_refused(
     world_size: str,

@@ -246,7 +246,11 @@ TENSOR_PARALLEL = [
     Mistake(
         name="tp-row-wise-layer-split-by-its-outputs",
         path=FSDP2_TP,
-        edits={'"mlp.proj": RowwiseParallel(),': '"mlp.proj": ColwiseParallel(),'},
+        edits={
+            '"mlp.proj": RowwiseParallel(output_layouts=Shard(1)),': (
+                '"mlp.proj": ColwiseParallel(output_layouts=Shard(1)),'
+            )
+        },
         test=TP_ALONE,
         reason=r"a and b must have same reduction dim",
         harm="the MLP's second layer is cut along its outputs instead of its inputs: it receives a slice of the "
@@ -266,6 +270,29 @@ TENSOR_PARALLEL = [
         harm="the ranks of a tensor-parallel group compute one layer together on different examples: each adds "
         "its partial sums to another example's, and the loss meets targets the logits were not computed for",
         notice="the loss is far above a run without TP, and the ranks of a group log different losses",
+    ),
+    Mistake(
+        name="tp-loss-on-local-logits",
+        path=FSDP2_TP,
+        edits={"output_layouts=Shard(-1), use_local_output=False)": "output_layouts=Shard(-1))"},
+        test=TP_ALONE,
+        reason=r"Target \d+ is out of bounds",
+        harm="the split head hands back plain local logits, each rank's slice of the vocabulary, and the loss "
+        "reads them as if they were all of it: no rank ever sees the logits of the targets in another's slice",
+        notice="on CPU the loss stops on a target out of bounds; on a GPU, a device-side assert in the loss, or "
+        "with a vocabulary padded to the split, a loss that trains on the wrong classes",
+    ),
+    Mistake(
+        name="tp-norm-gradients-not-summed",
+        path=FSDP2_TP,
+        edits={'        "ln1": SequenceParallel(),\n': "", '        "ln2": SequenceParallel(),\n': ""},
+        test=TP_ALONE,
+        reason=TRAINS_DIFFERENTLY,
+        harm="the LayerNorms left out of the plan run on each rank's slice of the sequence as plain modules: "
+        "forward is right, but each rank's norm gradient covers its own tokens only and is never summed, so "
+        "the copies of the norm weights in a group drift apart",
+        notice="nothing fails; the loss drifts from a run without TP after the first steps, and the norm weights "
+        "differ between the ranks of a group when compared",
     ),
 ]
 

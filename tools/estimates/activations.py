@@ -88,11 +88,15 @@ class ActivationBytes:
     # the most alive during its backward, and what is alive at its end, its gradients all there.
     unit_peaks: tuple[int, ...] = ()
     unit_ends: tuple[int, ...] = ()
+    # The most alive at once during forward, above ``weight_copies``: ``kept`` as it grows, and what an operator
+    # makes and frees at once (tensor parallelism gathers the sequence into one buffer, then lays it out in another).
+    forward: int = 0
 
     @property
     def peak(self) -> int:
-        """The most activations alive at once, in backward (``recomputed`` is within ``backward``)."""
-        return self.kept + self.backward
+        """The most activations alive at once: in backward (``recomputed`` is within ``backward``), or where
+        forward's passing buffers rise above that."""
+        return max(self.kept + self.backward, self.forward)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -178,14 +182,16 @@ def gpt_activations(
         tokens = torch.randint(config.vocab_size, (batch_size, config.block_size))
         targets = torch.randint(config.vocab_size, (batch_size, config.block_size))
         counter = SavedBytes(model.parameters())
-        with counter.counting(), forward_context(forward):
+        forward_measure = BackwardBytes([], model.parameters())  # every storage forward makes, until freed
+        with counter.counting(), forward_context(forward), forward_measure:
             logits = model(tokens)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
             counter.add(logits)  # the training loop holds it through backward
         recomputed = block_activations(model, batch_size, forward) if checkpointing else 0
         copies = sum(counter.copy_sizes.values())
+        passing = forward_measure.peak - forward_measure.start - copies
         if not backward:
-            return ActivationBytes(kept=counter.total, recomputed=recomputed, weight_copies=copies)
+            return ActivationBytes(kept=counter.total, recomputed=recomputed, weight_copies=copies, forward=passing)
         units = [list(block.parameters()) for block in model.blocks] if unit_gradients else None
         measure = backward_bytes(model, loss, counter, units)
     return ActivationBytes(
@@ -195,6 +201,7 @@ def gpt_activations(
         weight_copies=copies,
         unit_peaks=tuple(peak - measure.start for peak in measure.unit_peaks),
         unit_ends=tuple(end - measure.start for end in measure.unit_ends),
+        forward=passing,
     )
 
 

@@ -15,6 +15,7 @@ included; --tp-degree adds FSDP2 + tensor parallelism's (tools.estimates.tensor_
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 
 from common.cli import HelpFormatter
 from common.collectives import Traffic
@@ -38,7 +39,8 @@ from tools.estimates.estimate_memory import (
 from tools.estimates.in_flight import STRATEGIES
 from tools.estimates.measured_links import CommCheck
 from tools.estimates.modelled_collectives import model_collectives, run_collectives, step_seconds
-from tools.estimates.tensor_parallel import TensorParallel, as_fsdp2, check_degree
+from tools.estimates.shard_sizes import COMPUTE_BYTES
+from tools.estimates.tensor_parallel import TensorParallel, as_fsdp2, check_degree, group_collectives
 from tools.model_shapes import ParameterShapes, add_estimator_flags, estimator_shapes, fine_tuned_shapes
 from tools.strategies import named
 
@@ -109,7 +111,6 @@ def tensor_parallel_estimate(args: argparse.Namespace) -> tuple[int, StateBytes,
     dp = args.world_size // args.tp_degree
     pieces, layout = as_fsdp2(model.shapes, "tp", args.tp_degree)
     held = between_steps(pieces, dp, layout, model.trainable, args.precision)
-    tp = TensorParallel(args.tp_degree, args.batch_size, args.block_size, args.d_model)
     collectives = run_collectives(
         "fsdp2_tp",
         model.shapes,
@@ -118,21 +119,35 @@ def tensor_parallel_estimate(args: argparse.Namespace) -> tuple[int, StateBytes,
         args.precision,
         args.micro_steps,
         trainable=model.trainable,
-        tp=tp,
+        tp=job_tensor_parallel(args),
     )
     return args.world_size, held, collectives
 
 
+def job_tensor_parallel(args: argparse.Namespace) -> TensorParallel:
+    """The job's groups of --tp-degree ranks, each training --batch-size sequences a micro-step."""
+    return TensorParallel(args.tp_degree, args.batch_size, args.block_size, args.d_model)
+
+
 def tensor_parallel_seconds(
-    collectives: list[tuple[str, int, int]], degree: int, machine: int, fast: float, slow: float, spans: bool
+    collectives: list[tuple[str, int, int]],
+    inside_groups: list[tuple[str, int, int]],
+    machine: int,
+    fast: float,
+    slow: float,
+    spans: bool,
 ) -> float:
-    """fsdp2_tp's step time: its groups' all-reduces stay inside a machine of ``machine`` ranks, when one holds a
-    group; FSDP2's collectives across the groups run as full_shard's. TP's are all-reduces, FSDP2's gathers and
-    reduce-scatters: told by the group's size alone, those over as many data-parallel groups as a TP group has
-    ranks were priced at the fast links. (The gradient norm's few bytes over such groups still count as inside.)"""
-    inside = [c for c in collectives if c[0] == "all_reduce" and c[2] == degree and degree <= machine]
-    rest = Traffic.of(c for c in collectives if c not in inside)
-    return Traffic.of(inside).total_ring_bytes / fast + step_seconds("full_shard", rest, fast, slow, spans)
+    """fsdp2_tp's step time: tensor parallelism's collectives (``inside_groups``, among ``collectives``) stay
+    inside a machine of ``machine`` ranks when one holds a group; the rest, FSDP2's across the groups, run as
+    full_shard's. Told apart by kind and group size, FSDP2's over as many data-parallel groups as a TP group has
+    ranks were once priced at the fast links."""
+    degree = max((group for _, _, group in inside_groups), default=1)
+    if degree > machine:
+        inside_groups = []
+    rest = Counter(collectives)
+    rest.subtract(Counter(inside_groups))
+    across = Traffic.of(rest.elements())
+    return Traffic.of(inside_groups).total_ring_bytes / fast + step_seconds("full_shard", across, fast, slow, spans)
 
 
 def model_table(args: argparse.Namespace, check: CommCheck | None = None) -> str:
@@ -149,8 +164,13 @@ def model_table(args: argparse.Namespace, check: CommCheck | None = None) -> str
         traffic = Traffic.of(collectives)
         sent = [traffic.bytes.get(kind, 0) for kind in ("all_gather", "reduce_scatter", "all_reduce")]
         if strategy == "fsdp2_tp":
+            compute_bytes = COMPUTE_BYTES.get(args.precision, 2)
+            shapes: ParameterShapes = args.shapes
+            inside = group_collectives(
+                shapes.shapes, job_tensor_parallel(args), compute_bytes, args.micro_steps, shapes.trainable
+            )
             times = [
-                tensor_parallel_seconds(collectives, args.tp_degree, args.shard_group_size, fast, slow, spans)
+                tensor_parallel_seconds(collectives, inside, args.shard_group_size, fast, slow, spans)
                 for spans in (False, machines > 1)
             ]
         else:
@@ -231,8 +251,9 @@ def gpt_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConf
     config = gpt_shape(parser, args)
     args.layers = config.n_layer
     if args.tp_degree is not None:
+        args.tp_degree = 1 if args.world_size == 1 else args.tp_degree  # as the script: a world of one trains unsplit
         try:
-            check_degree(args.tp_degree, args.world_size, config.n_head, config.d_model)
+            check_degree(args.tp_degree, args.world_size, config.n_head, config.d_model, config.block_size)
         except ValueError as err:
             parser.error(str(err))
     return config

@@ -61,7 +61,7 @@ from tools.command_flags import block_count, layer_count, parameter_count
 from tools.estimates.activations import ActivationBytes, gpt_activations, mnist_activations
 from tools.estimates.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from tools.estimates.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
-from tools.estimates.tensor_parallel import as_fsdp2, chained, check_degree, local_blocks
+from tools.estimates.tensor_parallel import as_fsdp2, chained, check_degree, one_rank_of_a_group
 from tools.model_shapes import (
     add_estimator_flags,
     estimator_shapes,
@@ -194,13 +194,8 @@ def gib_or_na(value: float | None) -> str:
 
 def add_job_flags(parser: argparse.ArgumentParser, *, params_required: bool = True) -> None:
     """The model and the job, as this estimator and tools.estimates.estimate_communication both take them."""
-    parser.add_argument(
-        "--params",
-        type=parameter_count,
-        nargs="+",
-        required=params_required,
-        help="parameters in the model, e.g. 7e9 (several: one row each)",
-    )
+    text = "parameters in the model, e.g. 7e9 (several: one row each)"
+    parser.add_argument("--params", type=parameter_count, nargs="+", required=params_required, help=text)
     parser.add_argument("--world-size", type=positive_int, required=True, help="GPUs in the job")
     parser.add_argument(
         "--shard-group-size",
@@ -255,11 +250,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m tools.estimates.estimate_memory",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=HelpFormatter,
-    )
+    prog, description = "python -m tools.estimates.estimate_memory", __doc__.split("\n\n")[0]
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
     add_job_flags(parser, params_required=False)
     parser.add_argument("--gpu-memory", type=positive_float, required=True, help="memory of one GPU in GiB, e.g. 80")
     add_model_flags(parser)
@@ -276,7 +268,9 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
     """Refuse what the chosen model's scripts do not have; fill the GPT's shape from its preset. The GPT, if
     the model is one."""
     if args.model is None:
-        given = [flag for flag in (*GPT_SHAPE_FLAGS, "batch_size", "tp_degree") if getattr(args, flag) is not None]
+        if args.tp_degree is not None:
+            parser.error("--tp-degree needs --model: tensor parallelism splits the GPT's Blocks, which --params lacks")
+        given = [flag for flag in (*GPT_SHAPE_FLAGS, "batch_size") if getattr(args, flag) is not None]
         if given or args.activation_checkpointing:
             parser.error("activations need a model: add --model, or drop the model's flags")
         return None
@@ -293,8 +287,12 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
             parser.error(overflow)
         return None
     config = gpt_shape(parser, args)
+    if args.tp_degree is not None and args.world_size == 1:  # as the script: a world of one trains unsplit
+        args.tp_degree = 1
     try:
-        check_degree(args.tp_degree or 1, args.world_size, config.n_head, config.d_model, args.lora_rank)
+        check_degree(
+            args.tp_degree or 1, args.world_size, config.n_head, config.d_model, config.block_size, args.lora_rank
+        )
     except ValueError as err:
         parser.error(str(err))
     return config
@@ -376,7 +374,8 @@ def measure_model(args: argparse.Namespace) -> MeasuredModel:
         group = shard_group_for(strategy, args.world_size, args.shard_group_size)
         estimates.append(estimate_model(shapes, strategy, group, args.precision, measured[how], trainable=trainable))
     if args.tp_degree is not None:  # FSDP2 over each rank's pieces, with the activations of what a rank computes
-        local = chained(prepare, functools.partial(local_blocks, degree=args.tp_degree))
+        split_blocks = functools.partial(one_rank_of_a_group, degree=args.tp_degree) if args.tp_degree > 1 else None
+        local = chained(prepare, split_blocks)  # a world of one (degree 1) computes the whole model
         split = gpt_activations(
             config,
             args.batch_size,

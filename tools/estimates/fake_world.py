@@ -98,6 +98,10 @@ class StepRecorder(CollectiveRecorder):
         self.peak = self.live.nbytes()
 
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            # The real kernel hands back its input once the collective is done; the fake one (torch 2.14.1's
+            # _wait_tensor_meta) a new tensor, which would count every DTensor collective's output twice.
+            return args[0]
         result = super().__torch_dispatch__(func, types, args, kwargs)
         if result is not NotImplemented:
             self.live.see(tree_leaves((args, kwargs, result)))

@@ -41,7 +41,7 @@ from tools.estimates.shard_sizes import (
     fsdp2_padded_elements,
     fsdp_unit_names,
 )
-from tools.estimates.tensor_parallel import TensorParallel, fsdp_shapes, norm_collectives, tp_collectives
+from tools.estimates.tensor_parallel import TensorParallel, fsdp_shapes, group_collectives, norm_collectives
 
 FP32 = 4
 REDUCE_BYTES = FP32  # every script reduces gradients in fp32, whatever it computes in
@@ -272,16 +272,16 @@ def tensor_parallel_step(
     loss_check: bool,
 ) -> list[tuple[str, int, int]]:
     """FSDP2 + TP: FSDP2's gathers and reduce-scatters of each rank's pieces over its ``dp`` ranks, the
-    tensor-parallel all-reduces of the activations, and the clipping's per-mesh all-reduces."""
+    tensor-parallel gathers and scatters of the activations, the loss's and the LayerNorms' all-reduces, and the
+    clipping's per-mesh all-reduces."""
     degree = world_size // dp
     if tp is None or tp.degree != degree:
         raise ValueError(f"fsdp2_tp at {world_size} ranks, shards of {dp}: give its micro-batch, as TensorParallel")
     pieces = fsdp_shapes(shapes, degree)
     fsdp = sharded_collectives("fsdp2", pieces, dp, dp, precision, micro_steps, behaviour, None, trains)
-    blocks = len({".".join(name.split(".")[:2]) for name in shapes if name.startswith("blocks.")})
-    activations = tp_collectives(tp, blocks, COMPUTE_BYTES.get(precision, 2), micro_steps)
+    inside_groups = group_collectives(shapes, tp, COMPUTE_BYTES.get(precision, 2), micro_steps, trains)
     agreement = [("all_reduce", 8, world_size)] if loss_check else []  # the finite-loss check, as every script's
-    return fsdp + activations + agreement + norm_collectives(shapes, degree, dp, trains)
+    return fsdp + inside_groups + agreement + norm_collectives(shapes, degree, dp, trains)
 
 
 def sharded_collectives(

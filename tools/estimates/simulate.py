@@ -20,6 +20,7 @@ What the fake world cannot do without help, tools.estimates.fake_world provides,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -47,7 +48,7 @@ from tools.command_flags import output_file, positive_int_up_to, refuse_outputs_
 from tools.estimates import estimate_memory, modelled_collectives
 from tools.estimates.activations import gpt_activations
 from tools.estimates.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
-from tools.estimates.tensor_parallel import TensorParallel, chained, check_degree, local_blocks
+from tools.estimates.tensor_parallel import TensorParallel, chained, check_degree, one_rank_of_a_group
 from tools.model_shapes import ParameterShapes, estimator_shapes, fine_tune, fine_tuned_shapes, gpt_step_overflow
 from tools.output_checks import add_overwrite_flag, check_output_path
 from tools.runs.plot import check_figure_path, draw_scale, save_figure_or_exit
@@ -131,20 +132,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m tools.estimates.simulate", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
     )
-    parser.add_argument(
-        "--world-size",
-        type=world_size_type,
-        nargs="+",
-        required=True,
-        help="ranks in the simulated job (several: a table)",
-    )
-    parser.add_argument(
-        "--strategy",
-        choices=sorted(SCRIPTS),
-        nargs="+",
-        required=True,
-        help="the script and its sharding (several: a table)",
-    )
+    text = "ranks in the simulated job (several: a table)"
+    parser.add_argument("--world-size", type=world_size_type, nargs="+", required=True, help=text)
+    text = "the script and its sharding (several: a table)"
+    parser.add_argument("--strategy", choices=sorted(SCRIPTS), nargs="+", required=True, help=text)
     parser.add_argument(
         "--model", choices=sorted(GPT_PRESETS), nargs="+", default=["tiny"], help="size preset (default: tiny)"
     )
@@ -160,8 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tp-degree",
         type=positive_int,
-        default=TP_DEGREE,
-        help="fsdp2_tp: ranks per tensor-parallel group, which split each Block (default: %(default)s)",
+        help=f"fsdp2_tp: ranks per tensor-parallel group, which split each Block (default: {TP_DEGREE})",
     )
     parser.add_argument("--rank", type=non_negative_int, default=0, help="the rank simulated (default: 0)")
     parser.add_argument("--batch-size", type=positive_int, help="sequences per rank per step (default: the script's)")
@@ -173,6 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--png", type=output_file, help="draw state per rank by world size here (.png or .svg)")
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
+    if args.tp_degree is not None and "fsdp2_tp" not in args.strategy:  # None: not given, so not ignored unseen
+        parser.error(f"--tp-degree is for --strategy fsdp2_tp, not {' '.join(args.strategy)}: add it, or drop the flag")
+    args.tp_degree = args.tp_degree or TP_DEGREE
     refuse_outputs_on_one_path(parser, args)
     if args.out is not None:
         check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
@@ -210,7 +203,7 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
     # The ranks of a tensor-parallel group: a world of one trains unsplit; refused where the script refuses.
     tp_degree = 1 if strategy != "fsdp2_tp" or world_size == 1 else args.tp_degree
     preset = GPT_PRESETS[model]
-    check_degree(tp_degree, world_size, preset["n_head"], preset["d_model"], args.lora_rank)
+    check_degree(tp_degree, world_size, preset["n_head"], preset["d_model"], preset["block_size"], args.lora_rank)
     return argparse.Namespace(
         world_size=world_size,
         strategy=strategy,
@@ -266,11 +259,11 @@ def training_step(
     inputs, targets = batch
     optimizer.zero_grad(set_to_none=args.strategy != "ddp")  # DDP keeps its gradients as bucket views
     autocast = args.strategy == "ddp" and args.mixed_precision != "fp32"
-    with torch.autocast("cpu", dtype=COMPUTE_DTYPES[args.mixed_precision], enabled=autocast):
+    with args.script_loss(), torch.autocast("cpu", dtype=COMPUTE_DTYPES[args.mixed_precision], enabled=autocast):
         logits = model(inputs)
         summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
         loss = summed * ctx.world_size / (targets.numel() * ctx.world_size)
-    loss.backward()
+        loss.backward()
     if args.strategy == "fsdp1":
         model.clip_grad_norm_(1.0)
     elif args.strategy == "fsdp2_tp":  # its gradients live on two meshes, which torch's clipping cannot stack
@@ -287,6 +280,8 @@ def simulate(args: argparse.Namespace, progress: Progress | None = None) -> dict
     script = runpy.run_path(str(REPO / SCRIPTS[args.strategy]))
     wrap_model = script["wrap_model"]
     args.script_clip = script.get("clip_grad_norm_over_meshes")  # the TP script's own
+    # The TP script's logits are split over the vocabulary: its loss runs under loss_parallel, backward too.
+    args.script_loss = script.get("loss_parallel", contextlib.nullcontext)
     # The torchrun variables the script's flag checks read, for the simulated rank.
     with mock.patch.dict(
         os.environ,
@@ -366,7 +361,7 @@ def estimate(args: argparse.Namespace, config: Any, batch_size: int, tuned: Para
     kind = "ddp" if strategy == "ddp" else "hybrid_shard" if args.replicate_degree > 1 else "full_shard"
     forward = estimate_memory.forward_of(kind, args.mixed_precision)
     if args.tp_degree > 1:  # what one rank of a group computes
-        prepare = chained(prepare, functools.partial(local_blocks, degree=args.tp_degree))
+        prepare = chained(prepare, functools.partial(one_rank_of_a_group, degree=args.tp_degree))
     activations = gpt_activations(
         config, batch_size, checkpointing=False, forward=forward, unit_gradients=kind != "ddp", prepare=prepare
     )
