@@ -67,8 +67,8 @@ def add_training_flags(
     text = f"examples per rank per micro-step (default: {batch_size})"
     group.add_argument("--batch-size", type=flags.positive_int, help=text)
     text = (
-        "examples per optimizer step over all ranks and micro-steps; the per-rank batch becomes N / (world size x "
-        "--grad-accum-steps), so the same N trains the same way at any world size"
+        "examples per optimizer step over all ranks and micro-steps; the per-rank batch becomes N / (world size "
+        "[/ --tp-degree under tensor parallelism] x --grad-accum-steps), so the same N trains alike at any world size"
     )
     group.add_argument("--global-batch-size", type=flags.positive_int, metavar="N", help=text)
     text = "micro-steps per optimizer step; gradients sync only on the last one"

@@ -256,6 +256,13 @@ def plain_setting(value: Any) -> Any:
 
 
 NOT_RECORDED = "(not recorded)"  # a flag that the script which wrote the checkpoint did not have yet
+EXPORT = "python -m tools.runs.export_checkpoint CHECKPOINT model.pt, then start a new run with --init-from model.pt"
+WAYS_ON = {  # what to do where an identity differs, by (key, whether this run has None there)
+    ("lora", True): "lora is {theirs!r} there, None here (to go on without adapters, merge them: " + EXPORT + ")",
+    ("qkv", True): "its q|k|v weights were saved split for tensor parallelism: resume it with "
+    "fsdp/train_transformer_fsdp2_tp.py at a --tp-degree above 1 (2 processes or more), or export it: " + EXPORT,
+    ("qkv", False): "its q|k|v weights were saved whole; a --tp-degree above 1 splits them: resume it in one process",
+}
 
 
 def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, list[Any]]:
@@ -334,21 +341,15 @@ def with_strategy_change(recorded: Any, current: str, changed: dict[str, list[An
 
 def identity_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
     """What makes a checkpoint (its recorded ``identity``) unfit for this run, each difference named; None if it fits.
-    The strategy is not part of it: a checkpoint belongs to a model, not to a script."""
+    A checkpoint belongs to a model, not to a script (the strategy is not in it). "trained" and "model" missing there:
+    recorded later (the state dicts' keys are all there is to go by); the TP script's "qkv" missing here is None."""
     differences = []
-    for key, value in ours.items():
-        # "trained" and "model" missing there: written before they were recorded (the MNIST scripts recorded only
-        # themselves), and the state dicts' own keys are all there is to go by.
+    for key, value in ({**ours, "qkv": ours.get("qkv")} if "qkv" in theirs else ours).items():
         if theirs.get(key) == value or (key in ("trained", "model") and key not in theirs):
             continue
-        if key == "trained":
-            if theirs.get("lora") == ours.get("lora"):  # other adapters train other parameters: said already
-                differences.append(trained_difference(theirs[key], value))
-        elif key == "lora" and value is None:
-            differences.append(
-                f"lora is {theirs[key]!r} there, None here (to go on without adapters, merge them: python -m "
-                "tools.runs.export_checkpoint CHECKPOINT model.pt, then start a new run with --init-from model.pt)"
-            )
-        else:
-            differences.append(f"{key} is {theirs.get(key)!r} there, {value!r} here")
+        if key != "trained":
+            way_on = WAYS_ON.get((key, value is None), "{key} is {theirs!r} there, {ours!r} here")
+            differences.append(way_on.format(key=key, theirs=theirs.get(key), ours=value))
+        elif theirs.get("lora") == ours.get("lora"):  # other adapters train other parameters: said already
+            differences.append(trained_difference(theirs[key], value))
     return "; ".join(differences) or None

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from common.data import markov_data
-from common.flag_checks import NOT_TRAINING_SETTINGS, changed_settings
+from common.flag_checks import NOT_TRAINING_SETTINGS, changed_settings, identity_mismatch
 from common.models import GPT, GPTConfig
 from common.run_dir import LOCK_FILE, checkpoint_step, complete_checkpoints
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU, cases
@@ -319,6 +319,26 @@ def test_kill_mid_save_and_damaged_checkpoint_lose_nothing(tmp_path: Path) -> No
     assert refused.output.count(message) == 1, refused.describe()
     assert f"--resume-from {previous}." in refused.output, refused.describe()
     assert file_digests(run_dir) == before, "a refused resume must change nothing"
+
+
+def test_a_tensor_parallel_checkpoint_resumed_unsplit_says_how_to_go_on() -> None:
+    """The TP script's checkpoint at --tp-degree 2 saves each q|k|v weight split in 3 parts ("qkv" in its identity).
+    The FSDP2 script, which records no "qkv", compared its own keys only and went on to DCP's raw size mismatch
+    (saved [3, 64, 64], current [192, 64]); the TP script in one process said "qkv is '3 parts' there, None here"."""
+    common = {"model": GPTConfig(16, 64, 2, 4, 64).shape(), "lora": None, "tied": None, "trained": None}
+    split, unsplit = {**common, "qkv": "3 parts"}, {**common, "qkv": None}  # the TP script's, at 2 ranks and at 1
+    for ours in (common, unsplit):  # the FSDP2 script's identity, then the TP script's in one process
+        message = identity_mismatch(split, ours)
+        assert message is not None, "resumed a split checkpoint into whole weights"
+        assert message.startswith(
+            "its q|k|v weights were saved split for tensor parallelism: resume it with "
+            "fsdp/train_transformer_fsdp2_tp.py at a --tp-degree above 1"
+        ), message
+        assert "python -m tools.runs.export_checkpoint CHECKPOINT model.pt" in message and "--init-from" in message
+    assert "were saved whole; a --tp-degree above 1 splits them" in str(identity_mismatch(common, split))
+    # Whole weights fit either way; a key only the first checkpoints recorded ("script") is still not compared.
+    assert identity_mismatch(unsplit, common) is None and identity_mismatch(common, unsplit) is None
+    assert identity_mismatch({**common, "script": "fsdp/train_transformer_fsdp2.py"}, common) is None
 
 
 def test_full_checkpoint_from_another_run_or_damaged_is_refused_and_an_older_one_resumes(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from common.mnist import MnistNet
 from common.models import GPT, GPTConfig
 from tools.benchmarks.compare_strategies import markdown_table, micro_steps
 from tools.checks.comm_check import all_gather_single, reduce_scatter_single
-from tools.estimates.estimate_communication import main
+from tools.estimates.estimate_communication import main, parse_args
 from tools.estimates.modelled_collectives import (
     FsdpBehaviour,
     Unit,
@@ -186,6 +186,17 @@ def test_estimator_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "s" in cells[("7B", "full_shard")][10] and "ms" in cells[("7B", "hybrid_shard")][10]
     with pytest.raises(SystemExit):
         main(["--params", "1e9", "--world-size", "8", "--shard-group-size", "3"])
+
+
+def test_a_world_of_one_takes_any_tp_degree_and_trains_unsplit_as_the_script_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--world-size 1 --tp-degree 2 was refused ("does not divide the world size 1"), where the TP script in one
+    process trains the whole model unsplit: no tensor-parallel all-reduce, FSDP2's row at one rank."""
+    assert parse_args(["--model", "tiny", "--world-size", "1", "--tp-degree", "2"]).tp_degree == 1
+    main(["--model", "tiny", "--world-size", "1", "--tp-degree", "2"])
+    rows = {r.split("|")[1].strip(): r.split("|")[2:] for r in capsys.readouterr().out.splitlines() if r[:2] == "| "}
+    assert rows["fsdp2_tp"] == rows["fsdp2"]
 
 
 @pytest.fixture

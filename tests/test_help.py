@@ -80,6 +80,13 @@ def test_a_default_computed_later_is_written_in_the_help_by_hand(monkeypatch: py
     assert entry.default is None and "(default: 64)" in parser._get_formatter()._format_action(entry)
 
 
+def test_the_global_batch_is_divided_over_the_data_parallel_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks of a tensor-parallel group share one batch: the help said N / (world size x ...) to the TP script."""
+    parse_args = runpy.run_path(str(REPO / "fsdp/train_transformer_fsdp2_tp.py"))["parse_args"]
+    entry = next(a for a in parser_of(parse_args, monkeypatch)._actions if "--global-batch-size" in a.option_strings)
+    assert "N / (world size [/ --tp-degree under tensor parallelism] x --grad-accum-steps)" in entry.help, entry.help
+
+
 def test_every_script_is_checked() -> None:
     present = sorted(str(path.relative_to(REPO)) for folder in ("ddp", "fsdp") for path in (REPO / folder).glob("*.py"))
     assert sorted(SCRIPTS) == present

@@ -7,6 +7,7 @@ already launches DDP and every FSDP mode; here only what needs no launch.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ import torch
 from common.distributed import local_state_bytes
 from common.models import GPT, GPTConfig
 from common.training import model_flops_utilization, peak_flops, transformer_flops_per_token
-from tools.benchmarks.compare_strategies import STRATEGIES, markdown_table, parse_args
+from tools.benchmarks import compare_strategies
+from tools.benchmarks.compare_strategies import STRATEGIES, markdown_table, parse_args, planned_runs
+from tools.estimates import estimate_memory
 from tools.estimates.estimate_memory import (
     GIB,
     between_steps,
@@ -159,6 +162,28 @@ def test_estimator_command(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--params", "1e9", "--world-size", "8", "--gpu-memory", "80", "--shard-group-size", "3"])
 
 
+def test_tp_degree_with_a_bare_parameter_count_is_refused_as_needing_a_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--params with --tp-degree was refused as "activations need a model", which --tp-degree is not about."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--params", "1e9", "--world-size", "8", "--gpu-memory", "80", "--tp-degree", "2"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exited.value.code == 2 and len(errors) == 1, errors
+    assert "--tp-degree needs --model: tensor parallelism splits the GPT's Blocks" in errors[0], errors
+
+
+def test_a_world_of_one_takes_any_tp_degree_and_trains_unsplit_as_the_script_does() -> None:
+    """--world-size 1 --tp-degree 2 was refused ("does not divide the world size 1"), where the TP script in one
+    process trains the whole model unsplit: its row is FSDP2's at one rank."""
+    argv = ["--model", "tiny", "--world-size", "1", "--gpu-memory", "80", "--tp-degree", "2", "--batch-size", "1"]
+    args = estimate_memory.parse_args([*argv, "--n-layer", "1"])  # one Block: quick to measure
+    assert args.tp_degree == 1
+    rows = {row.strategy: row for row in estimate_memory.measure_model(args).estimates}
+    # What the whole model computes: no split Blocks, nor the copies that stand for their collectives.
+    assert rows["fsdp2_tp"].activations == rows["full_shard"].activations
+
+
 def record(strategy: str, world_size: int, group: int, held: dict[str, int]) -> dict:
     return {
         "strategy": strategy,
@@ -198,6 +223,36 @@ def test_comparison_runs_hybrid_only_where_it_can_shard_and_replicate() -> None:
     assert {s.name for s in hybrid} == {"fsdp1_hybrid_shard", "fsdp2_hsdp"}
     assert [n for n in range(1, 9) if hybrid[0].runs_at(n)] == [4, 6, 8]
     assert all(s.runs_at(1) for s in STRATEGIES if not s.hybrid)
+
+
+def test_comparison_skips_fsdp2_tp_where_its_script_would_refuse_the_world_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 6 ranks and --tp-degree 2 the tiny model's width (64) does not split over 3 data-parallel groups: the
+    script refused it after the runs before it had trained, with torchrun's traceback. Now skipped up front, said in
+    one line, by the estimators' rule; and where nothing is left to run, refused."""
+    argv = ["--world-sizes", "1", "4", "6", "--strategies", "ddp", "fsdp2_tp", "--out-dir", str(tmp_path / "cmp")]
+    args, _ = parse_args(argv)
+    planned = [(strategy.name, world_size) for strategy, world_size, _ in planned_runs(args)]
+    assert planned == [("ddp", 1), ("fsdp2_tp", 1), ("ddp", 4), ("fsdp2_tp", 4), ("ddp", 6)]
+
+    def finished_run(strategy, world_size: int, run_dir: Path, flags: list[str]) -> dict:
+        (run_dir / "metrics.jsonl").write_text("{}\n")
+        return {"strategy": strategy.name, "world_size": world_size}
+
+    monkeypatch.setattr(compare_strategies, "launch", finished_run)
+    monkeypatch.setattr(compare_strategies, "parameter_shapes", lambda run_dir: {})
+    capsys.readouterr()
+    assert len(compare_strategies.train_runs(args, [])) == 5
+    said = [line for line in capsys.readouterr().out.splitlines() if "fsdp2_tp" in line]
+    assert said == [
+        "fsdp2_tp at 6 rank(s) skipped: its script would refuse it (the 3 data-parallel groups must divide the "
+        "width (64): FSDP2 cuts the q|k|v weight by its columns, evenly only)"
+    ]
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--world-sizes", "6", "--strategies", "fsdp2_tp", "--out-dir", str(tmp_path / "none")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exited.value.code == 2 and len(errors) == 1 and "fsdp2_tp at 6: the 3 data-parallel groups" in errors[0]
 
 
 def test_transformer_flops_per_token() -> None:

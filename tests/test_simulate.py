@@ -175,6 +175,27 @@ def test_what_cannot_be_simulated_is_refused(capsys: pytest.CaptureFixture[str])
         assert len(errors) == 1 and message in errors[0], errors
 
 
+def test_tp_degree_without_fsdp2_tp_is_refused_and_fsdp2_tp_keeps_its_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--tp-degree 4 beside --strategy fsdp2 alone was ignored without a word: its default (the TP row's 2) left no
+    way to tell it from one given. fsdp2_tp still takes 2 by default, and a world of one trains unsplit."""
+    with pytest.raises(SystemExit) as exited:
+        simulate.parse_args(["--world-size", "8", "--strategy", "fsdp2", "--tp-degree", "4"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exited.value.code == 2 and len(errors) == 1, errors
+    assert "--tp-degree is for --strategy fsdp2_tp, not fsdp2" in errors[0], errors
+    jobs = simulate.parse_args(["--world-size", "1", "8", "--strategy", "fsdp2", "fsdp2_tp"]).jobs
+    assert [(job.world_size, job.strategy, job.tp_degree) for job in jobs] == [
+        (1, "fsdp2", 1),
+        (1, "fsdp2_tp", 1),
+        (8, "fsdp2", 1),
+        (8, "fsdp2_tp", 2),
+    ]
+    (job,) = simulate.parse_args(["--world-size", "1", "--strategy", "fsdp2_tp", "--tp-degree", "4"]).jobs
+    assert job.tp_degree == 1
+
+
 def test_two_outputs_on_one_path_are_refused_before_any_work(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

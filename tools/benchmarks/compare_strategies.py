@@ -9,8 +9,8 @@ Each configuration runs through torchrun for a few steps; its final metrics.json
 per-rank bytes of parameters, gradients and optimizer state (the rank holding the most), the peak
 memory, the throughput, and what one optimizer step's collectives moved, by kind. Beside each
 figure, in parentheses, is what ``tools.estimates.estimate_memory`` and ``tools.estimates.estimate_communication``
-predict from the shapes in the run's model.pt. Hybrid modes need an
-even world size of at least 4 (2 replicas of at least 2 shards) and are skipped elsewhere.
+predict from the shapes in the run's model.pt. Hybrid modes need an even world size of at least 4 (2 replicas
+of at least 2 shards) and are skipped elsewhere; FSDP2 + TP, with a line saying why, where its script refuses.
 --png draws model state and peak memory per rank, measured (solid) beside estimated (dashed; the
 peak's estimate is the model state at its peak, without activations or the runtime's own memory),
 and step time, by world size, one line per strategy. --from-runs trains nothing: it reads the
@@ -31,7 +31,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,7 +45,7 @@ from tools.estimates.estimate_memory import LAYOUTS, Estimate
 from tools.estimates.in_flight import gathered_units, in_flight_bytes
 from tools.estimates.modelled_collectives import run_estimate
 from tools.estimates.shard_sizes import StateBytes, between_steps
-from tools.estimates.tensor_parallel import TensorParallel, as_fsdp2
+from tools.estimates.tensor_parallel import TensorParallel, as_fsdp2, refused_world_sizes
 from tools.output_checks import (
     add_overwrite_flag,
     check_output_folder,
@@ -321,9 +321,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         check_saved_runs(parser, args.from_runs, passed_on)
         return args, passed_on
     refuse_outputs_on_one_path(parser, args)  # --out-dir is an output only when this command trains
-    check_out_dir(parser, args)
     scripts = sorted({strategy.script for strategy in STRATEGIES if strategy.name in args.strategies})
-    check_script_flags(parser, scripts, script_flags(args, passed_on))
+    settings = check_script_flags(parser, scripts, script_flags(args, passed_on))
+    args.tp_refused = refused_world_sizes(args.world_sizes, settings.get(BY_NAME["fsdp2_tp"].script))
+    if not planned_runs(args):  # every run skipped: nothing to compare
+        why = [f"fsdp2_tp at {world}: {reason}" for world, reason in args.tp_refused.items()]
+        why += ["hybrid sharding needs an even world of 4 or more"] * any(BY_NAME[n].hybrid for n in args.strategies)
+        parser.error(f"no run of --strategies can start at --world-sizes {args.world_sizes} ({'; '.join(why)})")
+    check_out_dir(parser, args)
     return args, passed_on
 
 
@@ -338,29 +343,35 @@ def script_flags(args: argparse.Namespace, passed_on: list[str]) -> list[str]:
     ]
 
 
-def check_script_flags(parser: argparse.ArgumentParser, scripts: list[str], flags: list[str]) -> None:
-    """Each script's own parser reads the flags now, in this process at one rank: a typo after ``--``
-    is one line before any run, not a failed torchrun after the first runs finished."""
+def check_script_flags(parser: argparse.ArgumentParser, scripts: list[str], flags: list[str]) -> dict[str, Any]:
+    """Each script's own parser reads the flags now, in this process at one rank: a typo after ``--`` is one line
+    before any run, not a failed torchrun later. What each made of them (TP's after its row's flags, as launched)."""
+    parsed = {}
     with tempfile.TemporaryDirectory() as scratch:
         for script in scripts:
             said = io.StringIO()
+            own = BY_NAME["fsdp2_tp"].flags if script == BY_NAME["fsdp2_tp"].script else ()
             try:
                 with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
-                    runpy.run_path(str(REPO / script))["parse_args"]([*flags, "--run-dir", f"{scratch}/run"])
+                    parse = runpy.run_path(str(REPO / script))["parse_args"]
+                    parsed[script] = parse([*own, *flags, "--run-dir", f"{scratch}/run"])
             except SystemExit as stop:
                 if stop.code:
                     lines = [line for line in said.getvalue().splitlines() if "error: " in line]
                     error = lines[-1].split("error: ", 1)[1] if lines else said.getvalue().strip()
                     parser.error(f"the flags for {script}: {error}")
+    return parsed
 
 
 def planned_runs(args: argparse.Namespace) -> list[tuple[Strategy, int, Path]]:
-    """Each run this command starts: its strategy, world size and run dir, in order."""
+    """Each run this command starts: its strategy, world size and run dir, in order. A TP row runs where its
+    script accepts the world size (``args.tp_refused``), any other where ``Strategy.runs_at`` says it can."""
     return [
         (strategy, world_size, args.out_dir / f"{strategy.name}-{world_size}")
         for world_size in args.world_sizes
         for strategy in STRATEGIES
-        if strategy.name in args.strategies and strategy.runs_at(world_size)
+        if strategy.name in args.strategies
+        and (world_size not in args.tp_refused if strategy.layout == "tp" else strategy.runs_at(world_size))
     ]
 
 
@@ -421,6 +432,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def train_runs(args: argparse.Namespace, common_flags: list[str]) -> list[tuple[dict, dict[str, tuple[int, ...]]]]:
     """Each planned run, trained now: its final record and parameter shapes."""
+    for world_size, why in args.tp_refused.items():  # said before the first run, so not missed as a failure
+        print(f"fsdp2_tp at {world_size} rank(s) skipped: its script would refuse it ({why})", flush=True)
     runs = []
     try:
         for strategy, world_size, final_dir in planned_runs(args):
