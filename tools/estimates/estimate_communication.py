@@ -40,7 +40,7 @@ from tools.estimates.in_flight import STRATEGIES
 from tools.estimates.measured_links import CommCheck
 from tools.estimates.modelled_collectives import model_collectives, run_collectives, step_seconds
 from tools.estimates.shard_sizes import COMPUTE_BYTES
-from tools.estimates.tensor_parallel import TensorParallel, as_fsdp2, check_degree, group_collectives
+from tools.estimates.tensor_parallel import TensorParallel, as_fsdp2, check_degree, group_collectives, group_degree
 from tools.model_shapes import ParameterShapes, add_estimator_flags, estimator_shapes, fine_tuned_shapes
 from tools.strategies import named
 
@@ -251,7 +251,7 @@ def gpt_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConf
     config = gpt_shape(parser, args)
     args.layers = config.n_layer
     if args.tp_degree is not None:
-        args.tp_degree = 1 if args.world_size == 1 else args.tp_degree  # as the script: a world of one trains unsplit
+        args.tp_degree = group_degree(args.tp_degree, args.world_size)
         try:
             check_degree(args.tp_degree, args.world_size, config.n_head, config.d_model, config.block_size)
         except ValueError as err:

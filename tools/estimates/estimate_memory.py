@@ -61,7 +61,7 @@ from tools.command_flags import block_count, layer_count, parameter_count
 from tools.estimates.activations import ActivationBytes, gpt_activations, mnist_activations
 from tools.estimates.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from tools.estimates.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
-from tools.estimates.tensor_parallel import as_fsdp2, chained, check_degree, one_rank_of_a_group
+from tools.estimates.tensor_parallel import as_fsdp2, chained, check_degree, group_degree, one_rank_of_a_group
 from tools.model_shapes import (
     add_estimator_flags,
     estimator_shapes,
@@ -287,8 +287,8 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
             parser.error(overflow)
         return None
     config = gpt_shape(parser, args)
-    if args.tp_degree is not None and args.world_size == 1:  # as the script: a world of one trains unsplit
-        args.tp_degree = 1
+    if args.tp_degree is not None:
+        args.tp_degree = group_degree(args.tp_degree, args.world_size)
     try:
         check_degree(
             args.tp_degree or 1, args.world_size, config.n_head, config.d_model, config.block_size, args.lora_rank

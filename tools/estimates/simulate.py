@@ -48,7 +48,7 @@ from tools.command_flags import output_file, positive_int_up_to, refuse_outputs_
 from tools.estimates import estimate_memory, modelled_collectives
 from tools.estimates.activations import gpt_activations
 from tools.estimates.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
-from tools.estimates.tensor_parallel import TensorParallel, chained, check_degree, one_rank_of_a_group
+from tools.estimates.tensor_parallel import TensorParallel, chained, check_degree, group_degree, one_rank_of_a_group
 from tools.model_shapes import ParameterShapes, estimator_shapes, fine_tune, fine_tuned_shapes, gpt_step_overflow
 from tools.output_checks import add_overwrite_flag, check_output_path
 from tools.runs.plot import check_figure_path, draw_scale, save_figure_or_exit
@@ -200,8 +200,8 @@ def job(args: argparse.Namespace, world_size: int, strategy: str, model: str) ->
     if strategy == "fsdp1" and (args.freeze or args.lora_rank):
         # Its fake flat parameters lose the units with nothing to train (measured: half the bytes held).
         raise ValueError("--freeze and --lora-rank are simulated for ddp, fsdp2 and hsdp, not fsdp1")
-    # The ranks of a tensor-parallel group: a world of one trains unsplit; refused where the script refuses.
-    tp_degree = 1 if strategy != "fsdp2_tp" or world_size == 1 else args.tp_degree
+    # The ranks of a tensor-parallel group, refused where the script refuses.
+    tp_degree = group_degree(args.tp_degree, world_size) if strategy == "fsdp2_tp" else 1
     preset = GPT_PRESETS[model]
     check_degree(tp_degree, world_size, preset["n_head"], preset["d_model"], preset["block_size"], args.lora_rank)
     return argparse.Namespace(

@@ -89,6 +89,12 @@ def split(size: int, degree: int, name: str) -> int:
     return size // degree
 
 
+def group_degree(tp_degree: int, world_size: int) -> int:
+    """The ranks each Block is split over in a job of ``world_size``: ``tp_degree``, but 1 in a world of one, which
+    the script trains unsplit whatever --tp-degree says (its tensor_parallel_size)."""
+    return 1 if world_size == 1 else tp_degree
+
+
 def check_degree(
     degree: int, world_size: int, heads: int, d_model: int, block_size: int, lora_rank: int | None = None
 ) -> None:
@@ -117,10 +123,10 @@ def check_degree(
 
 def refused_world_sizes(world_sizes: Iterable[int], settings: argparse.Namespace | None) -> dict[int, str]:
     """The world sizes at which the FSDP2 + TP script, given ``settings`` (its parsed flags; None: not run), would
-    refuse to start, each with check_degree's reason. A world of one trains unsplit."""
+    refuse to start, each with check_degree's reason."""
     refused = {}
     for world_size in world_sizes if settings is not None else []:
-        degree = 1 if world_size == 1 else settings.tp_degree
+        degree = group_degree(settings.tp_degree, world_size)
         try:
             check_degree(degree, world_size, settings.n_head, settings.d_model, settings.block_size, settings.lora_rank)
         except ValueError as err:
