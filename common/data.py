@@ -51,26 +51,23 @@ class IndexShuffle:
             # Cycle walking from outside range(size) need never come back into it: it would loop forever.
             raise IndexError(f"positions {positions.min()} to {positions.max()} of an order of {self.size}")
         examples = self._permute_bits(positions.astype(np.uint64))
-        outside = examples >= self.size
-        while outside.any():
+        while (outside := examples >= self.size).any():
             examples[outside] = self._permute_bits(examples[outside])
-            outside = examples >= self.size
         return examples.astype(np.int64)
 
 
 class CompactDistributedSampler(DistributedSampler):
     """torch's DistributedSampler, shuffled and with drop_last, whose order costs no memory and can start anywhere.
-    Each epoch's order is an IndexShuffle keyed by seed + epoch (as DistributedSampler seeds its randperm), and
-    rank r takes its positions r, r + world_size, ... So every global batch is a run of consecutive positions at
-    any world size, and ``set_epoch(epoch, start)`` resumes a run after its last trained example at any world size."""
+    Each epoch's order is an IndexShuffle keyed by seed + epoch (as DistributedSampler seeds its randperm), and rank
+    r takes its positions r, r + world_size, ... So at any world size every global batch is a run of consecutive
+    positions, and ``set_epoch(epoch, start)`` resumes after the epoch's first ``start`` examples (all ranks'; a
+    multiple of the global batch)."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.start = 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """``start``: the examples of this epoch (all ranks') trained before a resume; a multiple of the global
-        batch."""
         super().set_epoch(epoch)
         self.start = start
 
@@ -144,13 +141,7 @@ class MarkovSource:
         self.num_states = vocab_size**order
         logits = logit_scale * torch.randn(self.num_states, vocab_size, dtype=torch.float64, generator=generator)
         self.transition = logits.softmax(-1)
-        self.stationary = self._stationary_distribution()
-
-    def _next_state(self, state: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        return (state % (self.num_states // self.vocab_size)) * self.vocab_size + token
-
-    def _stationary_distribution(self) -> torch.Tensor:
-        """Solve pi = pi T for the chain on states exactly: (T^t - I) pi = 0, one equation swapped for sum(pi) = 1."""
+        # pi = pi T for the chain on states, solved exactly: (T^t - I) pi = 0, one equation swapped for sum(pi) = 1.
         states = torch.arange(self.num_states).repeat_interleave(self.vocab_size)
         tokens = torch.arange(self.vocab_size).repeat(self.num_states)
         chain = torch.zeros(self.num_states, self.num_states, dtype=torch.float64)
@@ -159,7 +150,10 @@ class MarkovSource:
         system[-1] = 1.0
         rhs = torch.zeros(self.num_states, dtype=torch.float64)
         rhs[-1] = 1.0
-        return torch.linalg.solve(system, rhs)
+        self.stationary = torch.linalg.solve(system, rhs)
+
+    def _next_state(self, state: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        return (state % (self.num_states // self.vocab_size)) * self.vocab_size + token
 
     def entropy_rate(self) -> float:
         """Nats per token of an ideal predictor that sees the full ``order`` tokens of context."""

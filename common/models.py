@@ -140,18 +140,15 @@ def tied_parameters(model: nn.Module) -> dict[str, str]:
     tied = {}
     for name, parameter in unwrapped(model).named_parameters(remove_duplicate=False):
         name = plain_name(name)
-        if id(parameter) in first:
+        if first.setdefault(id(parameter), name) != name:
             tied[name] = first[id(parameter)]
-        else:
-            first[id(parameter)] = name
     return tied
 
 
 def initial_value(owner: nn.Module, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
-    """GPT-2's initial value of the parameter ``name`` (of module ``owner``): a whole fp32 tensor on the CPU.
-    Small normal weights, ones and zeros for layer norms, zero biases. Each parameter draws from its own generator,
-    seeded by the run's seed and its name, so its value depends on nothing else (which process makes it, what was
-    made before): a sharded model initialises each shard where it lives, to exactly one process's weights."""
+    """GPT-2's initial value of the parameter ``name`` (of module ``owner``): a whole fp32 tensor on the CPU, from a
+    generator of its own seeded by the run's seed and its name. So it depends on nothing else (which process makes
+    it, what was made before), and a sharded model initialised shard by shard holds exactly one process's weights."""
     if name.endswith("bias") or name.endswith(".adapter.b"):  # a LoRA adapter starts as no change at all
         return torch.zeros(shape)
     if isinstance(owner, nn.LayerNorm):
@@ -165,10 +162,9 @@ def initial_value(owner: nn.Module, name: str, shape: torch.Size, seed: int) -> 
 
 @torch.no_grad()
 def init_parameters(module: nn.Module, seed: int, prefix: str = "", recurse: bool = True) -> None:
-    """Set ``module``'s parameters to their initial values, whole or sharded, where they are.
-    ``prefix`` is the module's name inside the GPT; ``recurse`` False sets only its own parameters (FSDP1's
-    ``param_init_fn`` gets one module at a time). A sharded parameter (an FSDP2 DTensor) keeps its own piece:
-    each rank makes the whole parameter on the CPU and copies out its slice, so no rank holds the whole model."""
+    """Set ``module``'s parameters to their initial values where they are. ``prefix`` is the module's name inside
+    the GPT; ``recurse`` False sets only its own parameters (FSDP1's ``param_init_fn`` gets one module at a time).
+    A sharded parameter (an FSDP2 DTensor) keeps its own slice of the whole: no rank holds the whole model."""
     modules = module.named_modules(prefix=prefix) if recurse else [(prefix, module)]
     for module_name, owner in modules:
         for local_name, parameter in owner.named_parameters(recurse=False):

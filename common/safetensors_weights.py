@@ -1,10 +1,7 @@
 """Weights in the Hugging Face format: safetensors files and ``save_pretrained`` folders (docs/hugging-face.md).
-
-``--init-from`` a folder or a ``.safetensors`` file: each rank reads only the slices it keeps, through DCP's own
-reader for these files (as torchtitan loads Hub weights), so a sharded model is never whole on any rank. A file is
-a JSON header and raw tensor bytes: nothing is unpickled, so nothing runs. ``write_pretrained`` writes a whole state
-dict as a folder ``from_pretrained`` loads (a run's final model, ``tools.runs.export_checkpoint --hf-config``).
-"""
+A file is a JSON header and raw tensor bytes: nothing is unpickled, so nothing runs. ``--init-from`` reads them
+through DCP's own reader for these files (as torchtitan loads Hub weights), so a sharded model is never whole on any
+rank. ``write_pretrained`` writes a run's final model and ``tools.runs.export_checkpoint --hf-config``'s."""
 
 from __future__ import annotations
 
