@@ -290,8 +290,7 @@ class Checkpointer:
         return Resumed(trainer["step"], path, changed, trainer["world_size"])
 
     def save_model(self, state: dict[str, torch.Tensor] | None) -> None:
-        """model.pt, for inference and --init-from: rank 0 writes the full ``state`` (the other ranks' is not read);
-        if it cannot, every rank stops with one message."""
+        """model.pt, for inference and --init-from: written as safe_io.save_model_file says."""
         safe_io.save_model_file(state, self.folder.parent / MODEL_FILE, self.ctx)
 
     def _set_aside_newer_than(self, resumed: Path) -> None:

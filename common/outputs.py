@@ -23,13 +23,9 @@ from typing import IO, Any
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 OVERWRITE_FLAG = "--overwrite"
 TEMPORARY_PREFIX = ".tmp-"  # checkpoint pruning deletes what starts with it: leftovers of killed writes
-# Where a hard link cannot be made, publishing without replacing falls back to a check, then a rename.
-NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
 
 
 class OutputExists(FileExistsError):
-    """A file took the output's name while this writer worked; it was kept, and this result not written."""
-
     def __init__(self, path: Path) -> None:
         message = (
             f"{path} appeared while this command ran (another process wrote it); it was kept, and this "
@@ -79,9 +75,8 @@ def name_max(folder: Path) -> int:
 
 
 def temporary_beside(path: Path) -> Path:
-    """``.tmp-STEM.UNIQUE.SUFFIX`` beside ``path``, created empty so that no other writer takes it. It keeps the
-    suffix (matplotlib picks the format by it); the stem, then the suffix, is cut short where the name would be
-    longer than the file system allows, so any name it allows for ``path`` can be written."""
+    """``.tmp-STEM.UNIQUE.SUFFIX`` beside ``path``, made empty so that no other writer takes it. It keeps the suffix
+    (matplotlib picks the format by it); the stem, then the suffix, is cut so any name the file system allows works."""
     room = name_max(path.parent)
     while True:
         unique = f"{os.getpid()}.{secrets.token_hex(4)}"
@@ -117,38 +112,49 @@ def publish(temporary: Path, path: Path, overwrite: bool) -> None:
     except FileExistsError:
         raise OutputExists(path) from None
     except OSError as err:
-        if err.errno not in NO_HARD_LINKS:
+        # Where a hard link cannot be made: a check, then a rename.
+        if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
             raise
         if os.path.lexists(path):
             raise OutputExists(path) from None
         os.replace(temporary, path)
 
 
-def write_output(path: Path, write: Callable[[IO[bytes]], None], overwrite: bool) -> None:
-    """Make ``path`` hold what ``write`` writes to the binary file it is given, or leave it as it was."""
-    write_outputs([(path, write)], overwrite)
-
-
 def write_outputs(writes: Sequence[tuple[Path, Callable[[IO[bytes]], None]]], overwrite: bool) -> None:
-    """``write_output`` for files that belong together (a token file and its metadata): all, or none.
-
-    Each is written whole under its temporary, in order (a later ``write`` may use what an earlier one found),
-    before any takes its name; the renames run with stopping signals held, so a full disk or a stop leaves the
-    earlier files as they were. Parent folders are made, and removed again on a failure."""
+    """Make each ``path`` hold what its ``write`` writes to the binary file it is given, or leave them all as they were
+    (a token file and its metadata belong together). Each is written whole under its temporary and flushed to the
+    disk, in order (a later ``write`` may use what an earlier one found), before any takes its name; the renames run
+    with stopping signals held. Parent folders are made, and removed again on a failure."""
     temporaries: list[Path] = []
     made: list[Path] = []  # deepest first
+    linked: list[Path] = []  # by this call's hard links (never over a file): half a group is not kept
     try:
         for path, write in writes:
             made += [part for part in (path.parent, *path.parent.parents) if not os.path.lexists(part)]
             path.parent.mkdir(parents=True, exist_ok=True)
             with signals_held():
                 temporaries.append(temporary_beside(path))
-            fill(temporaries[-1], write)
+            with temporaries[-1].open("r+b") as file:
+                try:
+                    write(file)
+                except Exception as err:
+                    underlying = failure_behind(err)
+                    if underlying is None:
+                        raise
+                    raise underlying from None
+                file.flush()
+                os.fsync(file.fileno())
         with signals_held():
-            publish_all(temporaries, [path for path, _ in writes], overwrite)
+            for temporary, (path, _) in zip(temporaries, writes, strict=True):
+                publish(temporary, path, overwrite)
+                if not overwrite:
+                    linked.append(path)
+            linked.clear()  # the group is whole
             made.clear()  # they hold the outputs now
     finally:
         with signals_held():
+            for path in linked:
+                path.unlink(missing_ok=True)
             for temporary in temporaries:
                 remove_temporary(temporary)
             for folder in made:
@@ -165,25 +171,10 @@ def remove_temporary(temporary: Path) -> None:
         print(f"warning: {temporary} stays ({err.strerror}): delete it once its folder can be written", file=sys.stderr)
 
 
-def fill(temporary: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """``write`` into ``temporary``, then flushed to the disk."""
-    with temporary.open("r+b") as file:
-        try:
-            write(file)
-        except Exception as err:
-            underlying = failure_behind(err)
-            if underlying is None:
-                raise
-            raise underlying from None
-        file.flush()
-        os.fsync(file.fileno())
-
-
 def failure_behind(err: Exception) -> BaseException | None:
     """What ``err`` was raised while handling, where that is the real story: a stop (a signal's exception, Ctrl-C)
-    first, else the system's error; None when there is neither. torch.save closes its archive however its block
-    ends, so a stop or an ENOSPC mid-write comes out as the archive's RuntimeError ('enforce fail ... unexpected pos').
-    """
+    first, else the system's error; None if neither. torch.save closes its archive however its block ends, so a
+    stop or an ENOSPC mid-write comes out as the archive's RuntimeError ('enforce fail ... unexpected pos')."""
     chain = []
     seen = err.__context__
     while seen is not None:
@@ -194,26 +185,12 @@ def failure_behind(err: Exception) -> BaseException | None:
     return stop or (system if not isinstance(err, OSError) else None)
 
 
-def publish_all(temporaries: list[Path], paths: list[Path], overwrite: bool) -> None:
-    """``publish`` each; if one fails without ``overwrite``, the ones this call made are removed again."""
-    published: list[Path] = []
-    try:
-        for temporary, path in zip(temporaries, paths, strict=True):
-            publish(temporary, path, overwrite)
-            published.append(path)
-    except BaseException:
-        if not overwrite:
-            for path in published:
-                path.unlink(missing_ok=True)  # made by this call's hard link a moment ago: half a group is not kept
-        raise
-
-
 def write_text(path: Path, text: str, overwrite: bool) -> None:
-    write_output(path, lambda file: file.write(text.encode("utf-8")), overwrite)
+    write_outputs([(path, lambda file: file.write(text.encode("utf-8")))], overwrite)
 
 
 def write_by_name(path: Path, write: Callable[[str], Any], overwrite: bool) -> None:
-    """``write_output`` for writers that take a file's name rather than a file (a profiler's trace, a figure)."""
+    """``write_outputs`` of one file, for a writer that takes its name, not a file (a profiler's trace, a figure)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with signals_held():
         temporary = temporary_beside(path)
@@ -229,7 +206,7 @@ def write_by_name(path: Path, write: Callable[[str], Any], overwrite: bool) -> N
 def save_torch(obj: Any, path: Path, overwrite: bool) -> None:
     import torch  # here, so that commands that save no tensors do not pay for importing torch
 
-    write_output(path, lambda file: torch.save(obj, file), overwrite)
+    write_outputs([(path, lambda file: torch.save(obj, file))], overwrite)
 
 
 def rename_into_place(temporary: Path, path: Path) -> None:

@@ -201,8 +201,7 @@ class RunDirLock:
         self.fd = fd
         return None
 
-    def retake_if_lost(self) -> None:
-        """Lock a new lock file where this run's has gone from the run dir; OSError if another run holds it."""
+    def retake_if_lost(self) -> None:  # see keep_holding
         if self.fd is None or self._still_the_lock_file(self.fd):
             return
         fd = self._open_lock_file()

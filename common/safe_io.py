@@ -137,7 +137,6 @@ class UntrustedCheckpoint(Exception):
     """A sharded checkpoint that holds more than DCP writes, refused before any of it was unpickled."""
 
     def refusal(self, path: Path) -> str:
-        """The whole message for the user: what was refused, why it matters, what to do."""
         return (
             f"checkpoint {path} was refused: {self}. The metadata of a sharded checkpoint is a pickle, and "
             "unpickling it could run any code, so nothing in it was loaded. If you trust whoever wrote it, "
@@ -223,8 +222,7 @@ def root_failure(err: BaseException) -> BaseException:
 
 
 def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` of one of the run's own files (a checkpoint, model.pt): a reader, a kill or a full disk
-    finds the earlier file or the complete new one, never a truncated mix (common.outputs)."""
+    """``torch.save`` of one of the run's own files (a checkpoint, model.pt), whole or not at all (common.outputs)."""
     save_torch(obj, path, overwrite=True)
 
 
@@ -278,13 +276,10 @@ def save_on_rank_0(
         raise FatalError(problem or "rank 0 could not write the model", exit_code=1)
 
 
-# How write_failure names a full disk and a full quota: only then is freeing space the advice.
-OUT_OF_SPACE = (f"(errno {errno.ENOSPC})", f"(errno {errno.EDQUOT})")
-
-
 def then_resume(failure: str | None) -> str:
-    """What to do after a failed write: free space where the disk was full, else put right what the reason names."""
-    if failure is not None and failure.endswith(OUT_OF_SPACE):
+    """What to do after a failed write: free space where the disk or quota was full (as write_failure names them),
+    else put right what the reason names."""
+    if failure is not None and failure.endswith((f"(errno {errno.ENOSPC})", f"(errno {errno.EDQUOT})")):
         return "Free some space, then continue with --resume"
     return "Put right what the reason names (a folder moved, deleted or replaced), then continue with --resume"
 
