@@ -34,7 +34,6 @@ from common.training import (
     peak_flops,
     peak_memory_bytes,
     progress_line,
-    reset_peak_memory,
     synchronize,
     transformer_flops_per_token,
 )
@@ -80,7 +79,6 @@ class StopRequest:
         asked = self.received is not None or (self.ctx.is_main and self.stop_file.exists())
         if self.ctx.world_size == 1:
             return asked
-        # On the host group (CPU tensors, gloo): the GPU's queue of work is neither read nor waited for.
         answers, self.answers = self.answers, AgreementInFlight(not asked, self.ctx)
         return answers is not None and not answers.all_agree()
 
@@ -130,19 +128,18 @@ class ProgressReporter:
         self, log: MetricsLog, ctx: DistContext, total_steps: int, items_per_step: int, unit: str, first_step: int = 0
     ) -> None:
         self.log, self.ctx, self.total_steps = log, ctx, total_steps
-        self.items_per_step = items_per_step  # global: all ranks and micro-steps
-        self.unit = unit  # "samples" or "tokens"
+        self.items_per_step, self.unit = items_per_step, unit  # global (all ranks and micro-steps) samples or tokens
         self._last_step = first_step  # a resumed run starts counting at its checkpoint
         self._interval_seconds = 0.0
         self._running_since: float | None = time.perf_counter()
         self._warm = False  # past the first interval, which _steps and _seconds leave out
         self._steps, self._seconds = 0, 0.0
         self.peak_memory: int | None = None
-        reset_peak_memory(ctx.device)
+        if ctx.device.type == "cuda":  # CUDA's peak count starts now (a process's peak resident set cannot be reset)
+            torch.cuda.reset_peak_memory_stats(ctx.device)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """Time spent in here (evaluation, checkpoints) is not training time."""
         self._stop_clock()
         try:
             yield
@@ -151,8 +148,7 @@ class ProgressReporter:
 
     def _stop_clock(self) -> None:
         if self._running_since is not None:
-            # A GPU runs behind the host: the interval's work is done when its queue is, not when the host has
-            # queued it. Only where the run reads values next anyway (a report, an evaluation, a checkpoint).
+            # The interval ends when the GPU's queue does (synchronize); only where the run reads values next anyway.
             synchronize(self.ctx.device)
             self._interval_seconds += time.perf_counter() - self._running_since
             self._running_since = None
@@ -249,8 +245,6 @@ class Bookkeeping:
         self.started = time.perf_counter()  # wall_s counts the whole of train(), data loading included
         self.observer = StepObserver(run_dir, ctx, profile_steps)  # what one step sends; --profile's trace
         self.begin_step, self.end_step = self.observer.begin_step, self.observer.end_step
-        # watch_loss(loss, step, read): note a step's loss; read: stop every rank now if any so far was not finite.
-        # check_loss(step): the same check before a checkpoint (a collective).
         self.finite_loss = FiniteLossCheck(ctx)
         self.watch_loss, self.check_loss = self.finite_loss.watch, self.finite_loss.check
         self.total_steps = 0
@@ -296,8 +290,7 @@ class Bookkeeping:
         gpu_peak = peak_flops(ctx.device)  # MFU: for the transformer on a GPU whose peak is known
         flops_per_token = transformer_flops_per_token(model) if gpu_peak is not None else None
         if "tokens_per_s" in fields and flops_per_token is not None:
-            mfu = model_flops_utilization(flops_per_token, fields["tokens_per_s"], gpu_peak, ctx.world_size)
-            fields["mfu"] = mfu
+            fields["mfu"] = model_flops_utilization(flops_per_token, fields["tokens_per_s"], gpu_peak, ctx.world_size)
         log.write("final", **fields)
         print0(summary_line(fields))
         log.close()

@@ -184,11 +184,10 @@ PER_RESTART_EVENTS = {"resume"}
 
 
 class MetricsLog:
-    """Appends one JSON object per line to ``run_dir/metrics.jsonl`` on rank 0.
-    Opened on the first record, so a run that fails its checks writes nothing over an earlier run's metrics. A run
-    resumed at step N keeps the records up to N (the later steps are trained and logged again), leaves out a line
-    cut short, and said so, and does not write twice a record of a step's state that it kept (the final evaluation
-    of a run resumed at its end)."""
+    """One JSON object per line in ``run_dir/metrics.jsonl``, written by rank 0 and opened at the first record: a run
+    that fails its checks writes nothing over an earlier run's metrics. A run resumed at step N keeps the records up to
+    N (it trains and logs the later steps again), leaves out a line cut short (and says so), and does not write twice
+    a record of a step's state that it kept (the final evaluation of a run resumed at its end)."""
 
     def __init__(self, run_dir: Path, ctx: DistContext, resumed_at: int | None = None) -> None:
         self.path, self.ctx, self.resumed_at = run_dir / METRICS_FILE, ctx, resumed_at
@@ -272,12 +271,6 @@ def synchronize(device: torch.device) -> None:
     collective returns once enqueued, gloo's once done)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start CUDA's peak-allocation count from now (the process's peak resident set cannot be reset)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
