@@ -1,6 +1,5 @@
-"""The flags the training scripts share: their names, types, defaults and help, grouped as --help shows them.
-Each number and path flag reads its value with a type of common.flags, so a value no flag means is refused while
-parsing; usage, help and errors print once (rank 0). What only a combination of flags rules out is flag_checks'."""
+"""The flags the training scripts share, grouped as --help shows them. A type of common.flags reads each number and path
+flag, so a value no flag means is refused while parsing; what only a combination rules out is flag_checks'."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage, help and errors appear once, not once per rank."""
 
-    def _print_message(self, message: str, file: IO[str] | None = None) -> None:  # usage, help and exit's message
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
         if env_rank() == 0:
             super()._print_message(message, file)
 
@@ -39,7 +38,6 @@ def add_device_flag(container: argparse._ActionsContainer) -> None:
 
 
 def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> Parser:
-    """A parser with the flags every script has: device, timeouts, seed, output."""
     parser = Parser(description=description, formatter_class=HelpFormatter)
     run = parser.add_argument_group("run")
     add_device_flag(run)
@@ -85,7 +83,6 @@ def add_training_flags(
 
 
 def add_schedule_flags(parser: Parser, *, warmup_steps: int, min_lr_ratio: float, weight_decay: float) -> None:
-    """AdamW's weight decay and the warm-up-then-cosine schedule of the transformer scripts."""
     group = parser.add_argument_group("schedule")
     text = "steps of linear warm-up to the peak lr"
     group.add_argument("--warmup-steps", type=flags.non_negative_int, default=warmup_steps, help=text)
@@ -140,8 +137,7 @@ def add_transformer_flags(parser: Parser) -> None:
 
 
 def add_fine_tuning_flags(parser: Parser, *, title: str = "fine-tuning", alpha: bool = True) -> None:
-    """--freeze, --lora-rank, --lora-alpha and --lora-targets: the transformer scripts', and the estimators'
-    (which do without --lora-alpha: it changes no byte)."""
+    """The transformer scripts' fine-tuning flags, and the estimators' (without --lora-alpha: it changes no byte)."""
     tuning = parser.add_argument_group(title)
     text = (
         "train without the parameters whose names match this glob (repeatable): they keep their starting values "
@@ -179,7 +175,6 @@ def add_compute_flags(parser: Parser, *, precisions: list[str]) -> None:
 
 
 def add_fsdp_flags(parser: Parser) -> None:
-    """Flags both FSDP transformer scripts have; each script adds its own on top."""
     group = parser.add_argument_group("FSDP")
     text = "keep the sharded parameters, gradients and optimizer state in host memory (CUDA runs only)"
     group.add_argument("--cpu-offload", action="store_true", help=text)
@@ -191,7 +186,6 @@ def add_fsdp_flags(parser: Parser) -> None:
 
 
 def add_fsdp1_flags(parser: Parser) -> None:
-    """The FSDP1 transformer script's own flags: what it shards, and when backward gathers ahead."""
     group = parser.add_argument_group("FSDP1")
     strategies = ["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"]
     text = (
@@ -207,7 +201,6 @@ def add_fsdp1_flags(parser: Parser) -> None:
 
 
 def add_fsdp2_flags(parser: Parser) -> None:
-    """The FSDP2 transformer script's own flag: whether a Block's gathered parameters wait for backward."""
     group = parser.add_argument_group("FSDP2")
     text = (
         "free each Block's gathered parameters after its forward and gather them again for backward; "

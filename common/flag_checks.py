@@ -1,7 +1,6 @@
 """What only a combination of the scripts' flags or the launch rules out (--resume with --resume-from, a global batch
 the world size does not divide), and what the flags leave to fill in (the per-rank batch, the preset's dimensions):
-decided after parsing, before any process group, so a mistake costs a second and is one message with exit code 2.
-Each checkpoint records the flags as given (``training_settings``); a resume names every one that differs."""
+decided after parsing, before any process group, so a mistake costs a second and is one message with exit code 2."""
 
 from __future__ import annotations
 
@@ -117,9 +116,8 @@ def check_fsdp2_flags(parser: Parser, args: argparse.Namespace) -> None:
         args.replicate_degree = 1
 
 
-# torch 2.14.1: FSDP1's HYBRID_SHARD falls back to NO_SHARD inside a shard group of one rank and then reduces
-# the gradients over that group alone: the replicas never average, and each rank trains on its own data
-# (2 ranks, 20 steps: weights 0.059 from DDP's, eval loss 2.5011 against 2.4772). No error, no warning of it.
+# torch 2.14.1: in a shard group of one rank, FSDP1's HYBRID_SHARD falls back to NO_SHARD and reduces over that group
+# alone, with no error or warning (2 ranks, 20 steps: weights 0.059 from DDP's, eval loss 2.5011 against 2.4772).
 ONE_RANK_SHARD_GROUPS = (
     "--sharding-strategy hybrid_shard with --replicate-degree {replicate} at {replicate} processes leaves one "
     "process in each shard group, where FSDP1 never averages the gradients across the replicas: each rank would "
@@ -134,9 +132,8 @@ def check_fsdp1_flags(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("--replicate-degree only applies to --sharding-strategy hybrid_shard")
     check_fsdp_flags(parser, args)
     if (args.lora_rank is not None or args.freeze) and (env_world_size() == 1 or args.sharding_strategy == "no_shard"):
-        # torch 2.14.1: unsharded, an FSDP1 unit with nothing to train and nothing trainable below it (the
-        # embeddings' unit, the first frozen Blocks) keeps its parameters as plain tensors after a step, and the
-        # state dict of model.pt and the checkpoints misses them: an AssertionError after the whole run.
+        # torch 2.14.1: such a unit, nothing trainable below it either (the embeddings', the first frozen Blocks'),
+        # keeps its parameters as plain tensors after a step, which the state dict misses: an AssertionError at the end.
         parser.error(
             "--freeze and --lora-rank under FSDP1 need 2 or more processes and a strategy that shards: unsharded, "
             "FSDP1 leaves the weights of a unit with nothing to train out of model.pt and the checkpoints. In one "
@@ -221,9 +218,7 @@ def check_synthetic_size(parser: argparse.ArgumentParser, args: argparse.Namespa
         )
 
 
-# Flags that only say where the run writes or computes, what it reports, how it saves, or where it starts: a resume
-# may change them without a word. Every other flag, one added later included, is a training setting: recorded in
-# each checkpoint, compared on resume, and each change named.
+# What a resume may change without a word: where the run writes or computes, what it reports, how it saves or starts.
 NOT_TRAINING_SETTINGS = {
     *("--run-dir", "--data-dir", "--device", "--dist-timeout"),  # where, and how long a collective waits
     *("--log-interval", "--profile"),  # what is reported; neither touches the weights or the data order
@@ -234,9 +229,9 @@ NOT_TRAINING_SETTINGS = {
 
 
 def training_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
-    """Every flag of ``parser`` (so also one added later) but NOT_TRAINING_SETTINGS, by its long name, with its value
-    in ``args``. Call it right after parsing, before checks derive values (a per-rank batch, a preset's width) that
-    would differ at another world size without being asked for."""
+    """Every flag of ``parser`` (one added later too) but NOT_TRAINING_SETTINGS, by long name, with its value in
+    ``args``: each checkpoint records them, and a resume names each that differs. Call it right after parsing, before
+    checks derive values (a per-rank batch, a preset's width) that would differ at another world size unasked."""
     settings = {}
     for action in parser._actions:
         if action.option_strings and hasattr(args, action.dest):

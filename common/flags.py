@@ -29,8 +29,6 @@ T = TypeVar("T")
 
 
 def flag_kind(kind: str) -> Callable[[Callable[[str], T]], Callable[[str], T]]:
-    """Mark an argparse type with what it reads, for the generated test's choice of values."""
-
     def mark(parse: Callable[[str], T]) -> Callable[[str], T]:
         parse.kind = kind  # type: ignore[attr-defined]
         return parse
@@ -144,8 +142,7 @@ def learning_rate(text: str) -> float:
     return value
 
 
-# Below this, ordinary waits fail a healthy run: ranks start seconds apart, and all of them wait
-# while rank 0 writes a checkpoint. Above it, gloo's clock overflows (1e13 s fails in torch 2.14).
+# Why not below 10 s, the message says; above a week, gloo's clock overflows (1e13 s fails in torch 2.14).
 DIST_TIMEOUT_RANGE_S = (10, 7 * 24 * 3600)
 
 
@@ -170,8 +167,7 @@ def name_pattern(text: str) -> str:
 
 
 def path_kind(kind: str) -> Callable[[Callable[[str], Path]], Callable[[str], Path]]:
-    """``flag_kind`` for a path: also refuses an empty path, and says what the system said of one (a name too long,
-    a loop of links) instead of raising it as a traceback."""
+    """``flag_kind`` for a path, refusing an empty one and an OSError (a long name, a link loop) without a traceback."""
 
     def mark(check: Callable[[str], Path]) -> Callable[[str], Path]:
         @functools.wraps(check)

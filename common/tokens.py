@@ -156,8 +156,12 @@ def token_file_data(path: Path, block_size: int, heldout_windows: int) -> TokenD
 
 def check_text_file(parser: argparse.ArgumentParser, path: Path, block_size: int) -> None:
     """A text that text_data can hold and number, read a chunk at a time (every rank runs this)."""
+    seen = np.zeros(UNICODE_CODE_POINTS, dtype=bool)
+    characters = 0
     try:
-        characters, distinct = text_character_counts(path)
+        for codes in text_code_points(path):
+            seen[codes] = True
+            characters += len(codes)
     except FileNotFoundError:
         parser.error(f"--text-file {path}: no such file")
     except UnicodeDecodeError:
@@ -169,13 +173,13 @@ def check_text_file(parser: argparse.ArgumentParser, path: Path, block_size: int
         parser.error(
             f"--text-file {path} has {characters} characters; at --block-size {block_size} it needs at least {needed}"
         )
+    distinct = int(np.count_nonzero(seen))
     if distinct > MAX_VOCAB_SIZE:
         parser.error(
             f"--text-file {path} holds {distinct:,} distinct characters; a character-level vocabulary holds at most "
             f"{MAX_VOCAB_SIZE:,} (uint16 ids). Prepare it as bytes with python -m tools.runs.prepare_tokens and give "
             "--token-file"
         )
-    # Every process holds a uint16 id for each character; a --token-file is read a window at a time instead.
     held = characters * TOKEN_BYTES
     if held > machine_memory():
         parser.error(
@@ -235,7 +239,6 @@ def check_data_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def transformer_data(args: argparse.Namespace) -> TokenData:
-    """--text-file, --token-file, or else the synthetic Markov source, as the flags choose."""
     if args.text_file is not None:
         return text_data(args.text_file, args.block_size)
     if args.token_file is not None:
@@ -243,11 +246,11 @@ def transformer_data(args: argparse.Namespace) -> TokenData:
     return markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
 
 
-def text_data(path: Path, block_size: int, heldout_fraction: float = 0.1) -> TokenData:
+def text_data(path: Path, block_size: int) -> TokenData:
     """Character-level tokens of a UTF-8 text, the first 90% to train: uint16 ids, each window made when asked for
     (every window built up front as int64 took a 200 MB text's data to 5.7 GiB at its peak, this 0.42 GiB)."""
     ids, vocab = character_ids(path)
-    split = int(len(ids) * (1 - heldout_fraction))
+    split = int(len(ids) * 0.9)
     train, heldout = CharacterWindows(ids[:split], block_size), CharacterWindows(ids[split:], block_size)
     description = (
         f"characters of {path}: vocab {len(vocab)}, {len(train)} train / {len(heldout)} held-out windows "
@@ -286,16 +289,6 @@ def text_code_points(path: Path) -> Iterator[np.ndarray]:
     with path.open(encoding="utf-8") as text:
         while chunk := text.read(TEXT_CHUNK_CHARACTERS):
             yield np.frombuffer(chunk.encode("utf-32-le"), dtype="<u4")
-
-
-def text_character_counts(path: Path) -> tuple[int, int]:
-    """(characters, distinct characters) of a UTF-8 text, read a chunk at a time."""
-    seen = np.zeros(UNICODE_CODE_POINTS, dtype=bool)
-    characters = 0
-    for codes in text_code_points(path):
-        seen[codes] = True
-        characters += len(codes)
-    return characters, int(np.count_nonzero(seen))
 
 
 def character_ids(path: Path) -> tuple[np.ndarray, str]:
