@@ -378,6 +378,24 @@ def test_a_disk_that_fills_on_the_metadata_keeps_the_earlier_token_pair(tmp_path
     assert sorted(path.name for path in tmp_path.iterdir()) == ["new.txt", "old.txt", "t.tokens", "t.tokens.json"]
 
 
+def test_a_metadata_name_taken_meanwhile_leaves_no_token_file_of_this_run(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Another writer takes the metadata's name while prepare_tokens counts: the token file this run had already
+    published is removed again, so no token file stands beside metadata that describes another."""
+    text, tokens, metadata = tmp_path / "a.txt", tmp_path / "t.tokens", tmp_path / "t.tokens.json"
+    text.write_text("some text\n")
+    encode = prepare_tokens.encode
+
+    def encode_while_another_writer_takes_the_metadata(chunk: bytes):
+        metadata.write_text('{"written by": "another process"}')
+        return encode(chunk)
+
+    monkeypatch.setattr(prepare_tokens, "encode", encode_while_another_writer_takes_the_metadata)
+    code, _, err = run_main(prepare_tokens.main, [str(text), "--output", str(tokens)], capsys)
+    assert code == 1 and "t.tokens.json appeared while this command ran" in one_error(err)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.txt", "t.tokens.json"]
+    assert metadata.read_text() == '{"written by": "another process"}'
+
+
 def test_a_run_dir_that_links_to_nothing_is_refused_when_parsed(tmp_path: Path, capsys) -> None:
     """It passed the parser, and rank 0 died in mkdir with a FileExistsError traceback."""
     parse_args = runpy.run_path(str(REPO / "ddp/train_mnist.py"))["parse_args"]
