@@ -128,7 +128,8 @@ class ProgressReporter:
         self, log: MetricsLog, ctx: DistContext, total_steps: int, items_per_step: int, unit: str, first_step: int = 0
     ) -> None:
         self.log, self.ctx, self.total_steps = log, ctx, total_steps
-        self.items_per_step, self.unit = items_per_step, unit  # global (all ranks and micro-steps) samples or tokens
+        self.items_per_step = items_per_step  # global: all ranks and micro-steps
+        self.unit = unit  # "samples" or "tokens"
         self._last_step = first_step  # a resumed run starts counting at its checkpoint
         self._interval_seconds = 0.0
         self._running_since: float | None = time.perf_counter()

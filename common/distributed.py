@@ -110,7 +110,8 @@ def launch_context(requested_device: str) -> DistContext:
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
         # A torchrun killed outright (SIGKILL, OOM) cannot stop its workers: orphaned, they would train on, holding
         # the SLURM step open. So the kernel sends SIGTERM (a stop request like any other) when torchrun dies.
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG, from <linux/prctl.h>
+        pr_set_pdeathsig = 1  # from <linux/prctl.h>
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
     rank, world_size = env_rank(), env_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))

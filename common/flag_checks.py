@@ -132,8 +132,9 @@ def check_fsdp1_flags(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("--replicate-degree only applies to --sharding-strategy hybrid_shard")
     check_fsdp_flags(parser, args)
     if (args.lora_rank is not None or args.freeze) and (env_world_size() == 1 or args.sharding_strategy == "no_shard"):
-        # torch 2.14.1: such a unit, nothing trainable below it either (the embeddings', the first frozen Blocks'),
-        # keeps its parameters as plain tensors after a step, which the state dict misses: an AssertionError at the end.
+        # torch 2.14.1: unsharded, an FSDP1 unit with nothing to train and nothing trainable below it (the
+        # embeddings' unit, the first frozen Blocks) keeps its parameters as plain tensors after a step, and the
+        # state dict of model.pt and the checkpoints misses them: an AssertionError after the whole run.
         parser.error(
             "--freeze and --lora-rank under FSDP1 need 2 or more processes and a strategy that shards: unsharded, "
             "FSDP1 leaves the weights of a unit with nothing to train out of model.pt and the checkpoints. In one "

@@ -140,8 +140,10 @@ def tied_parameters(model: nn.Module) -> dict[str, str]:
     tied = {}
     for name, parameter in unwrapped(model).named_parameters(remove_duplicate=False):
         name = plain_name(name)
-        if first.setdefault(id(parameter), name) != name:
+        if id(parameter) in first:
             tied[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
     return tied
 
 

@@ -122,9 +122,9 @@ def publish(temporary: Path, path: Path, overwrite: bool) -> None:
 
 def write_outputs(writes: Sequence[tuple[Path, Callable[[IO[bytes]], None]]], overwrite: bool) -> None:
     """Make each ``path`` hold what its ``write`` writes to the binary file it is given, or leave them all as they were
-    (a token file and its metadata belong together). Each is written whole under its temporary and flushed to the
-    disk, in order (a later ``write`` may use what an earlier one found), before any takes its name; the renames run
-    with stopping signals held. Parent folders are made, and removed again on a failure."""
+    (a token file and its metadata belong together). Each is written whole under its temporary and flushed (``fill``),
+    in order (a later ``write`` may use what an earlier one found), before any takes its name; the renames run with
+    stopping signals held. Parent folders are made, and removed again on a failure."""
     temporaries: list[Path] = []
     made: list[Path] = []  # deepest first
     linked: list[Path] = []  # by this call's hard links (never over a file): half a group is not kept
@@ -134,16 +134,7 @@ def write_outputs(writes: Sequence[tuple[Path, Callable[[IO[bytes]], None]]], ov
             path.parent.mkdir(parents=True, exist_ok=True)
             with signals_held():
                 temporaries.append(temporary_beside(path))
-            with temporaries[-1].open("r+b") as file:
-                try:
-                    write(file)
-                except Exception as err:
-                    underlying = failure_behind(err)
-                    if underlying is None:
-                        raise
-                    raise underlying from None
-                file.flush()
-                os.fsync(file.fileno())
+            fill(temporaries[-1], write)
         with signals_held():
             for temporary, (path, _) in zip(temporaries, writes, strict=True):
                 publish(temporary, path, overwrite)
@@ -169,6 +160,20 @@ def remove_temporary(temporary: Path) -> None:
         temporary.unlink(missing_ok=True)
     except OSError as err:
         print(f"warning: {temporary} stays ({err.strerror}): delete it once its folder can be written", file=sys.stderr)
+
+
+def fill(temporary: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """``write`` into ``temporary``, then flushed to the disk."""
+    with temporary.open("r+b") as file:
+        try:
+            write(file)
+        except Exception as err:
+            underlying = failure_behind(err)
+            if underlying is None:
+                raise
+            raise underlying from None
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def failure_behind(err: Exception) -> BaseException | None:
