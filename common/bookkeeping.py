@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -88,7 +88,7 @@ class StopRequest:
             self.answers.all_agree()
             self.answers = None
 
-    def exit(self, step: int, checkpoint: Path) -> NoReturn:
+    def exit(self, step: int, checkpoint: Path | None) -> NoReturn:
         """Leave the PREEMPTED marker and end this process (exit code 0: nothing failed)."""
         self.settle()
         reason = self.received or ("a STOP file" if self.stop_file.exists() else "a signal to another rank")
@@ -207,12 +207,12 @@ def summary_line(record: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class FinalRecord:
     """What a script says of its finished run in metrics.jsonl's "final" record; Bookkeeping adds what it
-    measured (world size, memory, throughput, what one step sent, wall time). A field left None is left
+    knows (the global batch of ``start``) and measured (world size, memory, throughput, what one step sent, wall
+    time). A field left None is left
     out: the MNIST scripts have no model_config, the transformer's text data no entropy floor."""
 
     script: str
     strategy: str  # as the checkpoints record it: ddp, fsdp1_<sharding>, fsdp2, fsdp2_hsdp
-    global_batch_size: int
     steps: int
     evaluation: dict[str, float]  # the last held-out evaluation: loss, samples and, for MNIST, accuracy
     mixed_precision: str | None = None
@@ -234,42 +234,71 @@ class FinalRecord:
 
 
 class Bookkeeping:
-    """Everything a run records and obeys beside the training itself, built once at the start of ``train()``.
-
-    ``check_loss`` goes to the Checkpointer (a non-finite loss never reaches a checkpoint); ``start`` opens the records
-    once the checkpoint to resume from is known; then, per step: ``stop_requested`` and ``stop``, ``paused``
-    (evaluation, checkpoints), ``begin_step``/``end_step`` around the optimizer step, ``watch_loss``, ``report`` on the
-    steps that log, ``write`` for other records; ``finish``. Every rank calls each at the same point (collectives)."""
+    """Everything a run records and obeys beside the training itself, built once at the start of ``train()``; every
+    rank calls each method at the same point (collectives). ``check_loss`` and ``paused`` go to the Checkpointer: a
+    non-finite loss never reaches a checkpoint, and saving is not training time."""
 
     def __init__(self, run_dir: Path, ctx: DistContext, log_interval: int, profile_steps: int = 0) -> None:
         self.run_dir, self.ctx, self.log_interval = run_dir, ctx, log_interval
         self.started = time.perf_counter()  # wall_s counts the whole of train(), data loading included
         self.observer = StepObserver(run_dir, ctx, profile_steps)  # what one step sends; --profile's trace
-        self.begin_step, self.end_step = self.observer.begin_step, self.observer.end_step
         self.finite_loss = FiniteLossCheck(ctx)
-        self.watch_loss, self.check_loss = self.finite_loss.watch, self.finite_loss.check
-        self.total_steps = 0
-        self.log: MetricsLog | None = None
-        self.progress: ProgressReporter | None = None
-        self.stop_request: StopRequest | None = None
+        self.total_steps = self.global_batch = 0
+        self._parts: tuple[MetricsLog, ProgressReporter, StopRequest] | None = None  # from start() on
 
-    def start(self, resumed: Resumed, total_steps: int, items_per_step: int, unit: str) -> None:
+    def start(self, resumed: Resumed, total_steps: int, global_batch: int, tokens_per_example: int = 0) -> None:
         """Open metrics.jsonl at the step this run starts from (a resume replaces the records after it), watch
-        for stop requests, and start the clock of training time; ``items_per_step``: global samples or tokens."""
-        self.total_steps = total_steps
-        self.log = MetricsLog(self.run_dir, self.ctx, resumed_at=resumed.step if resumed.path else None)
+        for stop requests, and start the clock of training time (tokens per second where examples have tokens)."""
+        ctx, self.total_steps, self.global_batch = self.ctx, total_steps, global_batch
+        examples = f"{global_batch} sequences of {tokens_per_example} tokens" if tokens_per_example else global_batch
+        where = f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend})"
+        print0(f"{where} | global batch {examples} | {total_steps} steps")
+        log = MetricsLog(self.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
         if resumed.path:
             # A resume at another world size shows as a change; ``changed``: each setting that differs, [old, new].
-            sizes = {"checkpoint_world_size": resumed.world_size, "world_size": self.ctx.world_size}
-            self.log.write("resume", step=resumed.step, checkpoint=str(resumed.path), **sizes, changed=resumed.changed)
-        self.stop_request = StopRequest(self.run_dir, self.ctx)  # SIGTERM, SIGUSR1 or a STOP file
-        self.progress = ProgressReporter(self.log, self.ctx, total_steps, items_per_step, unit, resumed.step)
-        self.stop_requested, self.stop = self.stop_request.requested, self.stop_request.exit
-        self.paused, self.report, self.write = self.progress.paused, self.progress.report, self.log.write
+            sizes = {"checkpoint_world_size": resumed.world_size, "world_size": ctx.world_size}
+            log.write("resume", step=resumed.step, checkpoint=str(resumed.path), **sizes, changed=resumed.changed)
+        unit = "tokens" if tokens_per_example else "samples"
+        progress = ProgressReporter(
+            log, ctx, total_steps, global_batch * max(tokens_per_example, 1), unit, resumed.step
+        )
+        self._parts = log, progress, StopRequest(self.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file
 
-    def logs_after(self, step: int) -> bool:
-        """Whether the step that starts after ``step`` steps logs: only those read values from the device."""
-        return (step + 1) % self.log_interval == 0 or step + 1 == self.total_steps
+    def _started(self) -> tuple[MetricsLog, ProgressReporter, StopRequest]:
+        assert self._parts is not None, "Bookkeeping.start() comes first"
+        return self._parts
+
+    def stop_requested(self) -> bool:  # the same answer on every rank
+        return self._started()[2].requested()
+
+    def stop(self, step: int, checkpoint: Path | None) -> NoReturn:  # the PREEMPTED marker, then exit code 0
+        self._started()[2].exit(step, checkpoint)
+
+    def paused(self) -> AbstractContextManager[None]:  # an evaluation, a checkpoint: not training time
+        return self._started()[1].paused()
+
+    def begin_step(self, step: int) -> None:  # ``step`` steps done; until end_step, the next one and nothing else
+        self.observer.begin_step(step)
+
+    def end_step(self) -> None:
+        self.observer.end_step()
+
+    def logs(self, step: int) -> bool:
+        """Whether the step that ends with ``step`` steps done logs: only those read values from the device."""
+        return step % self.log_interval == 0 or step == self.total_steps
+
+    def watch_loss(self, loss: torch.Tensor, step: int) -> None:  # every rank stops at a step that logs, or none
+        self.finite_loss.watch(loss, step, read=self.logs(step))
+
+    def check_loss(self, step: int) -> None:  # before a checkpoint: every rank stops if any loss was not finite
+        self.finite_loss.check(step)
+
+    def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        if self.logs(step):  # one metrics.jsonl record and one console line
+            self._started()[1].report(step, epoch, loss, grad_norm, lr)
+
+    def write(self, event: str, **fields: Any) -> None:  # one record of metrics.jsonl
+        self._started()[0].write(event, **fields)
 
     def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer, record: FinalRecord) -> None:
         """Write the final record (memory figures are the largest over ranks), print a summary, close metrics.jsonl."""
@@ -278,15 +307,19 @@ class Bookkeeping:
             loss = record.evaluation["loss"]
             above = f"{loss - floor:+.4f} nats/token above the best possible"
             print0(f"held-out loss {loss:.4f} vs. floor {floor:.4f}: {above}")
-        self.stop_request.settle()  # type: ignore[union-attr]
+        log, progress, stop_request = self._started()
+        stop_request.settle()
         fields = {**record.fields(), "wall_s": time.perf_counter() - self.started, **self.observer.record()}
-        ctx, progress, log = self.ctx, self.progress, self.log
-        assert progress is not None and log is not None, "finish() before start()"
+        ctx = self.ctx
         state_bytes = max_state_bytes(model, optimizer, ctx)
         trained_peak = progress.peak_memory  # None: the run trained no last step (it resumed at its end)
         local_peak = trained_peak if trained_peak is not None else peak_memory_bytes(ctx.device)
         (peak,) = max_over_ranks([float(local_peak)], ctx)
-        fields |= {"world_size": ctx.world_size, "shard_group_size": shard_group_size(model)}
+        fields |= {
+            "global_batch_size": self.global_batch,
+            "world_size": ctx.world_size,
+            "shard_group_size": shard_group_size(model),
+        }
         fields |= {"local_state_bytes": state_bytes, "peak_memory_bytes": int(peak), **progress.throughput()}
         gpu_peak = peak_flops(ctx.device)  # MFU: for the transformer on a GPU whose peak is known
         flops_per_token = transformer_flops_per_token(model) if gpu_peak is not None else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import shutil
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,8 @@ class Checkpointer:
     half-loaded. ``settings`` (``training_settings``): recorded in each checkpoint; a resume names each that differs.
     ``extra``: the objects with a ``state_dict`` beside model and optimizer (LR scheduler, gradient scaler).
     ``trust`` (--trust-checkpoint): load a sharded checkpoint whose metadata holds more than DCP's own records.
-    ``check_before_save(step)`` raises if the state must not be saved (a non-finite loss: FiniteLossCheck.check).
+    ``check_before_save(step)`` raises if the state must not be saved (a non-finite loss: FiniteLossCheck.check);
+    ``while_saving()`` holds what a save must not count (the clock of training time: Bookkeeping.paused).
     """
 
     ctx: DistContext
@@ -112,6 +114,7 @@ class Checkpointer:
     keep: int
     trust: bool = False
     check_before_save: Callable[[int], None] | None = None
+    while_saving: Callable[[], AbstractContextManager[object]] = nullcontext
     # What DCP writes and reads in place of each tensor: the same numbers (a view), laid out as it can write.
     sharded_view: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor
 
@@ -150,12 +153,18 @@ class Checkpointer:
     def _saved(self, step: int) -> bool:
         return self.last_saved is not None and checkpoint_step(self.last_saved) == step and self.last_saved.exists()
 
-    def save(self, step: int) -> Path:
-        """Write a checkpoint of the state after ``step`` optimizer steps, then prune old ones."""
+    def save(self, step: int, force: bool = False) -> Path | None:
+        """The checkpoint after ``step`` steps where --checkpoint-interval asks (``force``: a stop request), or None."""
+        if not force and not self.due(step):
+            return None
         if self.check_before_save is not None:
             self.check_before_save(step)
         if self._saved(step):  # e.g. asked to stop right after resuming: that checkpoint is this state
-            return self.last_saved  # type: ignore[return-value]
+            return self.last_saved
+        with self.while_saving():
+            return self._write(step)
+
+    def _write(self, step: int) -> Path:
         # A finite loss does not make the update after it finite: check the weights themselves.
         local = [local_part(p) for p in self.model.parameters()]
         finite = bool(torch.stack([torch.isfinite(p).all() for p in local]).all()) if local else True

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from common.data import TokenData, markov_data
+from common.distributed import print0
 from common.flag_checks import check_synthetic_size, machine_memory
 from common.run_dir import checkpoint_to_resume
 
@@ -240,10 +241,13 @@ def check_data_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def transformer_data(args: argparse.Namespace) -> TokenData:
     if args.text_file is not None:
-        return text_data(args.text_file, args.block_size)
-    if args.token_file is not None:
-        return token_file_data(args.token_file, args.block_size, args.heldout_sequences)
-    return markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
+        data = text_data(args.text_file, args.block_size)
+    elif args.token_file is not None:
+        data = token_file_data(args.token_file, args.block_size, args.heldout_sequences)
+    else:
+        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
+    print0(f"data: {data.description}")
+    return data
 
 
 def text_data(path: Path, block_size: int) -> TokenData:

@@ -37,7 +37,7 @@ from common.checkpoint import Checkpointer, full_state_dict_options
 from common.data import CompactDistributedSampler, eval_loader, train_loader
 from common.distributed import DistContext, clean_teardown, errors_reported_once, launch_context, print0
 from common.fine_tuning import add_adapters, freeze, merge_adapters
-from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config
+from common.models import COMPUTE_DTYPES, GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config
 from common.run_dir import RunDirLock
 from common.tokens import check_data_flags, transformer_data
 from common.training import TokenCount, evaluate_language_model, plan_total_steps, seed_everything, warmup_cosine
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None):
 
 
 def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
-    """DISTRIBUTED: DDP, and what must come before it: compiling, then activation checkpointing.
+    """DISTRIBUTED: DDP, and what must come before it: compiling, activation checkpointing, the compute dtype.
 
     DDP copies rank 0's weights to every rank, so every copy starts the same, then all-reduces
     (averages) the gradients during backward, so every copy takes the same step. With
@@ -72,6 +72,10 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
         compile_layers(layers)
     if args.activation_checkpointing:
         checkpoint_activations(model, layers)
+    if args.mixed_precision != "fp32":
+        # Weights stay fp32; autocast runs each matmul of forward (evaluation's too) in low precision and keeps
+        # norms and softmax in fp32. Backward runs each operation in the dtype its forward ran in.
+        model.forward = torch.autocast(ctx.device.type, dtype=COMPUTE_DTYPES[args.mixed_precision])(model.forward)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
@@ -91,15 +95,52 @@ def forward_backward(
         # micro-step; gradients add up locally until then.
         last_micro_step = micro_step == len(micro_batches) - 1
         with nullcontext() if last_micro_step else model.no_sync():
-            with torch.autocast(ctx.device.type, dtype=args.compute_dtype, enabled=args.compute_dtype is not None):
-                logits = model(inputs)
-                # YOUR LOSS. In fp32 whatever the compute dtype: a low-precision softmax is too coarse.
-                # DISTRIBUTED: times the world size, since the gradient reduction averages over ranks.
-                summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-                loss = summed * ctx.world_size / tokens
+            logits = model(inputs)
+            # YOUR LOSS. In fp32 whatever the compute dtype: a low-precision softmax is too coarse.
+            # DISTRIBUTED: times the world size, since the gradient reduction averages over ranks.
+            summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            loss = summed * ctx.world_size / tokens
             loss.backward()
         step_loss += loss.detach()
     return step_loss
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list,
+    count_tokens: TokenCount,
+    run: Bookkeeping,
+    step: int,
+    args,
+    ctx: DistContext,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimizer step ``step + 1``: the gradients of its micro-batches, clipped, and the update; its loss and the
+    global gradient norm, on the device."""
+    # DISTRIBUTED: the tokens that count in this step, on every rank, counted before the measured step
+    # (bookkeeping, not the strategy's): each micro-step's loss is divided by them.
+    tokens = count_tokens(micro_batches)
+    run.begin_step(step)  # from here to end_step: one optimizer step, nothing else
+    # DISTRIBUTED: DDP zeroes its buckets in place, keeping .grad as views of them;
+    # set_to_none would make it copy every gradient into its bucket again each step.
+    optimizer.zero_grad(set_to_none=False)
+    loss = forward_backward(model, micro_batches, tokens, args, ctx)
+    run.watch_loss(loss, step + 1)  # DISTRIBUTED: every rank stops, or none (read on the steps that log)
+    # Clipping also measures the global gradient norm that is logged; with
+    # --grad-clip 0 the limit is infinite, so it measures without clipping.
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
+    optimizer.step()
+    run.end_step()
+    return loss, grad_norm
+
+
+def evaluate(model: torch.nn.Module, loader, run: Bookkeeping, step: int, ctx: DistContext, **fields) -> dict:
+    """The held-out loss of the model after ``step`` steps, in metrics.jsonl and on the console."""
+    with run.paused():  # not training time
+        result = evaluate_language_model(model, loader, ctx)
+    run.write("eval", step=step, **fields, **result)
+    print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
+    return result
 
 
 def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Checkpointer) -> None:
@@ -111,24 +152,17 @@ def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Chec
 
 
 def train(args, ctx: DistContext) -> None:
-    # metrics.jsonl, the console's progress, stop requests, the observed step and the final record
-    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)
+    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)  # metrics, stop requests, the record
     seed_everything(args.seed, args.deterministic)
-    # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
-    data = transformer_data(args)  # --text-file, --token-file, or the synthetic Markov source
-    print0(f"data: {data.description}")
-    # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle: torch's DistributedSampler, its
-    # order computed as it goes (no table). Every rank gets as many batches as the others, so none waits alone.
+    data = transformer_data(args)  # YOUR DATA: (input, target) pairs of --text-file, --token-file or a Markov source
+    # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle (torch's DistributedSampler, without
+    # a table of the order), as many batches as every other rank: none waits alone.
     sampler = CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)  # DISTRIBUTED
     loader = train_loader(data.train, args.batch_size, sampler, ctx)
     heldout_loader = eval_loader(data.heldout, args.eval_batch_size, ctx)
     steps_per_epoch = len(loader) // args.grad_accum_steps
     total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
     global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
-    print0(
-        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} "
-        f"sequences of {args.block_size} tokens | {total_steps} steps"
-    )
 
     config = gpt_config(args, data.vocab_size)
     model = GPT(config, seed=args.seed).to(ctx.device)  # YOUR MODEL
@@ -136,13 +170,10 @@ def train(args, ctx: DistContext) -> None:
     add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_targets, args.seed)  # --lora-rank
     freeze(model, args.freeze)  # --freeze: before the wrap, which sees which parameters need gradients
     model = wrap_model(model, args, ctx)  # DISTRIBUTED
-    # Weights stay fp32; autocast runs each matmul in low precision and keeps norms and softmax in fp32.
-    compute_dtype = args.compute_dtype
     # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
 
-    # DISTRIBUTED: a full checkpoint is one file from rank 0; a sharded one, each rank's own shards.
     checkpoints = Checkpointer(
         ctx,
         args.run_dir,
@@ -153,79 +184,48 @@ def train(args, ctx: DistContext) -> None:
         strategy="ddp",  # recorded; a resume names a switch
         settings=args.training_settings,  # recorded; a resume names each change
         global_batch_size=global_batch,
-        sharded=False,
-        interval=args.checkpoint_interval,
+        sharded=False,  # DISTRIBUTED: rank 0 writes every rank's state: they are all the same
+        interval=args.checkpoint_interval,  # save(step) writes one every N steps
         keep=args.keep_checkpoints,
         check_before_save=run.check_loss,  # a non-finite loss never reaches a checkpoint
+        while_saving=run.paused,
     )
-    # YOUR WEIGHTS: --init-from's state dict of this model, where no checkpoint of this run comes first.
-    resumed = checkpoints.resume(args.resume, args.resume_from, args.init_from)
-    run.start(resumed, total_steps, global_batch * args.block_size, unit="tokens")
-    # Padded data counts its tokens every step (one all-reduce); data that never pads knows the count.
-    count_tokens = TokenCount(data.padded, global_batch * args.block_size, ctx)
-    step = resumed.step
-    result = None
+    resumed = checkpoints.resume(args.resume, args.resume_from, args.init_from)  # YOUR WEIGHTS: --init-from
+    run.start(resumed, total_steps, global_batch, tokens_per_example=args.block_size)
+    count_tokens = TokenCount(data.padded, global_batch * args.block_size, ctx)  # padded data: counted each step
+    step, result = resumed.step, None
     while step < total_steps:
-        epoch = step // steps_per_epoch + 1
-        done_in_epoch = step % steps_per_epoch
+        epoch, done_in_epoch = step // steps_per_epoch + 1, step % steps_per_epoch
         # DISTRIBUTED: a new shuffle each epoch, the same on every rank. A run resumed mid-epoch starts
         # after the examples it trained (every rank's), at any world size, and reads none of them again.
-        loader.sampler.set_epoch(epoch, start=done_in_epoch * global_batch)
+        sampler.set_epoch(epoch, start=done_in_epoch * global_batch)
         batches = iter(loader)
         for _ in range(min(steps_per_epoch - done_in_epoch, total_steps - step)):
             # Between two steps the saved state describes the run completely.
             if run.stop_requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
-                run.stop(step, checkpoints.save(step))
-            if checkpoints.due(step):
-                with run.paused():
-                    checkpoints.save(step)
-            logs = run.logs_after(step)  # only these steps read values from the device: no other step waits
+                run.stop(step, checkpoints.save(step, force=True))
+            checkpoints.save(step)  # where --checkpoint-interval asks for one
             micro_batches = [next(batches) for _ in range(args.grad_accum_steps)]
-            # DISTRIBUTED: the tokens that count in this step, on every rank, counted before the measured
-            # step (bookkeeping, not the strategy's): each micro-step's loss is divided by them.
-            tokens = count_tokens(micro_batches)
-            run.begin_step(step)  # from here to end_step: one optimizer step, nothing else
-            # DISTRIBUTED: DDP zeroes its buckets in place, keeping .grad as views of them;
-            # set_to_none would make it copy every gradient into its bucket again each step.
-            optimizer.zero_grad(set_to_none=False)
-            step_loss = forward_backward(model, micro_batches, tokens, args, ctx)
-            run.watch_loss(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
-            # Clipping also measures the global gradient norm that is logged; with
-            # --grad-clip 0 the limit is infinite, so it measures without clipping.
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)
-            optimizer.step()
+            loss, grad_norm = train_step(model, optimizer, micro_batches, count_tokens, run, step, args, ctx)
             scheduler.step()
-            run.end_step()
             step += 1
-            if logs:
-                run.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
+            run.report(step, epoch, loss, grad_norm, scheduler.get_last_lr()[0])  # on the steps that log
             if step % args.eval_interval == 0 or step == total_steps:
-                with run.paused():
-                    result = evaluate_language_model(model, heldout_loader, ctx, autocast=compute_dtype)
-                    run.write("eval", step=step, epoch=epoch, **result)
-                    print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
-
-    if checkpoints.due(step):
-        checkpoints.save(step)
+                result = evaluate(model, heldout_loader, run, step, ctx, epoch=epoch)
+    checkpoints.save(step)
     if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
-        result = evaluate_language_model(model, heldout_loader, ctx, autocast=compute_dtype)
-        run.write("eval", step=step, **result)
-
+        result = evaluate(model, heldout_loader, run, step, ctx)
     save_model(model, args, ctx, checkpoints)  # DISTRIBUTED
-    run.finish(
-        model,
-        optimizer,
-        FinalRecord(
-            script="ddp/train_transformer.py",
-            strategy=checkpoints.strategy,
-            global_batch_size=global_batch,
-            steps=step,
-            evaluation=result,
-            mixed_precision=args.mixed_precision,
-            data=data,
-            model_config=config.shape(),
-        ),
+    record = FinalRecord(
+        script="ddp/train_transformer.py",
+        strategy=checkpoints.strategy,
+        steps=step,
+        evaluation=result,
+        mixed_precision=args.mixed_precision,
+        data=data,
+        model_config=config.shape(),
     )
+    run.finish(model, optimizer, record)
 
 
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary

@@ -94,6 +94,39 @@ def forward_backward(model: torch.nn.Module, micro_batches: list, ctx: DistConte
     return step_loss
 
 
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list,
+    run: Bookkeeping,
+    step: int,
+    args,
+    ctx: DistContext,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimizer step ``step + 1``: the gradients of its micro-batches, clipped, and the update; its loss and the
+    global gradient norm, on the device."""
+    run.begin_step(step)  # from here to end_step: one optimizer step, nothing else
+    optimizer.zero_grad(set_to_none=True)
+    loss = forward_backward(model, micro_batches, ctx)
+    run.watch_loss(loss, step + 1)  # DISTRIBUTED: every rank stops, or none (read on the steps that log)
+    # Clipping also measures the global gradient norm that is logged; with
+    # --grad-clip 0 the limit is infinite, so it measures without clipping.
+    # DISTRIBUTED: FSDP's own clip combines the shards' norms into the global one.
+    grad_norm = model.clip_grad_norm_(args.grad_clip or math.inf)
+    optimizer.step()
+    run.end_step()
+    return loss, grad_norm
+
+
+def evaluate(model: torch.nn.Module, loader, run: Bookkeeping, step: int, ctx: DistContext, **fields) -> dict:
+    """The test set's loss and accuracy of the model after ``step`` steps, in metrics.jsonl and on the console."""
+    with run.paused():  # not training time
+        result = evaluate_classifier(model, loader, ctx, normalize_images)
+    run.write("eval", step=step, **fields, **result)
+    print0(f"eval at step {step}: loss {result['loss']:.4f} | accuracy {result['accuracy']:.2%}")
+    return result
+
+
 def save_model(model: torch.nn.Module, ctx: DistContext, checkpoints: Checkpointer) -> None:
     """DISTRIBUTED: model.pt, the whole model under its own parameter names (no wrapper's prefix), as CPU
     tensors, which rank 0 writes; the other ranks only learn whether that worked."""
@@ -102,23 +135,18 @@ def save_model(model: torch.nn.Module, ctx: DistContext, checkpoints: Checkpoint
 
 
 def train(args, ctx: DistContext) -> None:
-    # metrics.jsonl, the console's progress, stop requests, the observed step and the final record
-    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)
+    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)  # metrics, stop requests, the record
     seed_everything(args.seed, args.deterministic)
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
-    # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle: torch's DistributedSampler, its
-    # order computed as it goes (no table). Every rank gets as many batches as the others, so none waits alone.
+    # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle (torch's DistributedSampler, without
+    # a table of the order), as many batches as every other rank: none waits alone.
     sampler = CompactDistributedSampler(train_set, ctx.world_size, ctx.rank, seed=args.seed)  # DISTRIBUTED
     loader = train_loader(train_set, args.batch_size, sampler, ctx)
     test_loader = eval_loader(test_set, args.test_batch_size, ctx)
     steps_per_epoch = len(loader) // args.grad_accum_steps
     total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
     global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
-    print0(
-        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} | "
-        f"{total_steps} steps, {steps_per_epoch} per epoch"
-    )
 
     model = MnistNet(dropout=not args.deterministic).to(ctx.device)  # YOUR MODEL
     model = wrap_model(model, args, ctx)  # DISTRIBUTED
@@ -139,68 +167,37 @@ def train(args, ctx: DistContext) -> None:
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",
         trust=args.trust_checkpoint,
-        interval=args.checkpoint_interval,
+        interval=args.checkpoint_interval,  # save(step) writes one every N steps
         keep=args.keep_checkpoints,
         check_before_save=run.check_loss,  # a non-finite loss never reaches a checkpoint
+        while_saving=run.paused,
     )
-    # YOUR WEIGHTS: --init-from's state dict of this model, where no checkpoint of this run comes first.
-    resumed = checkpoints.resume(args.resume, args.resume_from, args.init_from)
-    run.start(resumed, total_steps, global_batch, unit="samples")
-    step = resumed.step
-    result = None
+    resumed = checkpoints.resume(args.resume, args.resume_from, args.init_from)  # YOUR WEIGHTS: --init-from
+    run.start(resumed, total_steps, global_batch)
+    step, result = resumed.step, None
     while step < total_steps:
-        epoch = step // steps_per_epoch + 1
-        done_in_epoch = step % steps_per_epoch
+        epoch, done_in_epoch = step // steps_per_epoch + 1, step % steps_per_epoch
         # DISTRIBUTED: a new shuffle each epoch, the same on every rank. A run resumed mid-epoch starts
         # after the examples it trained (every rank's), at any world size, and reads none of them again.
-        loader.sampler.set_epoch(epoch, start=done_in_epoch * global_batch)
+        sampler.set_epoch(epoch, start=done_in_epoch * global_batch)
         batches = iter(loader)
         for _ in range(min(steps_per_epoch - done_in_epoch, total_steps - step)):
             # Between two steps the saved state describes the run completely.
             if run.stop_requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
-                run.stop(step, checkpoints.save(step))
-            if checkpoints.due(step):
-                with run.paused():
-                    checkpoints.save(step)
-            # Only steps that log read values from the device: the others never make the host wait for it.
-            logs = run.logs_after(step)
-            run.begin_step(step)  # from here to end_step: one optimizer step, nothing else
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = forward_backward(model, [next(batches) for _ in range(args.grad_accum_steps)], ctx)
-            run.watch_loss(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
-            # Clipping also measures the global gradient norm that is logged; with
-            # --grad-clip 0 the limit is infinite, so it measures without clipping.
-            # DISTRIBUTED: FSDP's own clip combines the shards' norms into the global one.
-            grad_norm = model.clip_grad_norm_(args.grad_clip or math.inf)
-            optimizer.step()
-            run.end_step()
+                run.stop(step, checkpoints.save(step, force=True))
+            checkpoints.save(step)  # where --checkpoint-interval asks for one
+            micro_batches = [next(batches) for _ in range(args.grad_accum_steps)]
+            loss, grad_norm = train_step(model, optimizer, micro_batches, run, step, args, ctx)
             step += 1
-            if logs:
-                run.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
+            run.report(step, epoch, loss, grad_norm, scheduler.get_last_lr()[0])  # on the steps that log
         scheduler.step()
-        with run.paused():
-            result = evaluate_classifier(model, test_loader, ctx, normalize_images)
-            run.write("eval", step=step, epoch=epoch, **result)
-            print0(f"eval after epoch {epoch}: loss {result['loss']:.4f} | accuracy {result['accuracy']:.2%}")
-
-    if checkpoints.due(step):
-        checkpoints.save(step)
+        result = evaluate(model, test_loader, run, step, ctx, epoch=epoch)
+    checkpoints.save(step)
     if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
-        result = evaluate_classifier(model, test_loader, ctx, normalize_images)
-        run.write("eval", step=step, **result)
-
+        result = evaluate(model, test_loader, run, step, ctx)
     save_model(model, ctx, checkpoints)  # DISTRIBUTED
-    run.finish(
-        model,
-        optimizer,
-        FinalRecord(
-            script="fsdp/train_mnist.py",
-            strategy=checkpoints.strategy,
-            global_batch_size=global_batch,
-            steps=step,
-            evaluation=result,
-        ),
-    )
+    record = FinalRecord(script="fsdp/train_mnist.py", strategy=checkpoints.strategy, steps=step, evaluation=result)
+    run.finish(model, optimizer, record)
 
 
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary

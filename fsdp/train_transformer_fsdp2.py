@@ -147,6 +147,42 @@ def forward_backward(
     return step_loss
 
 
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list,
+    count_tokens: TokenCount,
+    run: Bookkeeping,
+    step: int,
+    args,
+    ctx: DistContext,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimizer step ``step + 1``: the gradients of its micro-batches, clipped, and the update; its loss and the
+    global gradient norm, on the device."""
+    # DISTRIBUTED: the tokens that count in this step, on every rank, counted before the measured step
+    # (bookkeeping, not the strategy's): each micro-step's loss is divided by them.
+    tokens = count_tokens(micro_batches)
+    run.begin_step(step)  # from here to end_step: one optimizer step, nothing else
+    optimizer.zero_grad(set_to_none=True)
+    loss = forward_backward(model, micro_batches, tokens, ctx)
+    run.watch_loss(loss, step + 1)  # DISTRIBUTED: every rank stops, or none (read on the steps that log)
+    # Clipping also measures the logged global gradient norm (--grad-clip 0: measures only).
+    # DISTRIBUTED: of DTensor slices; clip_grad_norm_ combines every rank's part, itself a DTensor.
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).full_tensor()
+    optimizer.step()
+    run.end_step()
+    return loss, grad_norm
+
+
+def evaluate(model: torch.nn.Module, loader, run: Bookkeeping, step: int, ctx: DistContext, **fields) -> dict:
+    """The held-out loss of the model after ``step`` steps, in metrics.jsonl and on the console."""
+    with run.paused():  # not training time
+        result = evaluate_language_model(model, loader, ctx)
+    run.write("eval", step=step, **fields, **result)
+    print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
+    return result
+
+
 def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Checkpointer) -> None:
     """DISTRIBUTED: model.pt, the whole model under its own parameter names (no wrapper's prefix), as CPU
     tensors, which rank 0 writes; the other ranks only learn whether that worked."""
@@ -162,24 +198,17 @@ def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Chec
 
 
 def train(args, ctx: DistContext) -> None:
-    # metrics.jsonl, the console's progress, stop requests, the observed step and the final record
-    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)
+    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)  # metrics, stop requests, the record
     seed_everything(args.seed, args.deterministic)
-    # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
-    data = transformer_data(args)  # --text-file, --token-file, or the synthetic Markov source
-    print0(f"data: {data.description}")
-    # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle: torch's DistributedSampler, its
-    # order computed as it goes (no table). Every rank gets as many batches as the others, so none waits alone.
+    data = transformer_data(args)  # YOUR DATA: (input, target) pairs of --text-file, --token-file or a Markov source
+    # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle (torch's DistributedSampler, without
+    # a table of the order), as many batches as every other rank: none waits alone.
     sampler = CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)  # DISTRIBUTED
     loader = train_loader(data.train, args.batch_size, sampler, ctx)
     heldout_loader = eval_loader(data.heldout, args.eval_batch_size, ctx)
     steps_per_epoch = len(loader) // args.grad_accum_steps
     total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
     global_batch = args.batch_size * args.grad_accum_steps * ctx.world_size
-    print0(
-        f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend}) | global batch {global_batch} "
-        f"sequences of {args.block_size} tokens | {total_steps} steps"
-    )
 
     config = gpt_config(args, data.vocab_size)
     # DISTRIBUTED: shapes without memory: wrap_model gives each rank its shards alone (see there).
@@ -193,7 +222,6 @@ def train(args, ctx: DistContext) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
 
-    # DISTRIBUTED: a full checkpoint is one file from rank 0; a sharded one, each rank's own shards.
     checkpoints = Checkpointer(
         ctx,
         args.run_dir,
@@ -204,78 +232,50 @@ def train(args, ctx: DistContext) -> None:
         strategy="fsdp2" if args.replicate_degree == 1 else "fsdp2_hsdp",  # recorded; a resume names a switch
         settings=args.training_settings,  # recorded; a resume names each change
         global_batch_size=global_batch,
-        sharded=args.checkpoint_format == "sharded",
+        sharded=args.checkpoint_format == "sharded",  # DISTRIBUTED: each rank writes its shards, or rank 0 all
         trust=args.trust_checkpoint,
-        interval=args.checkpoint_interval,
+        interval=args.checkpoint_interval,  # save(step) writes one every N steps
         keep=args.keep_checkpoints,
         check_before_save=run.check_loss,  # a non-finite loss never reaches a checkpoint
+        while_saving=run.paused,
     )
-    # YOUR WEIGHTS: --init-from's state dict of this model, where no checkpoint of this run comes first.
-    resumed = checkpoints.resume(args.resume, args.resume_from, args.init_from)
-    run.start(resumed, total_steps, global_batch * args.block_size, unit="tokens")
-    # Padded data counts its tokens every step (one all-reduce); data that never pads knows the count.
-    count_tokens = TokenCount(data.padded, global_batch * args.block_size, ctx)
-    step = resumed.step
-    result = None
+    resumed = checkpoints.resume(args.resume, args.resume_from, args.init_from)  # YOUR WEIGHTS: --init-from
+    run.start(resumed, total_steps, global_batch, tokens_per_example=args.block_size)
+    count_tokens = TokenCount(data.padded, global_batch * args.block_size, ctx)  # padded data: counted each step
+    step, result = resumed.step, None
     while step < total_steps:
-        epoch = step // steps_per_epoch + 1
-        done_in_epoch = step % steps_per_epoch
+        epoch, done_in_epoch = step // steps_per_epoch + 1, step % steps_per_epoch
         # DISTRIBUTED: a new shuffle each epoch, the same on every rank. A run resumed mid-epoch starts
         # after the examples it trained (every rank's), at any world size, and reads none of them again.
-        loader.sampler.set_epoch(epoch, start=done_in_epoch * global_batch)
+        sampler.set_epoch(epoch, start=done_in_epoch * global_batch)
         batches = iter(loader)
         for _ in range(min(steps_per_epoch - done_in_epoch, total_steps - step)):
             # Between two steps the saved state describes the run completely.
             if run.stop_requested():  # DISTRIBUTED: all ranks agree, so all of them stop at this step
-                run.stop(step, checkpoints.save(step))
-            if checkpoints.due(step):
-                with run.paused():
-                    checkpoints.save(step)
-            logs = run.logs_after(step)  # only these steps read values from the device: no other step waits
+                run.stop(step, checkpoints.save(step, force=True))
+            checkpoints.save(step)  # where --checkpoint-interval asks for one
             micro_batches = [next(batches) for _ in range(args.grad_accum_steps)]
-            # DISTRIBUTED: the tokens that count in this step, on every rank, counted before the measured
-            # step (bookkeeping, not the strategy's): each micro-step's loss is divided by them.
-            tokens = count_tokens(micro_batches)
-            run.begin_step(step)  # from here to end_step: one optimizer step, nothing else
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = forward_backward(model, micro_batches, tokens, ctx)
-            run.watch_loss(step_loss, step + 1, read=logs)  # DISTRIBUTED: every rank stops, or none
-            # Clipping also measures the logged global gradient norm (--grad-clip 0: measures only).
-            # DISTRIBUTED: of DTensor slices; clip_grad_norm_ combines every rank's part, itself a DTensor.
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).full_tensor()
-            optimizer.step()
+            loss, grad_norm = train_step(model, optimizer, micro_batches, count_tokens, run, step, args, ctx)
             scheduler.step()
-            run.end_step()
             step += 1
-            if logs:
-                run.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
+            run.report(step, epoch, loss, grad_norm, scheduler.get_last_lr()[0])  # on the steps that log
             if step % args.eval_interval == 0 or step == total_steps:
-                with run.paused():
-                    result = evaluate_language_model(model, heldout_loader, ctx)
-                    run.write("eval", step=step, epoch=epoch, **result)
-                    print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
-
-    if checkpoints.due(step):
-        checkpoints.save(step)
+                result = evaluate(model, heldout_loader, run, step, ctx, epoch=epoch)
+    checkpoints.save(step)
     if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
-        result = evaluate_language_model(model, heldout_loader, ctx)
-        run.write("eval", step=step, **result)
+        result = evaluate(model, heldout_loader, run, step, ctx)
     save_model(model, args, ctx, checkpoints)  # DISTRIBUTED
-    run.finish(
-        model,
-        optimizer,
-        FinalRecord(
-            script="fsdp/train_transformer_fsdp2.py",
-            strategy=checkpoints.strategy,
-            global_batch_size=global_batch,
-            steps=step,
-            evaluation=result,
-            mixed_precision=args.mixed_precision,
-            reshard_after_forward=args.reshard_after_forward,
-            data=data,
-            model_config=config.shape(),
-        ),
+    record = FinalRecord(
+        script="fsdp/train_transformer_fsdp2.py",
+        strategy=checkpoints.strategy,
+        steps=step,
+        evaluation=result,
+        mixed_precision=args.mixed_precision,
+        reshard_after_forward=args.reshard_after_forward,
+        data=data,
+        model_config=config.shape(),
     )
+    run.finish(model, optimizer, record)
 
 
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary

@@ -1,6 +1,6 @@
 """Every flag of every script and command, tried with the values that broke one before.
 
-Generated from the parsers, not from a list: the scripts are ddp/*.py and fsdp/*.py, the commands
+Generated from the parsers, not from a list: the scripts are ddp/train_*.py and fsdp/train_*.py, the commands
 the tools/ modules with a ``__main__`` block (found as tests/test_layout.py finds them). Each has a
 ``parse_args(argv)`` that parses and runs the module's checks, and does no work. The test catches the
 parser it builds, walks ``parser._actions``, and tries on each flag the hostile values of its kind,
@@ -36,7 +36,7 @@ from common import flags
 from tests.harness.cases import is_command
 from tests.harness.runs import REPO, clean_env
 
-SCRIPTS = sorted(str(path.relative_to(REPO)) for path in [*REPO.glob("ddp/*.py"), *REPO.glob("fsdp/*.py")])
+SCRIPTS = sorted(str(path.relative_to(REPO)) for path in [*REPO.glob("ddp/train_*.py"), *REPO.glob("fsdp/train_*.py")])
 
 
 COMMANDS = sorted(

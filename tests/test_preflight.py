@@ -102,13 +102,12 @@ def broken_copy(script: str, find: str, replace: str, folder: Path) -> tuple[Pat
 
 
 # Each: the script, the line to find, what it becomes, the rank whose side of the report names the line.
-EVAL_CLASSIFIER = "result = evaluate_classifier(model, test_loader, ctx, normalize_images)"
+EVAL_CLASSIFIER = "result = evaluate_classifier(model, loader, ctx, normalize_images)"
 BROKEN = [
     # Rank 0 alone evaluates: its evaluation's all-reduce meets the other rank's next training collective.
     ("ddp-eval-on-rank-0", "ddp/train_transformer.py",
-     "result = evaluate_language_model(model, heldout_loader, ctx, autocast=compute_dtype)",
-     "result = evaluate_language_model(model, heldout_loader, ctx, autocast=compute_dtype) if ctx.is_main else "
-     "{'loss': 0.0, 'samples': 0}", 0),
+     "result = evaluate_language_model(model, loader, ctx)",
+     "result = evaluate_language_model(model, loader, ctx) if ctx.is_main else {'loss': 0.0, 'samples': 0}", 0),
     # Under FSDP the evaluation's forward gathers parameters: the same shapes as training's, from another line.
     ("fsdp-eval-on-rank-0", "fsdp/train_mnist.py", EVAL_CLASSIFIER,
      f"{EVAL_CLASSIFIER} if ctx.is_main else "

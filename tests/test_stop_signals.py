@@ -75,7 +75,7 @@ def test_a_stop_signal_ends_the_run_with_a_checkpoint(
         os.kill(os.getpid(), number)  # os.kill runs the handler before it returns
         assert not default_action_caught, f"{number.name} would have killed the run, with no checkpoint"
         assert stop.requested(), f"{number.name} was handled but asked for no stop"
-        stop.exit(STEP, checkpoints.save(STEP))  # the scripts' loop: checkpoint, then exit
+        stop.exit(STEP, checkpoints.save(STEP, force=True))  # the scripts' loop: checkpoint, then exit
     assert exit_info.value.code == 0
     (checkpoint,) = complete_checkpoints(tmp_path)
     marker = json.loads((tmp_path / "PREEMPTED").read_text())

@@ -7,7 +7,7 @@ from tests.zoo.mistake import Mistake
 
 # The equivalence tests' verdict when a run leaves the noise band of one process.
 TRAINS_DIFFERENTLY = r"DIFFERENT"
-DDP_CLIP = "            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)\n"
+DDP_CLIP = "    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)\n"
 
 CLIPPING = [
     Mistake(
@@ -29,7 +29,7 @@ CLIPPING = [
         path="ddp/train_transformer.py",
         edits={
             # The clip moves into forward_backward, after each micro-step's backward; the loop logs the last one's.
-            DDP_CLIP: "            grad_norm = forward_backward.last_norm\n",
+            DDP_CLIP: "    grad_norm = forward_backward.last_norm\n",
             "        step_loss += loss.detach()\n": "        step_loss += loss.detach()\n"
             "        forward_backward.last_norm = " + DDP_CLIP.split(" = ", 1)[1],
         },

@@ -10,7 +10,7 @@ TRAINS_DIFFERENTLY = r"DIFFERENT"
 EQUIVALENCE = "tests/test_equivalence.py"
 ORDER = "tests/test_training_order.py::test_the_ranks_are_dealt_each_example_once_an_epoch_and_an_evaluation"
 LOGGED_LR = "tests/test_training_order.py::test_the_logged_lr_is_the_schedules_after_each_step"
-SET_EPOCH = "loader.sampler.set_epoch(epoch, start=done_in_epoch * global_batch)\n"
+SET_EPOCH = "sampler.set_epoch(epoch, start=done_in_epoch * global_batch)\n"
 LAST_MICRO_STEP = "last_micro_step = micro_step == len(micro_batches) - 1"
 
 SAMPLER = [
@@ -27,7 +27,7 @@ SAMPLER = [
         name="ddp-set-epoch-once",
         path="ddp/train_transformer.py",
         edits={
-            "    while step < total_steps:\n": "    loader.sampler.set_epoch(step // steps_per_epoch + 1)\n"
+            "    while step < total_steps:\n": "    sampler.set_epoch(step // steps_per_epoch + 1)\n"
             "    while step < total_steps:\n",
             f"        {SET_EPOCH}": "",
         },
@@ -83,7 +83,7 @@ SAMPLER = [
                 "sampler = DistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)"
             ),
             # torch's set_epoch has no start: a resume would read the epoch from its beginning again.
-            SET_EPOCH: "loader.sampler.set_epoch(epoch)\n",
+            SET_EPOCH: "sampler.set_epoch(epoch)\n",
         },
         test=ORDER,
         reason=r"examples dealt twice \(to one rank or to two\)",
@@ -254,13 +254,11 @@ SCHEDULES = [
         name="ddp-lr-logged-before-the-step",
         path="ddp/train_transformer.py",
         edits={
-            "            optimizer.step()\n            scheduler.step()\n": (
-                "            optimizer.step()\n"
-                "            lr = scheduler.get_last_lr()[0]\n"
-                "            scheduler.step()\n"
+            "            scheduler.step()\n": (
+                "            lr = scheduler.get_last_lr()[0]\n            scheduler.step()\n"
             ),
-            "run.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])": (
-                "run.report(step, epoch, step_loss, grad_norm, lr)"
+            "run.report(step, epoch, loss, grad_norm, scheduler.get_last_lr()[0])": (
+                "run.report(step, epoch, loss, grad_norm, lr)"
             ),
         },
         test=LOGGED_LR,
@@ -281,10 +279,8 @@ SCHEDULES = [
         name="fsdp1-mnist-steplr-every-step",
         path="fsdp/train_mnist.py",
         edits={
-            "            optimizer.step()\n            run.end_step()\n": (
-                "            optimizer.step()\n            scheduler.step()\n            run.end_step()\n"
-            ),
-            "        scheduler.step()\n        with run.paused():\n": "        with run.paused():\n",
+            "            step += 1\n": "            scheduler.step()\n            step += 1\n",
+            "        scheduler.step()\n        result = evaluate(": "        result = evaluate(",
         },
         test=f"{EQUIVALENCE}::test_mnist_matches_one_process[fsdp1-full_shard-2]",
         reason=TRAINS_DIFFERENTLY,
@@ -295,10 +291,11 @@ SCHEDULES = [
         name="ddp-mnist-steplr-before-the-epoch",
         path="ddp/train_mnist.py",
         edits={
-            "        epoch = step // steps_per_epoch + 1\n": (
-                "        epoch = step // steps_per_epoch + 1\n        scheduler.step()\n"
+            "        epoch, done_in_epoch = step // steps_per_epoch + 1, step % steps_per_epoch\n": (
+                "        epoch, done_in_epoch = step // steps_per_epoch + 1, step % steps_per_epoch\n"
+                "        scheduler.step()\n"
             ),
-            "        scheduler.step()\n        with run.paused():\n": "        with run.paused():\n",
+            "        scheduler.step()\n        result = evaluate(": "        result = evaluate(",
         },
         test="tests/test_training_order.py::test_the_logged_lr_of_the_cnn_decays_once_an_epoch",
         reason=r"logged lr is not --lr 1.0 x --gamma 0.7 per epoch before",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.zoo.mistake import Mistake
 
 # Where a run resumed mid-epoch starts: after the examples every rank trained.
-RESUMED_EPOCH = "loader.sampler.set_epoch(epoch, start=done_in_epoch * global_batch)"
+RESUMED_EPOCH = "sampler.set_epoch(epoch, start=done_in_epoch * global_batch)"
 STOP_AND_RESUME = "tests/test_checkpoint.py::test_stopped_and_resumed_run_matches_an_uninterrupted_one"
 # The stopped-and-resumed run's losses, gradient norms and learning rates, step by step, are not the reference's.
 RESUMES_DIFFERENTLY = r"assert train_history\(resumed\) == train_history\(reference\)"
@@ -52,7 +52,7 @@ CHECKPOINTS = [
     Mistake(
         name="resume-restarts-the-epoch",
         path="ddp/train_transformer.py",
-        edits={RESUMED_EPOCH: "loader.sampler.set_epoch(epoch)"},
+        edits={RESUMED_EPOCH: "sampler.set_epoch(epoch)"},
         test=f"{STOP_AND_RESUME}[ddp-transformer]",
         reason=TRAINS_OTHER_EXAMPLES,
         harm="a run resumed mid-epoch trains the epoch's first batches again and never sees its last ones",

@@ -152,7 +152,7 @@ CLIPPING = [
         edits={
             "torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).full_tensor()": (
                 "torch.nn.utils.get_total_norm(local_grads := [p.grad.to_local() for p in model.parameters()])\n"
-                "            torch.nn.utils.clip_grads_with_norm_(local_grads, args.grad_clip or math.inf, grad_norm)"
+                "    torch.nn.utils.clip_grads_with_norm_(local_grads, args.grad_clip or math.inf, grad_norm)"
             )
         },
         test="tests/test_equivalence.py::test_transformer_matches_one_process[fsdp2-2]",
@@ -167,8 +167,8 @@ CLIPPING = [
         edits={
             "torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).full_tensor()": (
                 "torch.nn.utils.get_total_norm(local_grads := [p.grad.to_local() for p in model.parameters()])\n"
-                "            dist.all_reduce(grad_norm)  # every rank's part of the norm\n"
-                "            torch.nn.utils.clip_grads_with_norm_(local_grads, args.grad_clip or math.inf, grad_norm)"
+                "    dist.all_reduce(grad_norm)  # every rank's part of the norm\n"
+                "    torch.nn.utils.clip_grads_with_norm_(local_grads, args.grad_clip or math.inf, grad_norm)"
             )
         },
         test="tests/test_equivalence.py::test_transformer_matches_one_process[fsdp2-2]",
@@ -208,7 +208,11 @@ SOME_RANKS_ONLY = [
     Mistake(
         name="final-record-on-rank-0-only",
         path="ddp/train_mnist.py",
-        edits={"    run.finish(\n        model,": "    if ctx.is_main:\n        run.finish(\n        model,"},
+        edits={
+            "    run.finish(model, optimizer, record)": (
+                "    if ctx.is_main:\n        run.finish(model, optimizer, record)"
+            )
+        },
         test=preflight_of("ddp/train_mnist.py"),
         reason=RANKS_DISAGREE,
         harm="only rank 0 writes the final record, but its memory figures are a maximum over ranks that "
@@ -236,7 +240,7 @@ TENSOR_PARALLEL = [
     Mistake(
         name="tp-fused-qkv-split-as-one-weight",
         path=FSDP2_TP,
-        edits={'"attn.qkv": FusedColwiseParallel(parts=3),': '"attn.qkv": ColwiseParallel(),'},
+        edits={'"attn.qkv": tp.FusedColwiseParallel(parts=3),': '"attn.qkv": ColwiseParallel(),'},
         test=TP_ALONE,
         reason=TRAINS_DIFFERENTLY,
         harm="a plain column-wise split of the fused q|k|v weight gives rank 0 all of q and half of k: each rank's "
