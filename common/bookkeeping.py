@@ -206,9 +206,8 @@ def summary_line(record: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class FinalRecord:
-    """What a script says of its finished run in metrics.jsonl's "final" record; Bookkeeping adds what it
-    knows (the global batch of ``start``) and measured (world size, memory, throughput, what one step sent, wall
-    time). A field left None is left
+    """What a script says of its finished run in metrics.jsonl's "final" record; Bookkeeping adds the global batch
+    and what it measured (world size, memory, throughput, what one step sent, wall time). A field left None is left
     out: the MNIST scripts have no model_config, the transformer's text data no entropy floor."""
 
     script: str
@@ -238,13 +237,17 @@ class Bookkeeping:
     rank calls each method at the same point (collectives). ``check_loss`` and ``paused`` go to the Checkpointer: a
     non-finite loss never reaches a checkpoint, and saving is not training time."""
 
+    # Made by start(), once the checkpoint to resume from is known.
+    log: MetricsLog
+    progress: ProgressReporter
+    stop_request: StopRequest
+
     def __init__(self, run_dir: Path, ctx: DistContext, log_interval: int, profile_steps: int = 0) -> None:
         self.run_dir, self.ctx, self.log_interval = run_dir, ctx, log_interval
         self.started = time.perf_counter()  # wall_s counts the whole of train(), data loading included
         self.observer = StepObserver(run_dir, ctx, profile_steps)  # what one step sends; --profile's trace
         self.finite_loss = FiniteLossCheck(ctx)
         self.total_steps = self.global_batch = 0
-        self._parts: tuple[MetricsLog, ProgressReporter, StopRequest] | None = None  # from start() on
 
     def start(self, resumed: Resumed, total_steps: int, global_batch: int, tokens_per_example: int = 0) -> None:
         """Open metrics.jsonl at the step this run starts from (a resume replaces the records after it), watch
@@ -262,20 +265,17 @@ class Bookkeeping:
         progress = ProgressReporter(
             log, ctx, total_steps, global_batch * max(tokens_per_example, 1), unit, resumed.step
         )
-        self._parts = log, progress, StopRequest(self.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file
-
-    def _started(self) -> tuple[MetricsLog, ProgressReporter, StopRequest]:
-        assert self._parts is not None, "Bookkeeping.start() comes first"
-        return self._parts
+        self.log, self.progress = log, progress
+        self.stop_request = StopRequest(self.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file
 
     def stop_requested(self) -> bool:  # the same answer on every rank
-        return self._started()[2].requested()
+        return self.stop_request.requested()
 
     def stop(self, step: int, checkpoint: Path | None) -> NoReturn:  # the PREEMPTED marker, then exit code 0
-        self._started()[2].exit(step, checkpoint)
+        self.stop_request.exit(step, checkpoint)
 
     def paused(self) -> AbstractContextManager[None]:  # an evaluation, a checkpoint: not training time
-        return self._started()[1].paused()
+        return self.progress.paused()
 
     def begin_step(self, step: int) -> None:  # ``step`` steps done; until end_step, the next one and nothing else
         self.observer.begin_step(step)
@@ -295,10 +295,10 @@ class Bookkeeping:
 
     def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         if self.logs(step):  # one metrics.jsonl record and one console line
-            self._started()[1].report(step, epoch, loss, grad_norm, lr)
+            self.progress.report(step, epoch, loss, grad_norm, lr)
 
     def write(self, event: str, **fields: Any) -> None:  # one record of metrics.jsonl
-        self._started()[0].write(event, **fields)
+        self.log.write(event, **fields)
 
     def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer, record: FinalRecord) -> None:
         """Write the final record (memory figures are the largest over ranks), print a summary, close metrics.jsonl."""
@@ -307,8 +307,8 @@ class Bookkeeping:
             loss = record.evaluation["loss"]
             above = f"{loss - floor:+.4f} nats/token above the best possible"
             print0(f"held-out loss {loss:.4f} vs. floor {floor:.4f}: {above}")
-        log, progress, stop_request = self._started()
-        stop_request.settle()
+        log, progress = self.log, self.progress
+        self.stop_request.settle()
         fields = {**record.fields(), "wall_s": time.perf_counter() - self.started, **self.observer.record()}
         ctx = self.ctx
         state_bytes = max_state_bytes(model, optimizer, ctx)

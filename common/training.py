@@ -140,18 +140,16 @@ def sum_over_ranks(totals: torch.Tensor) -> list[float]:
 
 @torch.no_grad()
 def evaluate_language_model(
-    model: nn.Module, loader: DataLoader, ctx: DistContext, autocast: torch.dtype | None = None, copies: int = 1
+    model: nn.Module, loader: DataLoader, ctx: DistContext, copies: int = 1
 ) -> dict[str, float]:
-    """Mean next-token cross-entropy (nats per token) over every held-out sequence.
-    ``autocast``: the dtype a DDP run trains in under torch.autocast, to evaluate the same way. ``copies``: ranks
-    that evaluate the same sequences (a tensor-parallel group), whose sums hold each sequence that many times."""
+    """Mean next-token cross-entropy (nats per token) over every held-out sequence. ``copies``: ranks that evaluate
+    the same sequences (a tensor-parallel group), whose sums hold each sequence that many times."""
     model.eval()
     loss_sum, tokens, sequences = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     for (inputs, targets), counts in lockstep_batches(loader, ctx):
         inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
-        with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
-            output = model(inputs)
-            logits = output if isinstance(output, torch.Tensor) else output.logits  # a Hugging Face model's output
+        output = model(inputs)
+        logits = output if isinstance(output, torch.Tensor) else output.logits  # a Hugging Face model's output
         if counts:
             # Padding (IGNORE_INDEX) adds nothing to the sum and is not counted.
             # Logits split over a tensor-parallel group, under loss_parallel, give a DTensor, alike on its ranks.

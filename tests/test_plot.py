@@ -293,7 +293,7 @@ IMPORT_EVERYTHING = """
 import json, runpy, sys
 from pathlib import Path
 loaded_by = []
-scripts = sorted([*Path("ddp").glob("*.py"), *Path("fsdp").glob("*.py")])
+scripts = sorted([*Path("ddp").glob("train_*.py"), *Path("fsdp").glob("train_*.py")])
 for script in scripts:
     runpy.run_path(str(script), run_name="imported")
     if "matplotlib" in sys.modules and not loaded_by:

@@ -42,7 +42,7 @@ from common.distributed import DistContext, local_state_bytes
 from common.fine_tuning import add_adapters, freeze
 from common.flag_checks import ONE_RANK_SHARD_GROUPS
 from common.flags import non_negative_int, positive_int
-from common.models import COMPUTE_DTYPES, GPT, GPT_PRESETS, GPTConfig, gpt_config
+from common.models import GPT, GPT_PRESETS, GPTConfig, gpt_config
 from common.outputs import write_text
 from tools.command_flags import output_file, positive_int_up_to, refuse_outputs_on_one_path
 from tools.estimates import estimate_memory, modelled_collectives
@@ -258,8 +258,7 @@ def training_step(
     """One optimizer step as the strategy's script takes it (one micro-step, a step that does not log)."""
     inputs, targets = batch
     optimizer.zero_grad(set_to_none=args.strategy != "ddp")  # DDP keeps its gradients as bucket views
-    autocast = args.strategy == "ddp" and args.mixed_precision != "fp32"
-    with args.script_loss(), torch.autocast("cpu", dtype=COMPUTE_DTYPES[args.mixed_precision], enabled=autocast):
+    with args.script_loss():  # DDP's autocast is its wrap's (wrap_model), as in the script
         logits = model(inputs)
         summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
         loss = summed * ctx.world_size / (targets.numel() * ctx.world_size)
@@ -279,7 +278,7 @@ def simulate(args: argparse.Namespace, progress: Progress | None = None) -> dict
     """The figures of one rank: measured (its own state, peak and collectives) and the estimators'."""
     script = runpy.run_path(str(REPO / SCRIPTS[args.strategy]))
     wrap_model = script["wrap_model"]
-    args.script_clip = script.get("clip_grad_norm_over_meshes")  # the TP script's own
+    args.script_clip = getattr(script.get("tp"), "clip_grad_norm_over_meshes", None)  # the TP script's helpers'
     # The TP script's logits are split over the vocabulary: its loss runs under loss_parallel, backward too.
     args.script_loss = script.get("loss_parallel", contextlib.nullcontext)
     # The torchrun variables the script's flag checks read, for the simulated rank.
