@@ -7,6 +7,9 @@ agree, save a checkpoint, leave a PREEMPTED marker and exit, and ``--resume`` co
 from __future__ import annotations
 
 import json
+import math
+import os
+import resource
 import signal
 import sys
 import time
@@ -14,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -23,20 +26,21 @@ import torch.nn as nn
 from common.checkpoint import Resumed
 from common.collectives import StepObserver
 from common.data import TokenData
-from common.distributed import AgreementInFlight, DistContext, max_over_ranks, print0, shard_group_size
-from common.outputs import write_text
-from common.run_dir import STOP_FILE
-from common.training import (
-    FiniteLossCheck,
-    MetricsLog,
-    max_state_bytes,
-    model_flops_utilization,
-    peak_flops,
-    peak_memory_bytes,
-    progress_line,
-    synchronize,
-    transformer_flops_per_token,
+from common.distributed import (
+    AgreementInFlight,
+    DistContext,
+    FatalError,
+    all_ranks_agree,
+    local_state_bytes,
+    max_over_ranks,
+    print0,
+    shard_group_size,
 )
+from common.models import transformer_flops_per_token
+from common.outputs import open_log, write_text
+from common.run_dir import METRICS_FILE, STOP_FILE, RunDirLock
+from common.safe_io import then_resume, what_is_kept, write_failure
+from common.training import FiniteLossCheck
 
 PREEMPTED_FILE = "PREEMPTED"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -115,6 +119,139 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     total = value.detach().clone().float()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.item() / dist.get_world_size()
+
+
+# Logged once per restart; any other record describes its step's state, the same however often a run restarts there.
+PER_RESTART_EVENTS = {"resume"}
+
+
+class MetricsLog:
+    """One JSON object per line in ``run_dir/metrics.jsonl``, written by rank 0 and opened at the first record: a run
+    that fails its checks writes nothing over an earlier run's metrics. A run resumed at step N keeps the records up to
+    N (it trains and logs the later steps again), leaves out a line cut short (and says so), and does not write twice
+    a record of a step's state that it kept (the final evaluation of a run resumed at its end). ``lock``: the run dir's,
+    taken again before a record if its file left the folder (an rm -rf, a rename); None: no lock guards the folder."""
+
+    def __init__(
+        self, run_dir: Path, ctx: DistContext, resumed_at: int | None = None, lock: RunDirLock | None = None
+    ) -> None:
+        self.path, self.ctx, self.resumed_at, self.lock = run_dir / METRICS_FILE, ctx, resumed_at, lock
+        self._file = None
+        self._kept: set[tuple[str, int]] = set()  # (event, step) of the records kept from before the resume
+
+    def write(self, event: str, **fields: Any) -> None:
+        """Append one record. Every rank calls it at the same point; if rank 0 cannot write, all stop."""
+        failure = write_failure(lambda: self._append({"event": event, **fields})) if self.ctx.is_main else None
+        if not all_ranks_agree(failure is None, self.ctx):
+            kept = what_is_kept(self.path.parent)
+            raise FatalError(f"could not write {self.path}: {failure}. {kept}. {then_resume(failure)}", exit_code=1)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self.lock is not None:
+            self.lock.retake_if_lost()  # where the run dir went, its lock went too
+        if self._file is not None and (gone := self._gone_from_its_path(self._file)):
+            # Deleted under the run (a cleanup job, an rm -rf of the run dir), or moved with a renamed
+            # run dir: appending to the open file would lose every record, or put them elsewhere, without a word.
+            print(f"warning: {self.path} was {gone} while this run wrote it; a new one starts here", flush=True)
+            self._file.close()  # type: ignore[union-attr]
+            self._file = None  # _open makes the folder again and, the file being gone, starts a new one
+        if self._file is None:
+            self._file = self._open()
+        if record["event"] not in PER_RESTART_EVENTS and (record["event"], record.get("step")) in self._kept:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def _gone_from_its_path(self, file: IO[str]) -> str | None:
+        """How the open ``file`` left ``self.path`` ("deleted", "moved or replaced"); None while it is still there."""
+        opened = os.fstat(file.fileno())
+        if opened.st_nlink == 0:
+            return "deleted"
+        try:
+            return None if os.path.samestat(os.stat(self.path), opened) else "moved or replaced"
+        except FileNotFoundError:
+            return "moved or replaced"
+
+    def _open(self) -> IO[str]:
+        if self.resumed_at is None or not self.path.exists():
+            return open_log(self.path, append=False)
+        kept, torn, replaced = [], [], 0
+        for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # an append that a full disk or a kill cut short
+                torn.append(number)
+                continue
+            if record.get("step", math.inf) <= self.resumed_at:
+                kept.append(line)
+                self._kept.add((record.get("event"), record["step"]))
+            else:
+                replaced += 1
+        if replaced:
+            what = f"{replaced} record(s) after step {self.resumed_at} are replaced by this run"
+            print(f"{self.path}: {what}, which trains those steps again", flush=True)
+        if torn:
+            lines = ", ".join(map(str, torn))
+            print(f"{self.path}: left out {len(torn)} line(s) cut off mid-write (line {lines})", flush=True)
+        # Replaced in one rename, so a kill here cannot lose the earlier history.
+        write_text(self.path, "".join(line + "\n" for line in kept), overwrite=True)  # this run's own file
+        return open_log(self.path, append=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def progress_line(
+    step: int, max_steps: int, epoch: int, loss: float, grad_norm: float, lr: float, rate: str, step_ms: float
+) -> str:
+    width = len(str(max_steps))
+    return (
+        f"step {step:>{width}}/{max_steps} | epoch {epoch:>2} | loss {loss:8.4f} | grad norm {grad_norm:8.3f} | "
+        f"lr {lr:9.3e} | {rate} | {step_ms:8.1f} ms/step"
+    )
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queue, so a clock read next counts the work queued before it (a kernel or an NCCL
+    collective returns once enqueued, gloo's once done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: allocated tensors on a GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak_rss if sys.platform == "darwin" else peak_rss * 1024  # Linux reports KiB
+
+
+def max_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, int]:
+    """``local_state_bytes`` of the rank that holds the most, per kind."""
+    local = local_state_bytes(model, optimizer)
+    largest = max_over_ranks([float(v) for v in local.values()], ctx)
+    return {key: int(value) for key, value in zip(local, largest, strict=True)}
+
+
+# Dense bf16 peaks per GPU (NVIDIA's data sheets, half the "with sparsity" figure) for MFU; MFU_PEAK_TFLOPS overrides
+# them. Specific names first: NVL and PCIe boards must not match the SXM figure of their plain names (H200, H100).
+PEAK_BF16_TFLOPS = {"H200 NVL": 835, "H200": 989, "H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "A100": 312}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of one GPU, or None on CPU and on GPUs the table does not know."""
+    if device.type != "cuda":
+        return None
+    if "MFU_PEAK_TFLOPS" in os.environ:
+        return float(os.environ["MFU_PEAK_TFLOPS"]) * 1e12
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def model_flops_utilization(flops_per_token: float, tokens_per_s: float, peak_per_gpu: float, gpus: int) -> float:
+    """The share of the GPUs' peak that the model's own arithmetic used (recomputation does not count)."""
+    return flops_per_token * tokens_per_s / (peak_per_gpu * gpus)
 
 
 class ProgressReporter:
@@ -241,8 +378,10 @@ class Bookkeeping:
     (evaluation, checkpoints), ``begin_step``/``end_step`` around the optimizer step, ``watch_loss``, ``report`` on the
     steps that log, ``write`` for other records; ``finish``. Every rank calls each at the same point (collectives)."""
 
-    def __init__(self, run_dir: Path, ctx: DistContext, log_interval: int, profile_steps: int = 0) -> None:
-        self.run_dir, self.ctx, self.log_interval = run_dir, ctx, log_interval
+    def __init__(
+        self, run_dir: Path, ctx: DistContext, log_interval: int, profile_steps: int, lock: RunDirLock
+    ) -> None:
+        self.run_dir, self.ctx, self.log_interval, self.lock = run_dir, ctx, log_interval, lock
         self.started = time.perf_counter()  # wall_s counts the whole of train(), data loading included
         self.observer = StepObserver(run_dir, ctx, profile_steps)  # what one step sends; --profile's trace
         self.begin_step, self.end_step = self.observer.begin_step, self.observer.end_step
@@ -257,7 +396,7 @@ class Bookkeeping:
         """Open metrics.jsonl at the step this run starts from (a resume replaces the records after it), watch
         for stop requests, and start the clock of training time; ``items_per_step``: global samples or tokens."""
         self.total_steps = total_steps
-        self.log = MetricsLog(self.run_dir, self.ctx, resumed_at=resumed.step if resumed.path else None)
+        self.log = MetricsLog(self.run_dir, self.ctx, resumed.step if resumed.path else None, self.lock)
         if resumed.path:
             # A resume at another world size shows as a change; ``changed``: each setting that differs, [old, new].
             sizes = {"checkpoint_world_size": resumed.world_size, "world_size": self.ctx.world_size}

@@ -118,20 +118,8 @@ def holder_of(fd: int) -> str:
     return holder
 
 
-_HELD: dict[Path, RunDirLock] = {}  # this process's locks by run dir, for keep_holding
-
-
-def keep_holding(run_dir: Path) -> None:
-    """Lock ``run_dir`` again if this process holds its lock but the lock file left it (an rm -rf, a rename):
-    else a second run finds no lock in the folder made again, and two runs write it. OSError (EBUSY) if
-    another run was quicker."""
-    lock = _HELD.get(run_dir.absolute())
-    if lock is not None:
-        lock.retake_if_lost()
-
-
 class RunDirLock:
-    """``with RunDirLock(run_dir, ctx):`` refuses to run while another run holds ``run_dir``.
+    """``with RunDirLock(run_dir, ctx) as lock:`` refuses to run while another run holds ``run_dir``.
 
     Two runs on one folder would interleave metrics.jsonl and prune or replace each other's files. Rank 0 flocks
     ``RUN_DIR/.lock`` for the run's life and all ranks agree on the answer: one message, one exit on every rank.
@@ -157,14 +145,11 @@ class RunDirLock:
                 f"--run-dir {self.run_dir} is in use by another run ({holder or 'see rank 0'}): one run at a time "
                 "writes a run directory. Wait for it to end, or choose another --run-dir"
             )
-        if self.fd is not None:
-            _HELD[self.run_dir.absolute()] = self
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         if self.fd is None:
             return
-        _HELD.pop(self.run_dir.absolute(), None)
         # A run that wrote nothing leaves nothing, not even the folder it made for the lock. Unlinked before
         # the lock goes: a run that opens the old file in between finds it replaced and tries again (_acquire).
         if [entry.name for entry in self.run_dir.iterdir()] == [LOCK_FILE]:
@@ -201,7 +186,10 @@ class RunDirLock:
         self.fd = fd
         return None
 
-    def retake_if_lost(self) -> None:  # see keep_holding
+    def retake_if_lost(self) -> None:
+        """Lock the run dir again if this run holds its lock but the lock file left it (an rm -rf, a rename): else a
+        second run finds no lock in the folder made again, and two runs write it. OSError (EBUSY) if another run
+        was quicker. What writes into the run dir calls it first (common.bookkeeping.MetricsLog)."""
         if self.fd is None or self._still_the_lock_file(self.fd):
             return
         fd = self._open_lock_file()

@@ -110,9 +110,9 @@ def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Chec
     checkpoints.save_model(state)
 
 
-def train(args, ctx: DistContext) -> None:
+def train(args, ctx: DistContext, lock: RunDirLock) -> None:
     # metrics.jsonl, the console's progress, stop requests, the observed step and the final record
-    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)
+    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile, lock)
     seed_everything(args.seed, args.deterministic)
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     data = transformer_data(args)  # --text-file, --token-file, or the synthetic Markov source
@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
-            with RunDirLock(args.run_dir, ctx):
-                train(args, ctx)
+            with RunDirLock(args.run_dir, ctx) as lock:
+                train(args, ctx, lock)
         finally:
             with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
                 dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended
