@@ -1,5 +1,5 @@
 """The training loop's pieces that do not depend on the strategy: the schedule, the loss's checks and token
-counts, the evaluation, and seeding."""
+counts, the evaluation, seeding and the random state a checkpoint keeps."""
 
 from __future__ import annotations
 
@@ -166,3 +166,19 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.set_float32_matmul_precision("highest")  # no TF32 rounding on GPUs either
+
+
+def capture_rng() -> dict[str, Any]:
+    """The random state training draws from (dropout, anything else in Python or torch). Every rank seeds and
+    draws alike, so rank 0's stands for all; the data order needs none (the sampler derives it from seed and epoch)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
