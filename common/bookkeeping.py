@@ -396,7 +396,7 @@ class Bookkeeping:
         """Open metrics.jsonl at the step this run starts from (a resume replaces the records after it), watch
         for stop requests, and start the clock of training time; ``items_per_step``: global samples or tokens."""
         self.total_steps = total_steps
-        self.log = MetricsLog(self.run_dir, self.ctx, resumed.step if resumed.path else None, self.lock)
+        self.log = MetricsLog(self.run_dir, self.ctx, resumed_at=resumed.step if resumed.path else None, lock=self.lock)
         if resumed.path:
             # A resume at another world size shows as a change; ``changed``: each setting that differs, [old, new].
             sizes = {"checkpoint_world_size": resumed.world_size, "world_size": self.ctx.world_size}
