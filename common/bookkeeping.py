@@ -1,20 +1,20 @@
 """A run's bookkeeping behind one object, ``Bookkeeping``: metrics.jsonl, progress lines, the observed step
-(common.collectives), the final record (``FinalRecord``) and stop requests: SLURM's signal ahead of a time limit
-(slurm/'s launchers make it a STOP file), torchrun's SIGTERM, a STOP file. The loop checks between steps; all ranks
-agree, save a checkpoint, leave a PREEMPTED marker and exit, and ``--resume`` continues.
+(common.collectives), the final record (``FinalRecord``) and the stop requests of common.run_dir's StopRequest.
 """
 
 from __future__ import annotations
 
 import json
-import signal
+import math
+import os
+import resource
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -23,91 +23,19 @@ import torch.nn as nn
 from common.checkpoint import Resumed
 from common.collectives import StepObserver
 from common.data import TokenData
-from common.distributed import AgreementInFlight, DistContext, max_over_ranks, print0, shard_group_size
-from common.outputs import write_text
-from common.run_dir import STOP_FILE
-from common.training import (
-    FiniteLossCheck,
-    MetricsLog,
-    max_state_bytes,
-    model_flops_utilization,
-    peak_flops,
-    peak_memory_bytes,
-    progress_line,
-    synchronize,
-    transformer_flops_per_token,
+from common.distributed import (
+    DistContext,
+    FatalError,
+    all_ranks_agree,
+    local_state_bytes,
+    max_over_ranks,
+    print0,
+    shard_group_size,
 )
-
-PREEMPTED_FILE = "PREEMPTED"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# Ctrl-C, and a terminal that closes: a stop request too, unless the run was started with them ignored
-# (nohup, a background job). A second one does what it would have done: it does not wait for the step.
-SECOND_TIME_STOPS_AT_ONCE = {signal.SIGINT: signal.default_int_handler, signal.SIGHUP: signal.SIG_DFL}
-
-
-class StopRequest:
-    """Notices a stop request and makes every rank act on it at the same step."""
-
-    def __init__(self, run_dir: Path, ctx: DistContext) -> None:
-        self.ctx = ctx
-        self.stop_file = run_dir / STOP_FILE
-        self.marker = run_dir / PREEMPTED_FILE
-        self.received: str | None = None
-        self.answers: AgreementInFlight | None = None  # the ranks' answers of the last call, on their way
-        for number in STOP_SIGNALS:
-            signal.signal(number, self._on_signal)
-        for number in SECOND_TIME_STOPS_AT_ONCE:
-            if signal.getsignal(number) is not signal.SIG_IGN:
-                signal.signal(number, self._on_signal)
-        if ctx.is_main:
-            # The marker describes the run this one continues. A STOP file stays: it may have come while this run
-            # was starting, and then it is meant for it. slurm/'s launchers clear a stale one before a job starts.
-            self.marker.unlink(missing_ok=True)
-
-    def _on_signal(self, number: int, frame: object) -> None:
-        # Only a flag: checkpointing inside the handler would run in the middle of whatever was interrupted (a
-        # collective, a half-done step) and can hang.
-        self.received = signal.Signals(number).name
-        if number in SECOND_TIME_STOPS_AT_ONCE:
-            signal.signal(number, SECOND_TIME_STOPS_AT_ONCE[number])
-
-    def requested(self) -> bool:
-        """True on every rank at the same step, once any rank got a signal or rank 0 saw the STOP file. A collective
-        once a step, on no GPU value: each call sends this step's answer and reads the one sent a step before, so the
-        exchange runs beside the step and a stop comes a step later, on every rank alike."""
-        # Only rank 0 looks at the file: one stat per step instead of one per rank.
-        asked = self.received is not None or (self.ctx.is_main and self.stop_file.exists())
-        if self.ctx.world_size == 1:
-            return asked
-        answers, self.answers = self.answers, AgreementInFlight(not asked, self.ctx)
-        return answers is not None and not answers.all_agree()
-
-    def settle(self) -> None:
-        """Read the last answers sent, so that no exchange is left in flight when the ranks part."""
-        if self.answers is not None:
-            self.answers.all_agree()
-            self.answers = None
-
-    def exit(self, step: int, checkpoint: Path | None) -> NoReturn:
-        """Leave the PREEMPTED marker and end this process (exit code 0: nothing failed)."""
-        self.settle()
-        reason = self.received or ("a STOP file" if self.stop_file.exists() else "a signal to another rank")
-        if self.ctx.is_main:
-            marker = {"step": step, "checkpoint": str(checkpoint), "reason": reason}
-            write_text(self.marker, json.dumps(marker) + "\n", overwrite=True)  # this run's own
-            self._remove_stop_file()
-        print0(f"stopped at step {step} on request ({reason}); checkpoint {checkpoint}. Continue with --resume.")
-        sys.exit(0)
-
-    def _remove_stop_file(self) -> None:
-        """Remove the STOP that was obeyed, so the next run does not stop too; a `mkdir STOP` asks as `touch` does."""
-        try:
-            if self.stop_file.is_dir():
-                self.stop_file.rmdir()
-            else:
-                self.stop_file.unlink(missing_ok=True)
-        except OSError as err:  # a folder with something in it: its contents are not this run's to delete
-            print0(f"warning: could not remove {self.stop_file} ({err.strerror}); remove it, or the next run stops")
+from common.models import transformer_flops_per_token
+from common.outputs import open_log, write_text
+from common.run_dir import METRICS_FILE, RunDirLock, StopRequest
+from common.safe_io import then_resume, what_is_kept, write_failure
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -115,6 +43,139 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     total = value.detach().clone().float()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.item() / dist.get_world_size()
+
+
+# Logged once per restart; any other record describes its step's state, the same however often a run restarts there.
+PER_RESTART_EVENTS = {"resume"}
+
+
+class MetricsLog:
+    """One JSON object per line in ``run_dir/metrics.jsonl``, written by rank 0 and opened at the first record: a run
+    that fails its checks writes nothing over an earlier run's metrics. A run resumed at step N keeps the records up to
+    N (it trains and logs the later steps again), leaves out a line cut short (and says so), and does not write twice
+    a record of a step's state that it kept (the final evaluation of a run resumed at its end). ``lock``: the run dir's,
+    taken again before a record if its file left the folder (an rm -rf, a rename); None: no lock guards the folder."""
+
+    def __init__(
+        self, run_dir: Path, ctx: DistContext, resumed_at: int | None = None, lock: RunDirLock | None = None
+    ) -> None:
+        self.path, self.ctx, self.resumed_at, self.lock = run_dir / METRICS_FILE, ctx, resumed_at, lock
+        self._file = None
+        self._kept: set[tuple[str, int]] = set()  # (event, step) of the records kept from before the resume
+
+    def write(self, event: str, **fields: Any) -> None:
+        """Append one record. Every rank calls it at the same point; if rank 0 cannot write, all stop."""
+        failure = write_failure(lambda: self._append({"event": event, **fields})) if self.ctx.is_main else None
+        if not all_ranks_agree(failure is None, self.ctx):
+            kept = what_is_kept(self.path.parent)
+            raise FatalError(f"could not write {self.path}: {failure}. {kept}. {then_resume(failure)}", exit_code=1)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self.lock is not None:
+            self.lock.retake_if_lost()  # where the run dir went, its lock went too
+        if self._file is not None and (gone := self._gone_from_its_path(self._file)):
+            # Deleted under the run (a cleanup job, an rm -rf of the run dir), or moved with a renamed
+            # run dir: appending to the open file would lose every record, or put them elsewhere, without a word.
+            print(f"warning: {self.path} was {gone} while this run wrote it; a new one starts here", flush=True)
+            self._file.close()  # type: ignore[union-attr]
+            self._file = None  # _open makes the folder again and, the file being gone, starts a new one
+        if self._file is None:
+            self._file = self._open()
+        if record["event"] not in PER_RESTART_EVENTS and (record["event"], record.get("step")) in self._kept:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def _gone_from_its_path(self, file: IO[str]) -> str | None:
+        """How the open ``file`` left ``self.path`` ("deleted", "moved or replaced"); None while it is still there."""
+        opened = os.fstat(file.fileno())
+        if opened.st_nlink == 0:
+            return "deleted"
+        try:
+            return None if os.path.samestat(os.stat(self.path), opened) else "moved or replaced"
+        except FileNotFoundError:
+            return "moved or replaced"
+
+    def _open(self) -> IO[str]:
+        if self.resumed_at is None or not self.path.exists():
+            return open_log(self.path, append=False)
+        kept, torn, replaced = [], [], 0
+        for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # an append that a full disk or a kill cut short
+                torn.append(number)
+                continue
+            if record.get("step", math.inf) <= self.resumed_at:
+                kept.append(line)
+                self._kept.add((record.get("event"), record["step"]))
+            else:
+                replaced += 1
+        if replaced:
+            what = f"{replaced} record(s) after step {self.resumed_at} are replaced by this run"
+            print(f"{self.path}: {what}, which trains those steps again", flush=True)
+        if torn:
+            lines = ", ".join(map(str, torn))
+            print(f"{self.path}: left out {len(torn)} line(s) cut off mid-write (line {lines})", flush=True)
+        # Replaced in one rename, so a kill here cannot lose the earlier history.
+        write_text(self.path, "".join(line + "\n" for line in kept), overwrite=True)  # this run's own file
+        return open_log(self.path, append=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def progress_line(
+    step: int, max_steps: int, epoch: int, loss: float, grad_norm: float, lr: float, rate: str, step_ms: float
+) -> str:
+    width = len(str(max_steps))
+    return (
+        f"step {step:>{width}}/{max_steps} | epoch {epoch:>2} | loss {loss:8.4f} | grad norm {grad_norm:8.3f} | "
+        f"lr {lr:9.3e} | {rate} | {step_ms:8.1f} ms/step"
+    )
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queue, so a clock read next counts the work queued before it (a kernel or an NCCL
+    collective returns once enqueued, gloo's once done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: allocated tensors on a GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak_rss if sys.platform == "darwin" else peak_rss * 1024  # Linux reports KiB
+
+
+def max_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext) -> dict[str, int]:
+    """``local_state_bytes`` of the rank that holds the most, per kind."""
+    local = local_state_bytes(model, optimizer)
+    largest = max_over_ranks([float(v) for v in local.values()], ctx)
+    return {key: int(value) for key, value in zip(local, largest, strict=True)}
+
+
+# Dense bf16 peaks per GPU (NVIDIA's data sheets, half the "with sparsity" figure) for MFU; MFU_PEAK_TFLOPS overrides
+# them. Specific names first: NVL and PCIe boards must not match the SXM figure of their plain names (H200, H100).
+PEAK_BF16_TFLOPS = {"H200 NVL": 835, "H200": 989, "H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "A100": 312}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of one GPU, or None on CPU and on GPUs the table does not know."""
+    if device.type != "cuda":
+        return None
+    if "MFU_PEAK_TFLOPS" in os.environ:
+        return float(os.environ["MFU_PEAK_TFLOPS"]) * 1e12
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def model_flops_utilization(flops_per_token: float, tokens_per_s: float, peak_per_gpu: float, gpus: int) -> float:
+    """The share of the GPUs' peak that the model's own arithmetic used (recomputation does not count)."""
+    return flops_per_token * tokens_per_s / (peak_per_gpu * gpus)
 
 
 class ProgressReporter:
@@ -237,16 +298,16 @@ class Bookkeeping:
     rank calls each method at the same point (collectives). ``check_loss`` and ``paused`` go to the Checkpointer: a
     non-finite loss never reaches a checkpoint, and saving is not training time."""
 
-    # Made by start(), once the checkpoint to resume from is known.
-    log: MetricsLog
+    NO_BAD_STEP = 2**62  # first_bad_step before any; the ranks agree on the smallest step any of them saw
+    log: MetricsLog  # these three made by start(), once the checkpoint to resume from is known
     progress: ProgressReporter
     stop_request: StopRequest
 
-    def __init__(self, run_dir: Path, ctx: DistContext, log_interval: int, profile_steps: int = 0) -> None:
-        self.run_dir, self.ctx, self.log_interval = run_dir, ctx, log_interval
+    def __init__(self, run_dir: Path, ctx: DistContext, log_interval: int, profile: int, lock: RunDirLock) -> None:
+        self.run_dir, self.ctx, self.log_interval, self.lock = run_dir, ctx, log_interval, lock
         self.started = time.perf_counter()  # wall_s counts the whole of train(), data loading included
-        self.observer = StepObserver(run_dir, ctx, profile_steps)  # what one step sends; --profile's trace
-        self.finite_loss = FiniteLossCheck(ctx)
+        self.observer = StepObserver(run_dir, ctx, profile)  # what one step sends; --profile's trace of N steps
+        self.first_bad_step = torch.full((), self.NO_BAD_STEP, dtype=torch.int64, device=ctx.device)  # a NaN loss's
         self.total_steps = self.global_batch = 0
 
     def start(self, resumed: Resumed, total_steps: int, global_batch: int, tokens_per_example: int = 0) -> None:
@@ -254,18 +315,15 @@ class Bookkeeping:
         for stop requests, and start the clock of training time (tokens per second where examples have tokens)."""
         ctx, self.total_steps, self.global_batch = self.ctx, total_steps, global_batch
         examples = f"{global_batch} sequences of {tokens_per_example} tokens" if tokens_per_example else global_batch
-        where = f"{ctx.world_size} process(es) on {ctx.device.type} ({ctx.backend})"
-        print0(f"{where} | global batch {examples} | {total_steps} steps")
-        log = MetricsLog(self.run_dir, ctx, resumed_at=resumed.step if resumed.path else None)
+        print0(f"{ctx.world_size} process(es) on {ctx.device.type} | global batch {examples} | {total_steps} steps")
+        log = MetricsLog(self.run_dir, ctx, resumed_at=resumed.step if resumed.path else None, lock=self.lock)
         if resumed.path:
             # A resume at another world size shows as a change; ``changed``: each setting that differs, [old, new].
             sizes = {"checkpoint_world_size": resumed.world_size, "world_size": ctx.world_size}
             log.write("resume", step=resumed.step, checkpoint=str(resumed.path), **sizes, changed=resumed.changed)
         unit = "tokens" if tokens_per_example else "samples"
-        progress = ProgressReporter(
-            log, ctx, total_steps, global_batch * max(tokens_per_example, 1), unit, resumed.step
-        )
-        self.log, self.progress = log, progress
+        items = global_batch * max(tokens_per_example, 1)
+        self.log, self.progress = log, ProgressReporter(log, ctx, total_steps, items, unit, resumed.step)
         self.stop_request = StopRequest(self.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file
 
     def stop_requested(self) -> bool:  # the same answer on every rank
@@ -283,15 +341,38 @@ class Bookkeeping:
     def end_step(self) -> None:
         self.observer.end_step()
 
-    def logs(self, step: int) -> bool:
-        """Whether the step that ends with ``step`` steps done logs: only those read values from the device."""
+    def logs(self, step: int) -> bool:  # the step that ends with ``step`` steps done: only those read the device
         return step % self.log_interval == 0 or step == self.total_steps
 
-    def watch_loss(self, loss: torch.Tensor, step: int) -> None:  # every rank stops at a step that logs, or none
-        self.finite_loss.watch(loss, step, read=self.logs(step))
+    def watch_loss(self, loss: torch.Tensor, step: int) -> None:
+        """Stop every rank when the training loss turns NaN or infinite, without reading the GPU every step: note on
+        the device the first step whose loss was not finite, and read it only where the host reads the device
+        anyway: at the steps that log (before their optimizer step) and before a checkpoint is written (check_loss).
+        A GPU never waits for it, and a non-finite loss never reaches a checkpoint or model.pt: the last step logs."""
+        first_bad_here = ~torch.isfinite(loss) & (self.first_bad_step == self.NO_BAD_STEP)
+        self.first_bad_step = torch.where(first_bad_here, step, self.first_bad_step)
+        if self.logs(step):
+            self.check_loss(step, before_update=True)
 
-    def check_loss(self, step: int) -> None:  # before a checkpoint: every rank stops if any loss was not finite
-        self.finite_loss.check(step)
+    def check_loss(self, step: int, before_update: bool = False) -> None:
+        """Raise on every rank if any rank's loss was not finite at a step up to ``step``; a collective."""
+        first_bad = self.first_bad_step.clone()
+        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+        bad_step = int(first_bad.item())
+        if bad_step == self.NO_BAD_STEP:
+            return
+        if bad_step == step and before_update:
+            what = "stopped before the optimizer applied it, and no checkpoint was written after it"
+        else:
+            what = (
+                f"found at step {step}, where the run next read its losses (it reads them where it logs or "
+                f"saves); no checkpoint or model.pt was written after step {bad_step - 1}"
+            )
+        raise FatalError(
+            f"the training loss is not finite (NaN or inf) at step {bad_step}; {what}. Lower --lr, clip "
+            "gradients (--grad-clip), or resume from an earlier checkpoint with --resume-from",
+            exit_code=1,
+        )
 
     def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         if self.logs(step):  # one metrics.jsonl record and one console line
@@ -307,20 +388,20 @@ class Bookkeeping:
             loss = record.evaluation["loss"]
             above = f"{loss - floor:+.4f} nats/token above the best possible"
             print0(f"held-out loss {loss:.4f} vs. floor {floor:.4f}: {above}")
-        log, progress = self.log, self.progress
+        ctx, log, progress = self.ctx, self.log, self.progress
         self.stop_request.settle()
         fields = {**record.fields(), "wall_s": time.perf_counter() - self.started, **self.observer.record()}
-        ctx = self.ctx
         state_bytes = max_state_bytes(model, optimizer, ctx)
         trained_peak = progress.peak_memory  # None: the run trained no last step (it resumed at its end)
         local_peak = trained_peak if trained_peak is not None else peak_memory_bytes(ctx.device)
         (peak,) = max_over_ranks([float(local_peak)], ctx)
+        fields |= {"global_batch_size": self.global_batch, "world_size": ctx.world_size}
         fields |= {
-            "global_batch_size": self.global_batch,
-            "world_size": ctx.world_size,
             "shard_group_size": shard_group_size(model),
+            "local_state_bytes": state_bytes,
+            "peak_memory_bytes": int(peak),
+            **progress.throughput(),
         }
-        fields |= {"local_state_bytes": state_bytes, "peak_memory_bytes": int(peak), **progress.throughput()}
         gpu_peak = peak_flops(ctx.device)  # MFU: for the transformer on a GPU whose peak is known
         flops_per_token = transformer_flops_per_token(model) if gpu_peak is not None else None
         if "tokens_per_s" in fields and flops_per_token is not None:

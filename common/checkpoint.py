@@ -2,12 +2,12 @@
 
 Full, ``RUN_DIR/checkpoints/step-N.pt``: one file rank 0 writes. Sharded, ``step-N/``: a DCP folder where each
 rank writes its own shard, resharded on load (another world size resumes). Each is written under a temporary name
-and renamed once whole. Reading one runs none of its code (common.safe_io); common.flag_checks says what may change.
+and renamed once whole. Reading one runs none of its code (common.safe_io). Below the Checkpointer: whether a
+checkpoint fits this run, and what a resume changes (the flags common.flag_checks records, the optimizer's settings).
 """
 
 from __future__ import annotations
 
-import random
 import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -40,11 +40,12 @@ from common.distributed import (
     quiet_internal_warnings,
     shard_group_size,
 )
-from common.fine_tuning import adapter_identity, trained_parameters
-from common.flag_checks import Settings, changed_settings, describe_changes, identity_mismatch, with_strategy_change
+from common.fine_tuning import adapter_identity, trained_difference, trained_parameters
+from common.flag_checks import plain_setting
 from common.models import tied_parameters
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
 from common.run_dir import CHECKPOINTS, MODEL_FILE, checkpoint_step, checkpoint_to_resume, complete_checkpoints
+from common.training import capture_rng, restore_rng
 
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
 FORMAT_VERSION = 1
@@ -63,22 +64,6 @@ def full_state_dict_options(device: torch.device) -> StateDictOptions:
     return StateDictOptions(full_state_dict=True, cpu_offload=device.type != "cpu")
 
 
-def capture_rng() -> dict[str, Any]:
-    """The random state training draws from (dropout, anything else in Python or torch). Every rank seeds and
-    draws alike, so rank 0's stands for all; the data order needs none (the sampler derives it from seed and epoch)."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 @dataclass
 class Resumed:
     step: int
@@ -95,7 +80,7 @@ class Checkpointer:
     half-loaded. ``settings`` (``training_settings``): recorded in each checkpoint; a resume names each that differs.
     ``extra``: the objects with a ``state_dict`` beside model and optimizer (LR scheduler, gradient scaler).
     ``trust`` (--trust-checkpoint): load a sharded checkpoint whose metadata holds more than DCP's own records.
-    ``check_before_save(step)`` raises if the state must not be saved (a non-finite loss: FiniteLossCheck.check);
+    ``check_before_save(step)`` raises if the state must not be saved (a non-finite loss: Bookkeeping.check_loss);
     ``while_saving()`` holds what a save must not count (the clock of training time: Bookkeeping.paused).
     """
 
@@ -112,8 +97,8 @@ class Checkpointer:
     sharded: bool
     interval: int
     keep: int
+    check_before_save: Callable[[int], None]
     trust: bool = False
-    check_before_save: Callable[[int], None] | None = None
     while_saving: Callable[[], AbstractContextManager[object]] = nullcontext
     # What DCP writes and reads in place of each tensor: the same numbers (a view), laid out as it can write.
     sharded_view: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor
@@ -132,7 +117,7 @@ class Checkpointer:
         parameter). Space that others fill during the run is not foreseen; that failure still gets one message."""
         (largest_shard,) = max_over_ranks([float(local_state_bytes(self.model, self.optimizer)["params"])], self.ctx)
         model_bytes = int(largest_shard) * shard_group_size(self.model)
-        held = len(complete_checkpoints(self.folder.parent))
+        held = len(complete_checkpoints(self.run_dir))
         # Without an interval a stop request still writes one checkpoint.
         to_write = max(1, self.keep + 1 - held) if self.interval > 0 else 1
         needed = model_bytes + to_write * 3 * model_bytes
@@ -140,60 +125,50 @@ class Checkpointer:
         if not all_ranks_agree(free >= needed or not self.ctx.is_main, self.ctx):
             mib = 2**20
             raise FatalError(
-                f"--run-dir {self.folder.parent} has {free / mib:.1f} MiB free; this run needs about "
+                f"--run-dir {self.run_dir} has {free / mib:.1f} MiB free; this run needs about "
                 f"{needed / mib:.1f} MiB ({to_write} checkpoint(s) of {3 * model_bytes / mib:.1f} MiB and model.pt "
                 f"of {model_bytes / mib:.1f} MiB). Free some space, choose another --run-dir, or keep fewer "
                 "checkpoints (--keep-checkpoints)"
             )
 
-    def due(self, step: int) -> bool:
-        """Whether --checkpoint-interval asks for a checkpoint after ``step`` steps (and none exists yet)."""
-        return self.interval > 0 and step > 0 and step % self.interval == 0 and not self._saved(step)
-
-    def _saved(self, step: int) -> bool:
-        return self.last_saved is not None and checkpoint_step(self.last_saved) == step and self.last_saved.exists()
-
     def save(self, step: int, force: bool = False) -> Path | None:
-        """The checkpoint after ``step`` steps where --checkpoint-interval asks (``force``: a stop request), or None."""
-        if not force and not self.due(step):
+        """The checkpoint of the state after ``step`` steps where --checkpoint-interval asks for one, or ``force``
+        (a stop request); None where none is due. A state saved already (a stop after a resume) is not saved again."""
+        if not force and not (self.interval > 0 and step > 0 and step % self.interval == 0):
             return None
-        if self.check_before_save is not None:
-            self.check_before_save(step)
-        if self._saved(step):  # e.g. asked to stop right after resuming: that checkpoint is this state
+        self.check_before_save(step)
+        if self.last_saved is not None and checkpoint_step(self.last_saved) == step and self.last_saved.exists():
             return self.last_saved
         with self.while_saving():
-            return self._write(step)
-
-    def _write(self, step: int) -> Path:
-        # A finite loss does not make the update after it finite: check the weights themselves.
-        local = [local_part(p) for p in self.model.parameters()]
-        finite = bool(torch.stack([torch.isfinite(p).all() for p in local]).all()) if local else True
-        if not all_ranks_agree(finite, self.ctx):
-            raise FatalError(
-                f"the weights after step {step} are not finite: the last update overflowed, though the loss "
-                "before it was finite. No checkpoint was written for that step. Lower --lr, or resume from an "
-                "earlier checkpoint with --resume-from",
-                exit_code=1,
-            )
-        trainer = {
-            "format_version": FORMAT_VERSION,
-            "identity": self.identity,
-            "strategy": self.strategy,
-            "settings": self.settings,
-            "step": step,
-            "world_size": self.ctx.world_size,
-            "global_batch_size": self.global_batch_size,
-            "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
-            "rng": capture_rng(),
-        }
-        with quiet_internal_warnings():
-            path = self._save_sharded(step, trainer) if self.sharded else self._save_full(step, trainer)
-        self.last_saved = path
-        if self.ctx.is_main:
-            self._prune(keep_newest=path)
-        dist.barrier()  # nobody runs ahead and reads a folder that rank 0 is still pruning
-        print0(f"checkpoint: {path}")
-        return path
+            # A finite loss does not make the update after it finite: check the weights themselves.
+            local = [local_part(p) for p in self.model.parameters()]
+            finite = bool(torch.stack([torch.isfinite(p).all() for p in local]).all()) if local else True
+            if not all_ranks_agree(finite, self.ctx):
+                raise FatalError(
+                    f"the weights after step {step} are not finite: the last update overflowed, though the loss "
+                    "before it was finite. No checkpoint was written for that step. Lower --lr, or resume from an "
+                    "earlier checkpoint with --resume-from",
+                    exit_code=1,
+                )
+            trainer = {
+                "format_version": FORMAT_VERSION,
+                "identity": self.identity,
+                "strategy": self.strategy,
+                "settings": self.settings,
+                "step": step,
+                "world_size": self.ctx.world_size,
+                "global_batch_size": self.global_batch_size,
+                "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
+                "rng": capture_rng(),
+            }
+            with quiet_internal_warnings():
+                path = self._save_sharded(step, trainer) if self.sharded else self._save_full(step, trainer)
+            self.last_saved = path
+            if self.ctx.is_main:
+                self._prune(keep_newest=path)
+            dist.barrier()  # nobody runs ahead and reads a folder that rank 0 is still pruning
+            print0(f"checkpoint: {path}")
+            return path
 
     def _written_everywhere(self, path: Path, failure: str | None, temporary: Path | None = None) -> None:
         """Stop every rank together if any rank could not write its part of ``path`` (in ``temporary``)."""
@@ -202,7 +177,7 @@ class Checkpointer:
                 shutil.rmtree(temporary, ignore_errors=True)
             raise FatalError(
                 f"could not write checkpoint {path}: {failure or 'it failed on another rank'}. "
-                f"{safe_io.what_is_kept(self.folder.parent)}. {safe_io.then_resume(failure)}",
+                f"{safe_io.what_is_kept(self.run_dir)}. {safe_io.then_resume(failure)}",
                 exit_code=1,
             )
 
@@ -244,7 +219,7 @@ class Checkpointer:
     def _prune(self, keep_newest: Path) -> None:
         """Keep the newest ``keep`` checkpoints up to this one; delete leftovers of killed saves."""
         step = checkpoint_step(keep_newest)
-        older = [path for path in complete_checkpoints(self.folder.parent) if checkpoint_step(path) < step]  # type: ignore[operator]
+        older = [path for path in complete_checkpoints(self.run_dir) if checkpoint_step(path) < step]  # type: ignore[operator]
         doomed = older[: max(0, len(older) - (self.keep - 1))]
         doomed += [path for path in self.folder.iterdir() if path.name.startswith(TEMPORARY_PREFIX)]
         for path in doomed:
@@ -256,7 +231,7 @@ class Checkpointer:
     def resume(self, resume: bool, resume_from: Path | None, init_from: Path | None = None) -> Resumed:
         """Load the checkpoint asked for; without one, start fresh or from ``init_from`` (--init-from: a checkpoint
         of this run comes first). One that cannot be loaded stops the run: starting over would lose its work."""
-        path = checkpoint_to_resume(self.folder.parent, resume, resume_from)
+        path = checkpoint_to_resume(self.run_dir, resume, resume_from)
         if path is None:
             if resume:
                 print0(f"--resume: no checkpoint in {self.folder}, starting from step 0")
@@ -300,7 +275,7 @@ class Checkpointer:
 
     def save_model(self, state: dict[str, torch.Tensor] | None) -> None:
         """model.pt, for inference and --init-from: written as safe_io.save_model_file says."""
-        safe_io.save_model_file(state, self.folder.parent / MODEL_FILE, self.ctx)
+        safe_io.save_model_file(state, self.run_dir / MODEL_FILE, self.ctx)
 
     def _set_aside_newer_than(self, resumed: Path) -> None:
         """Resuming from an older checkpoint of this run starts another branch: the newer ones move to
@@ -308,9 +283,9 @@ class Checkpointer:
         if resumed.resolve().parent != self.folder.resolve():
             return
         step = checkpoint_step(resumed)
-        newer = [path for path in complete_checkpoints(self.folder.parent) if checkpoint_step(path) > step]  # type: ignore[operator]
+        newer = [path for path in complete_checkpoints(self.run_dir) if checkpoint_step(path) > step]  # type: ignore[operator]
         if newer and self.ctx.is_main:
-            aside = self.folder.parent / "abandoned" / f"after-step-{step}"
+            aside = self.run_dir / "abandoned" / f"after-step-{step}"
             tries = 1
             while aside.exists():
                 tries += 1
@@ -364,29 +339,104 @@ class Checkpointer:
         dcp.load(state, storage_reader=reader, planner=planner)
 
     def _agree(self, path: Path, read: Callable[[], Any], every_rank: bool) -> Any:
-        """Run ``read`` on every rank or on rank 0 only; if it fails anywhere (any exception: the checkpoint
-        cannot be used), stop every rank with one message, not a traceback per rank."""
-        result, error, refusal = None, None, None
-        if every_rank or self.ctx.is_main:
-            try:
-                result = read()
-            # DCP's CheckpointException is a BaseException, so it is named here.
-            except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - reported below, with its file
-                cause = safe_io.root_failure(err)
-                if isinstance(cause, safe_io.UntrustedCheckpoint):
-                    refusal = cause.refusal(path)
-                else:
-                    error = safe_io.describe_failure(err)
-        if not all_ranks_agree(error is None and refusal is None, self.ctx):
-            if refusal is not None:  # the bytes are fine, so an earlier checkpoint is no answer
-                raise FatalError(refusal)
-            step = checkpoint_step(path)
-            earlier = [p for p in complete_checkpoints(self.folder.parent) if step is None or checkpoint_step(p) < step]  # type: ignore[operator]
-            advice = (
-                f"The previous complete checkpoint is {earlier[-1]}: resume from it with --resume-from {earlier[-1]}"
-                if earlier
-                else "There is no earlier checkpoint in this run directory"
-            )
-            error = error or "it failed to load on another rank"
-            raise FatalError(f"checkpoint {path} cannot be loaded ({error}). Nothing was deleted. {advice}.")
-        return result
+        return safe_io.read_agreed(path, read, self.run_dir, self.ctx, every_rank)
+
+
+NOT_RECORDED = "(not recorded)"  # a flag that the script which wrote the checkpoint did not have yet
+EXPORT = "python -m tools.runs.export_checkpoint CHECKPOINT model.pt, then start a new run with --init-from model.pt"
+WAYS_ON = {  # what to do where an identity differs, by (key, whether this run has None there)
+    ("lora", True): "lora is {theirs!r} there, None here (to go on without adapters, merge them: " + EXPORT + ")",
+    ("qkv", True): "its q|k|v weights were saved split for tensor parallelism: resume it with "
+    "fsdp/train_transformer_fsdp2_tp.py at a --tp-degree above 1 (2 processes or more), or export it: " + EXPORT,
+    ("qkv", False): "its q|k|v weights were saved whole; a --tp-degree above 1 splits them: resume it in one process",
+}
+
+
+def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, list[Any]]:
+    """``flag: [recorded, current]`` for each training setting that differs."""
+    old = {flag: recorded.get(flag, NOT_RECORDED) for flag in current}
+    return {flag: [old[flag], value] for flag, value in current.items() if old[flag] != value}
+
+
+def describe_changes(changed: dict[str, list[Any]]) -> str:
+    """``--flag old -> new``, each; a flag left to its default (--global-batch-size, --n-layer) reads "unset"."""
+    return ", ".join(f"{flag} {shown(old)} -> {shown(new)}" for flag, (old, new) in changed.items())
+
+
+def shown(value: Any) -> str:
+    return "unset" if value is None else str(value)
+
+
+# Entries of a scheduler's state that count where it is, not how it was set up.
+SCHEDULER_COUNTERS = {"last_epoch", "_step_count", "_last_lr", "base_lrs", "_get_lr_called_within_step", "_is_initial"}
+# The flag behind each setting, as the scripts name them.
+SETTING_FLAGS = {"initial_lr": "--lr", "weight_decay": "--weight-decay", "gamma": "--gamma"}
+
+
+@dataclass
+class Settings:
+    """The hyperparameters a run was started with: each optimizer group's (its peak lr as ``initial_lr``, which the
+    scheduler sets) and the schedulers' own (StepLR's ``gamma``). A resume that asks for others than its checkpoint's
+    (a lower ``--lr`` after a NaN) gets them from the checkpoint's step on, and is told so."""
+
+    groups: list[dict[str, Any]]
+    schedulers: dict[str, dict[str, Any]]
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> Settings:
+        groups = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
+        schedulers = {}
+        for name, obj in extra.items():
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                state = obj.state_dict().items()
+                schedulers[name] = {
+                    k: v for k, v in state if isinstance(v, int | float) and k not in SCHEDULER_COUNTERS
+                }
+        return cls(groups, schedulers)
+
+    def apply(self, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, list[Any]]:
+        """Put these settings back after a checkpoint's were loaded; ``flag: [old, new]`` for each change."""
+        changed: dict[str, list[Any]] = {}
+        for wanted, group in zip(self.groups, optimizer.param_groups, strict=True):
+            for key, value in wanted.items():
+                if key in group and plain_setting(group[key]) == plain_setting(value):
+                    group[key] = value  # Adam's betas come back from a checkpoint as a list
+                elif key in group:
+                    if key == "initial_lr":  # the same point of the schedule, from the new peak
+                        group["lr"] *= value / group["initial_lr"]
+                    changed[SETTING_FLAGS.get(key, key)] = [group[key], value]
+                    group[key] = value
+        for name, wanted in self.schedulers.items():
+            scheduler = extra[name]
+            for key, value in wanted.items():
+                if getattr(scheduler, key) != value:
+                    changed[SETTING_FLAGS.get(key, key)] = [getattr(scheduler, key), value]
+                    setattr(scheduler, key, value)
+            scheduler.base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+        return changed
+
+
+def with_strategy_change(recorded: Any, current: str, changed: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """``changed``, led by the strategy where the checkpoint was written under another one; without the flags only the
+    other strategy's script has, which are no change the user asked for."""
+    if recorded is None or recorded == current:
+        return changed  # the same strategy, or a checkpoint from before strategies were recorded
+    kept = {flag: values for flag, values in changed.items() if values[0] != NOT_RECORDED}
+    return {"strategy": [recorded, current], **kept}
+
+
+def identity_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
+    """What makes a checkpoint (its recorded ``identity``) unfit for this run, each difference named; None if it fits.
+    A checkpoint belongs to a model, not to a script (the strategy is not in it). "trained" and "model" missing there:
+    recorded later (the state dicts' keys are all there is to go by); the TP script's "qkv" missing here is None."""
+    differences = []
+    for key, value in ({**ours, "qkv": ours.get("qkv")} if "qkv" in theirs else ours).items():
+        if theirs.get(key) == value or (key in ("trained", "model") and key not in theirs):
+            continue
+        if key != "trained":
+            way_on = WAYS_ON.get((key, value is None), "{key} is {theirs!r} there, {ours!r} here")
+            differences.append(way_on.format(key=key, theirs=theirs.get(key), ours=value))
+        elif theirs.get("lora") == ours.get("lora"):  # other adapters train other parameters: said already
+            differences.append(trained_difference(theirs[key], value))
+    return "; ".join(differences) or None

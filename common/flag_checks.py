@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from common.distributed import (
     require_torch,
     wants_cuda,
 )
-from common.fine_tuning import DEFAULT_LORA_TARGETS, trained_difference
+from common.fine_tuning import DEFAULT_LORA_TARGETS
 from common.models import COMPUTE_DTYPES, GPT_PRESETS
 from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step
 from common.safetensors_weights import holds_safetensors, safetensors_files
@@ -249,103 +248,3 @@ def plain_setting(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [plain_setting(item) for item in value]
     return str(value)  # a Path, or anything else a flag's type makes
-
-
-NOT_RECORDED = "(not recorded)"  # a flag that the script which wrote the checkpoint did not have yet
-EXPORT = "python -m tools.runs.export_checkpoint CHECKPOINT model.pt, then start a new run with --init-from model.pt"
-WAYS_ON = {  # what to do where an identity differs, by (key, whether this run has None there)
-    ("lora", True): "lora is {theirs!r} there, None here (to go on without adapters, merge them: " + EXPORT + ")",
-    ("qkv", True): "its q|k|v weights were saved split for tensor parallelism: resume it with "
-    "fsdp/train_transformer_fsdp2_tp.py at a --tp-degree above 1 (2 processes or more), or export it: " + EXPORT,
-    ("qkv", False): "its q|k|v weights were saved whole; a --tp-degree above 1 splits them: resume it in one process",
-}
-
-
-def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, list[Any]]:
-    """``flag: [recorded, current]`` for each training setting that differs."""
-    old = {flag: recorded.get(flag, NOT_RECORDED) for flag in current}
-    return {flag: [old[flag], value] for flag, value in current.items() if old[flag] != value}
-
-
-def describe_changes(changed: dict[str, list[Any]]) -> str:
-    """``--flag old -> new``, each; a flag left to its default (--global-batch-size, --n-layer) reads "unset"."""
-    return ", ".join(f"{flag} {shown(old)} -> {shown(new)}" for flag, (old, new) in changed.items())
-
-
-def shown(value: Any) -> str:
-    return "unset" if value is None else str(value)
-
-
-# Entries of a scheduler's state that count where it is, not how it was set up.
-SCHEDULER_COUNTERS = {"last_epoch", "_step_count", "_last_lr", "base_lrs", "_get_lr_called_within_step", "_is_initial"}
-# The flag behind each setting, as the scripts name them.
-SETTING_FLAGS = {"initial_lr": "--lr", "weight_decay": "--weight-decay", "gamma": "--gamma"}
-
-
-@dataclass
-class Settings:
-    """The hyperparameters a run was started with: each optimizer group's (its peak lr as ``initial_lr``, which the
-    scheduler sets) and the schedulers' own (StepLR's ``gamma``). A resume that asks for others than its checkpoint's
-    (a lower ``--lr`` after a NaN) gets them from the checkpoint's step on, and is told so."""
-
-    groups: list[dict[str, Any]]
-    schedulers: dict[str, dict[str, Any]]
-
-    @classmethod
-    def of(cls, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> Settings:
-        groups = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
-        schedulers = {}
-        for name, obj in extra.items():
-            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-                state = obj.state_dict().items()
-                schedulers[name] = {
-                    k: v for k, v in state if isinstance(v, int | float) and k not in SCHEDULER_COUNTERS
-                }
-        return cls(groups, schedulers)
-
-    def apply(self, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, list[Any]]:
-        """Put these settings back after a checkpoint's were loaded; ``flag: [old, new]`` for each change."""
-        changed: dict[str, list[Any]] = {}
-        for wanted, group in zip(self.groups, optimizer.param_groups, strict=True):
-            for key, value in wanted.items():
-                if key in group and plain_setting(group[key]) == plain_setting(value):
-                    group[key] = value  # Adam's betas come back from a checkpoint as a list
-                elif key in group:
-                    if key == "initial_lr":  # the same point of the schedule, from the new peak
-                        group["lr"] *= value / group["initial_lr"]
-                    changed[SETTING_FLAGS.get(key, key)] = [group[key], value]
-                    group[key] = value
-        for name, wanted in self.schedulers.items():
-            scheduler = extra[name]
-            for key, value in wanted.items():
-                if getattr(scheduler, key) != value:
-                    changed[SETTING_FLAGS.get(key, key)] = [getattr(scheduler, key), value]
-                    setattr(scheduler, key, value)
-            scheduler.base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
-            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
-        return changed
-
-
-def with_strategy_change(recorded: Any, current: str, changed: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    """``changed``, led by the strategy where the checkpoint was written under another one; without the flags only the
-    other strategy's script has, which are no change the user asked for."""
-    if recorded is None or recorded == current:
-        return changed  # the same strategy, or a checkpoint from before strategies were recorded
-    kept = {flag: values for flag, values in changed.items() if values[0] != NOT_RECORDED}
-    return {"strategy": [recorded, current], **kept}
-
-
-def identity_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
-    """What makes a checkpoint (its recorded ``identity``) unfit for this run, each difference named; None if it fits.
-    A checkpoint belongs to a model, not to a script (the strategy is not in it). "trained" and "model" missing there:
-    recorded later (the state dicts' keys are all there is to go by); the TP script's "qkv" missing here is None."""
-    differences = []
-    for key, value in ({**ours, "qkv": ours.get("qkv")} if "qkv" in theirs else ours).items():
-        if theirs.get(key) == value or (key in ("trained", "model") and key not in theirs):
-            continue
-        if key != "trained":
-            way_on = WAYS_ON.get((key, value is None), "{key} is {theirs!r} there, {ours!r} here")
-            differences.append(way_on.format(key=key, theirs=theirs.get(key), ours=value))
-        elif theirs.get("lora") == ours.get("lora"):  # other adapters train other parameters: said already
-            differences.append(trained_difference(theirs[key], value))
-    return "; ".join(differences) or None

@@ -119,6 +119,21 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def transformer_flops_per_token(model: nn.Module) -> float | None:
+    """Training FLOPs per token of the GPT inside ``model`` (None if there is none): 6 per weight that multiplies
+    (2 forward, 4 backward), plus attention's 12 x layers x width x sequence length (the PaLM paper's estimate);
+    embedding lookups multiply nothing."""
+    config = next((module.config for module in model.modules() if isinstance(module, GPT)), None)
+    if config is None:
+        return None
+    # Sharded models hold only part of each weight: count a copy that takes no memory.
+    with torch.device("meta"):
+        whole = GPT(config)
+    lookups = whole.tok_emb.weight.numel() + whole.pos_emb.weight.numel()
+    weights = sum(p.numel() for p in whole.parameters()) - lookups
+    return 6 * weights + 12 * config.n_layer * config.d_model * config.block_size
+
+
 def plain_name(name: str) -> str:
     """A parameter's name in the model as built, whatever wraps it (FSDP1, activation checkpointing, compile)."""
     for wrapper in ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod."):

@@ -33,7 +33,7 @@ from common.distributed import (
 from common.fine_tuning import is_adapter
 from common.models import tied_parameters
 from common.outputs import save_torch
-from common.run_dir import complete_checkpoints
+from common.run_dir import checkpoint_step, complete_checkpoints
 from common.safetensors_weights import (
     Header,
     holds_safetensors,
@@ -219,6 +219,36 @@ def root_failure(err: BaseException) -> BaseException:
     if isinstance(err, dcp.CheckpointException) and err.failures:
         return next(iter(err.failures.values()))[0]
     return err
+
+
+def read_agreed(path: Path, read: Callable[[], Any], run_dir: Path, ctx: DistContext, every_rank: bool) -> Any:
+    """Run ``read`` of checkpoint ``path`` on every rank or on rank 0 only; if it fails anywhere (any exception: the
+    checkpoint cannot be used), stop every rank with one message, not a traceback per rank, that names the previous
+    complete checkpoint in ``run_dir``."""
+    result, error, refusal = None, None, None
+    if every_rank or ctx.is_main:
+        try:
+            result = read()
+        # DCP's CheckpointException is a BaseException, so it is named here.
+        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - reported below, with its file
+            cause = root_failure(err)
+            if isinstance(cause, UntrustedCheckpoint):
+                refusal = cause.refusal(path)
+            else:
+                error = describe_failure(err)
+    if not all_ranks_agree(error is None and refusal is None, ctx):
+        if refusal is not None:  # the bytes are fine, so an earlier checkpoint is no answer
+            raise FatalError(refusal)
+        step = checkpoint_step(path)
+        earlier = [p for p in complete_checkpoints(run_dir) if step is None or checkpoint_step(p) < step]  # type: ignore[operator]
+        advice = (
+            f"The previous complete checkpoint is {earlier[-1]}: resume from it with --resume-from {earlier[-1]}"
+            if earlier
+            else "There is no earlier checkpoint in this run directory"
+        )
+        error = error or "it failed to load on another rank"
+        raise FatalError(f"checkpoint {path} cannot be loaded ({error}). Nothing was deleted. {advice}.")
+    return result
 
 
 def save_atomic(obj: Any, path: Path) -> None:

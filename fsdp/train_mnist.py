@@ -134,8 +134,8 @@ def save_model(model: torch.nn.Module, ctx: DistContext, checkpoints: Checkpoint
     checkpoints.save_model(state)
 
 
-def train(args, ctx: DistContext) -> None:
-    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)  # metrics, stop requests, the record
+def train(args, ctx: DistContext, lock: RunDirLock) -> None:
+    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile, lock)  # metrics, stop requests, the record
     seed_everything(args.seed, args.deterministic)
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)
@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
-            with RunDirLock(args.run_dir, ctx):
-                train(args, ctx)
+            with RunDirLock(args.run_dir, ctx) as lock:
+                train(args, ctx, lock)
         finally:
             with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
                 dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended

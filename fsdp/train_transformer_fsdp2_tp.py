@@ -267,8 +267,8 @@ def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Chec
     checkpoints.save_model(state)
 
 
-def train(args, ctx: DistContext) -> None:
-    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)  # metrics, stop requests, the record
+def train(args, ctx: DistContext, lock: RunDirLock) -> None:
+    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile, lock)  # metrics, stop requests, the record
     seed_everything(args.seed, args.deterministic)
     data = transformer_data(args)  # YOUR DATA: (input, target) pairs of --text-file, --token-file or a Markov source
     dp_size, dp_rank = ctx.world_size // args.tp_size, ctx.rank // args.tp_size  # DISTRIBUTED: the mesh's rows
@@ -368,8 +368,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
-            with RunDirLock(args.run_dir, ctx):
-                train(args, ctx)
+            with RunDirLock(args.run_dir, ctx) as lock:
+                train(args, ctx, lock)
         finally:
             with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
                 dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from common.checkpoint import changed_settings, identity_mismatch
 from common.data import markov_data
-from common.flag_checks import NOT_TRAINING_SETTINGS, changed_settings, identity_mismatch
+from common.flag_checks import NOT_TRAINING_SETTINGS
 from common.models import GPT, GPTConfig
 from common.run_dir import LOCK_FILE, checkpoint_step, complete_checkpoints
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU, cases

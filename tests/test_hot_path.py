@@ -23,7 +23,6 @@ from common.data import CompactDistributedSampler, MarkovSource, train_loader
 from common.distributed import DistContext, distributed, set_cpu_threads
 from common.mnist import _open_mnist, normalize_images
 from common.models import GPT, GPT_PRESETS, GPTConfig, count_parameters
-from common.training import MetricsLog
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.per_image_mnist import per_image_mnist
 from tests.harness.runs import Run, run_script
@@ -243,7 +242,7 @@ def test_the_clock_of_an_interval_stops_once_the_device_has_done_its_work(
 
     monkeypatch.setattr(bookkeeping, "synchronize", queued_work_done)
     with distributed("cpu", 60) as ctx:
-        reporter = bookkeeping.ProgressReporter(MetricsLog(tmp_path, ctx), ctx, 2, 10, "tokens")
+        reporter = bookkeeping.ProgressReporter(bookkeeping.MetricsLog(tmp_path, ctx), ctx, 2, 10, "tokens")
         now[0] += 1.0
         reporter.report(2, 1, torch.tensor(1.0), torch.tensor(1.0), 0.1)
     (record,) = Run([], 0, "", tmp_path).events("train")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.bookkeeping import model_flops_utilization, peak_flops
 from common.distributed import local_state_bytes
-from common.models import GPT, GPTConfig
-from common.training import model_flops_utilization, peak_flops, transformer_flops_per_token
+from common.models import GPT, GPTConfig, transformer_flops_per_token
 from tools.benchmarks import compare_strategies
 from tools.benchmarks.compare_strategies import STRATEGIES, markdown_table, parse_args, planned_runs
 from tools.estimates import estimate_memory

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from common.training import progress_line, warmup_cosine
+from common.bookkeeping import progress_line
+from common.training import warmup_cosine
 from tests.harness.runs import REPO
 
 EXAMPLE = re.compile(

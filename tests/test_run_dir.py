@@ -27,11 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.bookkeeping import StopRequest
+from common.bookkeeping import MetricsLog
 from common.distributed import distributed
-from common.run_dir import LOCK_FILE, RunDirLock, checkpoint_step, complete_checkpoints
+from common.run_dir import LOCK_FILE, RunDirLock, StopRequest, checkpoint_step, complete_checkpoints
 from common.safe_io import then_resume
-from common.training import MetricsLog
 from tests.harness.runs import (
     REPO,
     Run,
@@ -375,8 +374,8 @@ def test_a_run_dir_deleted_under_a_run_is_locked_again(tmp_path: Path) -> None:
     """After an rm -rf of the run dir the run made it again without its lock: a second run with --resume took
     the folder, and the two pruned and replaced each other's checkpoints and metrics.jsonl."""
     run_dir = tmp_path / "run"
-    with distributed("cpu", 60) as ctx, RunDirLock(run_dir, ctx):
-        log = MetricsLog(run_dir, ctx)
+    with distributed("cpu", 60) as ctx, RunDirLock(run_dir, ctx) as lock:
+        log = MetricsLog(run_dir, ctx, lock=lock)
         log.write("train", step=1)
         shutil.rmtree(run_dir)
         log.write("train", step=2)

@@ -1,11 +1,11 @@
 """The one reader of a run's metrics.jsonl, for every command that reads one.
 
-A run appends one JSON object a line, each with its ``event`` (common.training). One rule for what is
+A run appends one JSON object a line, each with its ``event`` (common.bookkeeping). One rule for what is
 not such a line:
 
 - The last line, where it is not whole JSON, is a write cut short: a run killed mid-write, or one still
   writing. It is left out, and said once on stderr (``PATH: left out line N, ...``); everything before
-  it is read. A run resumed from it drops that line itself (common.training), so a finished run has none.
+  it is read. A run resumed from it drops that line itself (common.bookkeeping), so a finished run has none.
 - Any other line that is not a record (not JSON, cut short in the middle, not an object with a string
   ``event``, or a number larger than a float holds, which no run writes) is an edit, damage or another
   program's file: ``UnreadableRecord`` (a ValueError) naming the file, the line and what is wrong, which

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from common.bookkeeping import synchronize
 from common.cli import HelpFormatter, Parser, add_device_flag
 from common.collectives import ring_link_bytes
 from common.distributed import (
@@ -50,7 +51,6 @@ from common.distributed import (
 from common.flag_checks import check_launch_environment
 from common.flags import INTEGER, flag_kind, positive_int, shown, timeout_seconds
 from common.outputs import write_text
-from common.training import synchronize
 from tools.command_flags import output_file
 from tools.output_checks import add_overwrite_flag, check_output_path
 
