@@ -223,7 +223,7 @@ def check_token_file(parser: argparse.ArgumentParser, path: Path, block_size: in
 
 
 def check_data_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The data flags, once check_transformer_flags has filled --block-size: one source the run can read and hold."""
+    """The data flags, once resolve_flags has filled in --block-size: one source the run can read and hold."""
     if args.text_file is not None and args.token_file is not None:
         parser.error("give --text-file or --token-file, not both")
     if args.text_file is not None:

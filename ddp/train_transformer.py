@@ -37,7 +37,7 @@ from common.checkpoint import Checkpointer, full_state_dict_options
 from common.data import CompactDistributedSampler, eval_loader, train_loader
 from common.distributed import DistContext, clean_teardown, errors_reported_once, launch_context, print0
 from common.fine_tuning import add_adapters, freeze, merge_adapters
-from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config
+from common.models import COMPUTE_DTYPES, GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config
 from common.run_dir import RunDirLock
 from common.tokens import check_data_flags, transformer_data
 from common.training import TokenCount, evaluate_language_model, plan_total_steps, seed_everything, warmup_cosine
@@ -52,11 +52,13 @@ def parse_args(argv: list[str] | None = None):
     cli.add_compute_flags(parser, precisions=["fp32", "bf16"])
     cli.add_checkpoint_flags(parser, sharded=False)
     args = parser.parse_args(argv)
+    settings = flag_checks.training_settings(parser, args)  # as given: what each checkpoint records
+    flag_checks.resolve_flags(parser, args)  # fills in what the flags leave open: the per-rank batch, ...
     flag_checks.check_training_flags(parser, args)
     flag_checks.check_transformer_flags(parser, args)
     check_data_flags(parser, args)
     flag_checks.check_checkpoint_flags(parser, args)
-    return args
+    return args, settings
 
 
 def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
@@ -84,6 +86,7 @@ def forward_backward(
     ``tokens``: the targets that count in the whole step, over every rank. Each micro-step's summed loss is
     divided by it, so a token weighs the same at any world size and accumulation split.
     """
+    compute_dtype = COMPUTE_DTYPES[args.mixed_precision]  # None: fp32, autocast off
     step_loss = torch.zeros((), device=ctx.device)
     for micro_step, (inputs, targets) in enumerate(micro_batches):
         inputs, targets = inputs.to(ctx.device, non_blocking=True), targets.to(ctx.device, non_blocking=True)
@@ -91,7 +94,7 @@ def forward_backward(
         # micro-step; gradients add up locally until then.
         last_micro_step = micro_step == len(micro_batches) - 1
         with nullcontext() if last_micro_step else model.no_sync():
-            with torch.autocast(ctx.device.type, dtype=args.compute_dtype, enabled=args.compute_dtype is not None):
+            with torch.autocast(ctx.device.type, dtype=compute_dtype, enabled=compute_dtype is not None):
                 logits = model(inputs)
                 # YOUR LOSS. In fp32 whatever the compute dtype: a low-precision softmax is too coarse.
                 # DISTRIBUTED: times the world size, since the gradient reduction averages over ranks.
@@ -110,7 +113,7 @@ def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Chec
     checkpoints.save_model(state)
 
 
-def train(args, ctx: DistContext) -> None:
+def train(args, settings: dict, ctx: DistContext) -> None:
     # metrics.jsonl, the console's progress, stop requests, the observed step and the final record
     run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)
     seed_everything(args.seed, args.deterministic)
@@ -137,7 +140,7 @@ def train(args, ctx: DistContext) -> None:
     freeze(model, args.freeze)  # --freeze: before the wrap, which sees which parameters need gradients
     model = wrap_model(model, args, ctx)  # DISTRIBUTED
     # Weights stay fp32; autocast runs each matmul in low precision and keeps norms and softmax in fp32.
-    compute_dtype = args.compute_dtype
+    compute_dtype = COMPUTE_DTYPES[args.mixed_precision]  # None: fp32, autocast off
     # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
@@ -151,7 +154,7 @@ def train(args, ctx: DistContext) -> None:
         extra={"scheduler": scheduler},
         identity={"model": config.shape()},  # YOUR CHECKPOINT IDENTITY: what it resumes from
         strategy="ddp",  # recorded; a resume names a switch
-        settings=args.training_settings,  # recorded; a resume names each change
+        settings=settings,  # the flags as given, recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=False,
         interval=args.checkpoint_interval,
@@ -230,7 +233,7 @@ def train(args, ctx: DistContext) -> None:
 
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, settings = parse_args(argv)
     with errors_reported_once():  # a FatalError or a Ctrl-C: one line from rank 0, one exit code from all
         ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
         timeout = timedelta(seconds=args.dist_timeout)
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
             ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
             with RunDirLock(args.run_dir, ctx):
-                train(args, ctx)
+                train(args, settings, ctx)
         finally:
             with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
                 dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended

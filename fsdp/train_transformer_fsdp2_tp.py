@@ -102,25 +102,25 @@ def tensor_parallel_size(parser: cli.Parser, tp_degree: int) -> int:
 
 
 def check_tensor_parallel_flags(parser: cli.Parser, args: argparse.Namespace) -> None:
-    """What a split of each Block over ``args.tp_size`` ranks rules out; after check_transformer_flags, which
+    """What a split of each Block over ``args.tp_degree`` ranks rules out; after resolve_flags, which
     fills in the preset's heads."""
     if args.replicate_degree != 1:  # at any degree: wrap_model builds no replicas, so it would go unheard
         parser.error(
             "--replicate-degree: this script shards over every data-parallel group (no HSDP replicas); "
             "HSDP is fsdp/train_transformer_fsdp2.py --replicate-degree"
         )
-    if args.tp_size == 1:
+    if args.tp_degree == 1:
         return
-    if args.n_head % args.tp_size:
+    if args.n_head % args.tp_degree:
         parser.error(
-            f"--tp-degree {args.tp_size} must divide the attention heads ({args.n_head}): a rank holds whole heads"
+            f"--tp-degree {args.tp_degree} must divide the attention heads ({args.n_head}): a rank holds whole heads"
         )
-    if args.block_size % args.tp_size:
+    if args.block_size % args.tp_degree:
         parser.error(
-            f"--tp-degree {args.tp_size} must divide the block size ({args.block_size}): between the Blocks each "
+            f"--tp-degree {args.tp_degree} must divide the block size ({args.block_size}): between the Blocks each "
             "rank holds an equal slice of every sequence"
         )
-    groups = env_world_size() // args.tp_size
+    groups = env_world_size() // args.tp_degree
     if args.d_model % groups:
         # FSDP2 cuts the q|k|v pieces by their columns (wrap_model's shard_placement_fn), and only evenly: torch
         # 2.14.1 raised "FSDP does not support uneven sharding on dim 1" in the wrap, on every rank.
@@ -268,14 +268,16 @@ def parse_args(argv: list[str] | None = None):
     add_tensor_parallel_flags(parser)
     cli.add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
-    args.tp_size = tensor_parallel_size(parser, args.tp_degree)  # 1 in a world of one
-    flag_checks.check_training_flags(parser, args, tp_size=args.tp_size)
+    settings = flag_checks.training_settings(parser, args)  # as given: what each checkpoint records
+    args.tp_degree = tensor_parallel_size(parser, args.tp_degree)  # 1 in a world of one; the batch is cut by it
+    flag_checks.resolve_flags(parser, args)  # fills in what the flags leave open: the per-rank batch, ...
+    flag_checks.check_training_flags(parser, args)
     flag_checks.check_checkpoint_flags(parser, args)
     flag_checks.check_transformer_flags(parser, args)
     check_data_flags(parser, args)
     flag_checks.check_fsdp2_flags(parser, args)
     check_tensor_parallel_flags(parser, args)
-    return args
+    return args, settings
 
 
 def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
@@ -291,7 +293,7 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
     # The mesh: a grid of (world size / tp) x tp ranks, row by row, so that a tensor-parallel group is
     # consecutive ranks (one machine's GPUs: TP's gathers and scatters run in every Block, fast links only)
     # and FSDP shards across the groups. Passed explicitly (on CPU too) so FSDP2 never guesses a device type.
-    shape, dim_names = (ctx.world_size // args.tp_size, args.tp_size), ("dp", "tp")
+    shape, dim_names = (ctx.world_size // args.tp_degree, args.tp_degree), ("dp", "tp")
     print0(f"2-D mesh: {shape[0]} data-parallel group(s) of {shape[1]} tensor-parallel rank(s)")
     if args.cpu_offload:
         # Offloaded shards live in host memory, and the collectives on them (the
@@ -300,9 +302,9 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
         mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names, backend_override=backends)
     else:
         mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names)
-    if args.tp_size > 1:  # a world of one trains the model unsplit: the reference a split run must match
+    if args.tp_degree > 1:  # a world of one trains the model unsplit: the reference a split run must match
         frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]  # --freeze
-        parallelize_blocks(layers, mesh["tp"], args.n_head // args.tp_size)
+        parallelize_blocks(layers, mesh["tp"], args.n_head // args.tp_degree)
         parallelize_module(
             model,
             mesh["tp"],
@@ -397,7 +399,7 @@ def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Chec
     checkpoints.save_model(state)
 
 
-def train(args, ctx: DistContext) -> None:
+def train(args, settings: dict, ctx: DistContext) -> None:
     # metrics.jsonl, the console's progress, stop requests, the observed step and the final record
     run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile)
     seed_everything(args.seed, args.deterministic)
@@ -405,7 +407,7 @@ def train(args, ctx: DistContext) -> None:
     data = transformer_data(args)  # --text-file, --token-file, or the synthetic Markov source
     print0(f"data: {data.description}")
     # DISTRIBUTED: the data-parallel groups: the mesh's rows (wrap_model), rank = group x tp + place in it.
-    dp_size, dp_rank = ctx.world_size // args.tp_size, ctx.rank // args.tp_size
+    dp_size, dp_rank = ctx.world_size // args.tp_degree, ctx.rank // args.tp_degree
     # DISTRIBUTED: each group draws its own slice of every epoch's shuffle: torch's DistributedSampler, its
     # order computed as it goes (no table); the ranks of a group draw the same, since they split one model.
     sampler = CompactDistributedSampler(data.train, dp_size, dp_rank, seed=args.seed)  # DISTRIBUTED
@@ -441,9 +443,9 @@ def train(args, ctx: DistContext) -> None:
         extra={"scheduler": scheduler},
         # YOUR CHECKPOINT IDENTITY: what it resumes from. Split over "tp", the fused q|k|v weights are saved as
         # (3, d, d) (parts_apart): another layout than a checkpoint of an unsplit run, so a resume across is refused.
-        identity={"model": config.shape(), "qkv": "3 parts" if args.tp_size > 1 else None},
+        identity={"model": config.shape(), "qkv": "3 parts" if args.tp_degree > 1 else None},
         strategy="fsdp2_tp",  # recorded; a resume names a switch
-        settings=args.training_settings,  # recorded; a resume names each change
+        settings=settings,  # the flags as given, recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",
         trust=args.trust_checkpoint,
@@ -456,7 +458,7 @@ def train(args, ctx: DistContext) -> None:
     resumed = checkpoints.resume(args.resume, args.resume_from, args.init_from)
     run.start(resumed, total_steps, global_batch * args.block_size, unit="tokens")
     # Padded data counts its tokens every step (one all-reduce); data that never pads knows the count.
-    count_tokens = TokenCount(data.padded, global_batch * args.block_size, ctx, copies=args.tp_size)
+    count_tokens = TokenCount(data.padded, global_batch * args.block_size, ctx, copies=args.tp_degree)
     step = resumed.step
     result = None
     while step < total_steps:
@@ -494,7 +496,7 @@ def train(args, ctx: DistContext) -> None:
                 run.report(step, epoch, step_loss, grad_norm, scheduler.get_last_lr()[0])
             if step % args.eval_interval == 0 or step == total_steps:
                 with run.paused(), loss_parallel():  # DISTRIBUTED: the logits stay split, as in training
-                    result = evaluate_language_model(model, heldout_loader, ctx, copies=args.tp_size)
+                    result = evaluate_language_model(model, heldout_loader, ctx, copies=args.tp_degree)
                     run.write("eval", step=step, epoch=epoch, **result)
                     print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
 
@@ -502,7 +504,7 @@ def train(args, ctx: DistContext) -> None:
         checkpoints.save(step)
     if result is None:  # --max-steps 0, or resumed at the end: evaluate the model as it is
         with loss_parallel():
-            result = evaluate_language_model(model, heldout_loader, ctx, copies=args.tp_size)
+            result = evaluate_language_model(model, heldout_loader, ctx, copies=args.tp_degree)
         run.write("eval", step=step, **result)
     save_model(model, args, ctx, checkpoints)  # DISTRIBUTED
     run.finish(
@@ -524,7 +526,7 @@ def train(args, ctx: DistContext) -> None:
 
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, settings = parse_args(argv)
     with errors_reported_once():  # a FatalError or a Ctrl-C: one line from rank 0, one exit code from all
         ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
         timeout = timedelta(seconds=args.dist_timeout)
@@ -542,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
             ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
             with RunDirLock(args.run_dir, ctx):
-                train(args, ctx)
+                train(args, settings, ctx)
         finally:
             with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
                 dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended

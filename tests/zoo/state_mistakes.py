@@ -171,8 +171,10 @@ LOCKS = [
         name="run-dir-lock-released-before-training",
         path="ddp/train_transformer.py",
         edits={
-            "            with RunDirLock(args.run_dir, ctx):\n                train(args, ctx)\n": (
-                "            with RunDirLock(args.run_dir, ctx):\n                pass\n            train(args, ctx)\n"
+            "            with RunDirLock(args.run_dir, ctx):\n                train(args, settings, ctx)\n": (
+                "            with RunDirLock(args.run_dir, ctx):\n"
+                "                pass\n"
+                "            train(args, settings, ctx)\n"
             )
         },
         test="tests/test_run_dir.py::test_one_run_at_a_time_and_a_killed_run_leaves_no_lock",
