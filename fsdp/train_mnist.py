@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None):
     cli.add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
     settings = flag_checks.training_settings(parser, args)  # as given: what each checkpoint records
-    flag_checks.resolve_flags(parser, args)  # fills in what the flags leave open: the per-rank batch, ...
+    flag_checks.resolve_flags(parser, args)  # the values the flags leave open, such as the per-rank batch
     flag_checks.check_training_flags(parser, args)
     flag_checks.check_checkpoint_flags(parser, args)
     return args, settings

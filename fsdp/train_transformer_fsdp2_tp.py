@@ -269,8 +269,8 @@ def parse_args(argv: list[str] | None = None):
     cli.add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
     settings = flag_checks.training_settings(parser, args)  # as given: what each checkpoint records
-    args.tp_degree = tensor_parallel_size(parser, args.tp_degree)  # 1 in a world of one; the batch is cut by it
-    flag_checks.resolve_flags(parser, args)  # fills in what the flags leave open: the per-rank batch, ...
+    args.tp_degree = tensor_parallel_size(parser, args.tp_degree)  # 1 in a world of one; resolve_flags reads it
+    flag_checks.resolve_flags(parser, args)  # the values the flags leave open, such as the per-rank batch
     flag_checks.check_training_flags(parser, args)
     flag_checks.check_checkpoint_flags(parser, args)
     flag_checks.check_transformer_flags(parser, args)
