@@ -101,7 +101,7 @@ def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
 
 
 def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
-    """Refuse shapes that cannot work; the data flags are tokens.check_data_flags' (MNIST's copies carry none)."""
+    """Refuse shapes that cannot work; the data flags are common.tokens' (which an MNIST script's copy leaves out)."""
     if args.deterministic and args.dropout > 0:
         parser.error("--deterministic needs --dropout 0: dropout masks differ with the world size")
     if args.d_model % args.n_head:

@@ -258,12 +258,12 @@ def check_functions() -> dict[str, ast.FunctionDef]:
 
 def test_a_flag_check_only_checks_and_fills_in_nothing() -> None:
     """A check that also filled in a value (the per-rank batch, the compute dtype, the preset's sizes) made the order
-    of the checks matter and differ between the scripts: each value the flags leave open is common.flag_checks.
-    resolve_flags', which every script calls once, in one order, before its checks."""
-    slip = ast.parse(
-        "def check_x(parser, args):\n    if args.a:\n        args.b, n = 1, 2\n    setattr(args, 'c', 3)\n"
-    )
-    assert len(writes_to(slip.body[0], {"args"})) == 2, "the rule must see a write"  # type: ignore[arg-type]
+    of the checks matter and differ between the scripts: each value the flags leave open is filled in by
+    common.flag_checks.resolve_flags, which every script calls once, in one order, before its checks."""
+    (slip,) = ast.parse(
+        "def check_x(parser, args):\n    if args.a:\n        args.b, n = 1, 2\n    setattr(args, 'c', 3)"
+    ).body
+    assert isinstance(slip, ast.FunctionDef) and len(writes_to(slip, {"args"})) == 2, "the rule must see a write"
     checks = check_functions()
     assert {"common/flag_checks.py::check_transformer_flags", "common/tokens.py::check_data_flags"} <= checks.keys()
     offenders = {where: writes_to(node, namespace_parameters(node)) for where, node in checks.items()}
