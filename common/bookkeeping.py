@@ -186,11 +186,11 @@ class ProgressReporter:
     and read at the last step, before anything gathers the whole model."""
 
     def __init__(
-        self, log: MetricsLog, ctx: DistContext, total_steps: int, items_per_step: int, unit: str, first_step: int = 0
+        self, log: MetricsLog, ctx: DistContext, total_steps: int, examples: int, tokens_each: int, first_step: int
     ) -> None:
         self.log, self.ctx, self.total_steps = log, ctx, total_steps
-        self.items_per_step = items_per_step  # global: all ranks and micro-steps
-        self.unit = unit  # "samples" or "tokens"
+        self.items_per_step = examples * max(tokens_each, 1)  # global: all ranks and micro-steps
+        self.unit = "tokens" if tokens_each else "samples"
         self._last_step = first_step  # a resumed run starts counting at its checkpoint
         self._interval_seconds = 0.0
         self._running_since: float | None = time.perf_counter()
@@ -294,9 +294,8 @@ class FinalRecord:
 
 
 class Bookkeeping:
-    """Everything a run records and obeys beside the training itself, built once at the start of ``train()``; every
-    rank calls each method at the same point (collectives). ``check_loss`` and ``paused`` go to the Checkpointer: a
-    non-finite loss never reaches a checkpoint, and saving is not training time."""
+    """Everything a run records and obeys beside the training itself; every rank calls each method at the same point
+    (collectives). ``check_loss`` and ``paused`` go to the Checkpointer: a NaN never saved, saving not training time."""
 
     NO_BAD_STEP = 2**62  # first_bad_step before any; the ranks agree on the smallest step any of them saw
     log: MetricsLog  # these three made by start(), once the checkpoint to resume from is known
@@ -321,9 +320,10 @@ class Bookkeeping:
             # A resume at another world size shows as a change; ``changed``: each setting that differs, [old, new].
             sizes = {"checkpoint_world_size": resumed.world_size, "world_size": ctx.world_size}
             log.write("resume", step=resumed.step, checkpoint=str(resumed.path), **sizes, changed=resumed.changed)
-        unit = "tokens" if tokens_per_example else "samples"
-        items = global_batch * max(tokens_per_example, 1)
-        self.log, self.progress = log, ProgressReporter(log, ctx, total_steps, items, unit, resumed.step)
+        self.log, self.progress = (
+            log,
+            ProgressReporter(log, ctx, total_steps, global_batch, tokens_per_example, resumed.step),
+        )
         self.stop_request = StopRequest(self.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file
 
     def stop_requested(self) -> bool:  # the same answer on every rank
@@ -345,10 +345,9 @@ class Bookkeeping:
         return step % self.log_interval == 0 or step == self.total_steps
 
     def watch_loss(self, loss: torch.Tensor, step: int) -> None:
-        """Stop every rank when the training loss turns NaN or infinite, without reading the GPU every step: note on
-        the device the first step whose loss was not finite, and read it only where the host reads the device
-        anyway: at the steps that log (before their optimizer step) and before a checkpoint is written (check_loss).
-        A GPU never waits for it, and a non-finite loss never reaches a checkpoint or model.pt: the last step logs."""
+        """Stop every rank when the training loss turns NaN or infinite, without a GPU ever waiting for it: note on the
+        device the first step whose loss was not finite; read it only where the host reads the device anyway, at the
+        steps that log (before their update) and before a checkpoint (check_loss). The last step logs: model.pt too."""
         first_bad_here = ~torch.isfinite(loss) & (self.first_bad_step == self.NO_BAD_STEP)
         self.first_bad_step = torch.where(first_bad_here, step, self.first_bad_step)
         if self.logs(step):

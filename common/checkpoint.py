@@ -80,9 +80,8 @@ class Checkpointer:
     half-loaded. ``settings`` (``training_settings``): recorded in each checkpoint; a resume names each that differs.
     ``extra``: the objects with a ``state_dict`` beside model and optimizer (LR scheduler, gradient scaler).
     ``trust`` (--trust-checkpoint): load a sharded checkpoint whose metadata holds more than DCP's own records.
-    ``check_before_save(step)`` raises if the state must not be saved (a non-finite loss: Bookkeeping.check_loss);
-    ``while_saving()`` holds what a save must not count (the clock of training time: Bookkeeping.paused).
-    """
+    ``check_before_save(step)`` raises if the state must not be saved (Bookkeeping.check_loss: a non-finite loss);
+    ``while_saving()`` holds what a save must not count (Bookkeeping.paused: the clock of training time)."""
 
     ctx: DistContext
     run_dir: Path
@@ -132,13 +131,12 @@ class Checkpointer:
             )
 
     def save(self, step: int, force: bool = False) -> Path | None:
-        """The checkpoint of the state after ``step`` steps where --checkpoint-interval asks for one, or ``force``
-        (a stop request); None where none is due. A state saved already (a stop after a resume) is not saved again."""
+        """The state after ``step`` steps where --checkpoint-interval asks, or ``force`` (a stop request); else None."""
         if not force and not (self.interval > 0 and step > 0 and step % self.interval == 0):
             return None
         self.check_before_save(step)
         if self.last_saved is not None and checkpoint_step(self.last_saved) == step and self.last_saved.exists():
-            return self.last_saved
+            return self.last_saved  # saved already: a stop request right after a resume
         with self.while_saving():
             # A finite loss does not make the update after it finite: check the weights themselves.
             local = [local_part(p) for p in self.model.parameters()]

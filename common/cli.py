@@ -26,6 +26,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage, help and errors appear once, not once per rank."""
 
+    default_batch_size: int | None = None  # the script's; no argparse default, so that a checkpoint records "unset"
+
     def _print_message(self, message: str, file: IO[str] | None = None) -> None:
         if env_rank() == 0:
             super()._print_message(message, file)
@@ -61,7 +63,7 @@ def add_training_flags(
     parser: Parser, *, batch_size: int, lr: float, epochs: int | None, max_steps: int | None, grad_clip: float
 ) -> None:
     group = parser.add_argument_group("training")
-    parser.set_defaults(default_batch_size=batch_size)
+    parser.default_batch_size = batch_size
     text = f"examples per rank per micro-step (default: {batch_size})"
     group.add_argument("--batch-size", type=flags.positive_int, help=text)
     text = (

@@ -1,5 +1,4 @@
-"""What only a combination of the scripts' flags or the launch rules out (--resume with --resume-from, a global batch
-the world size does not divide), and what the flags leave to fill in (the per-rank batch, the preset's dimensions):
+"""What the flags leave open (resolve_flags fills it in), what only their combination or the launch rules out (check_*):
 decided after parsing, before any process group, so a mistake costs a second and is one message with exit code 2."""
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from common.distributed import (
     wants_cuda,
 )
 from common.fine_tuning import DEFAULT_LORA_TARGETS
-from common.models import COMPUTE_DTYPES, GPT_PRESETS
+from common.models import GPT_PRESETS
 from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step
 from common.safetensors_weights import holds_safetensors, safetensors_files
 
@@ -47,29 +46,32 @@ def check_launch_environment(parser: Parser) -> None:
     sys.exit(2)
 
 
-def check_training_flags(parser: Parser, args: argparse.Namespace, tp_size: int = 1) -> None:
-    """The flags every script has, first recorded as given in ``args.training_settings``. ``tp_size``: ranks that
-    share each slice of the batch (a tensor-parallel group); the batch is split over the world size divided by it."""
-    args.training_settings = training_settings(parser, args)
-    check_launch_environment(parser)
-    if args.epochs is None and args.max_steps is None:
-        parser.error("give --epochs or --max-steps")
-    resolve_batch_size(parser, args, tp_size)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available on this machine")
+def resolve_flags(parser: Parser, args: argparse.Namespace) -> None:
+    """Fill in what the flags leave open, each into its own flag, in this order wherever a script has the flag: the
+    per-rank batch, the preset's sizes, the adapters' targets, the replicas. After training_settings, before checks."""
+    check_launch_environment(parser)  # the batch and the replicas are cut from torchrun's world size
+    resolve_batch_size(parser, args)
+    if "model" in args:
+        for name, value in GPT_PRESETS[args.model].items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+    if "lora_targets" in args and args.lora_rank is not None and args.lora_targets is None:
+        args.lora_targets = list(DEFAULT_LORA_TARGETS)
+    if "replicate_degree" in args and args.replicate_degree is None:
+        args.replicate_degree = default_replicate_degree(parser, args)
 
 
-def resolve_batch_size(parser: Parser, args: argparse.Namespace, tp_size: int = 1) -> None:
-    """Set ``args.batch_size`` (per rank) from --batch-size, --global-batch-size or the default."""
+def resolve_batch_size(parser: Parser, args: argparse.Namespace) -> None:
+    """The per-rank batch from --batch-size, --global-batch-size or the default; a --tp-degree group shares one."""
     if args.global_batch_size is None:
-        args.batch_size = args.batch_size or args.default_batch_size
+        args.batch_size = args.batch_size or parser.default_batch_size
         return
     if args.batch_size is not None:
         parser.error("give --batch-size (per rank) or --global-batch-size, not both")
-    world_size = env_world_size() // tp_size
+    world_size = env_world_size() // getattr(args, "tp_degree", 1)  # the data-parallel groups, under TP
     slices = world_size * args.grad_accum_steps
     if args.global_batch_size % slices:
-        ranks = f"{world_size} rank(s)" if tp_size == 1 else f"{world_size} data-parallel group(s)"
+        ranks = f"{world_size} rank(s)" if world_size == env_world_size() else f"{world_size} data-parallel group(s)"
         parser.error(
             f"--global-batch-size {args.global_batch_size} does not divide into {ranks} "
             f"x {args.grad_accum_steps} micro-step(s)"
@@ -77,23 +79,35 @@ def resolve_batch_size(parser: Parser, args: argparse.Namespace, tp_size: int = 
     args.batch_size = args.global_batch_size // slices
 
 
+def default_replicate_degree(parser: Parser, args: argparse.Namespace) -> int | None:
+    """FSDP2: 1, plain FSDP. FSDP1 (--sharding-strategy): under hybrid_shard one replica a machine, so that sharding
+    stays on a node's fast links and only the all-reduce crosses the network; one machine pretends to be two."""
+    if "sharding_strategy" not in args:
+        return 1
+    if args.sharding_strategy != "hybrid_shard":
+        return None
+    if env_num_nodes() == 1 and (world_size := env_world_size()) % 2:
+        parser.error(f"hybrid_shard on one machine: give --replicate-degree R dividing the world size {world_size}")
+    return max(env_num_nodes(), 2)
+
+
+def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
+    """The flags every script has, once resolve_flags has filled in the per-rank batch."""
+    if args.epochs is None and args.max_steps is None:
+        parser.error("give --epochs or --max-steps")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine")
+
+
 def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
-    """Fill the model dimensions from the preset and refuse shapes that cannot work; the data's flags are
-    common.tokens.check_data_flags' (the MNIST scripts, which share this module, read no token files)."""
-    for name, value in GPT_PRESETS[args.model].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    """Refuse shapes that cannot work; the data flags are common.tokens' (which an MNIST script's copy leaves out)."""
     if args.deterministic and args.dropout > 0:
         parser.error("--deterministic needs --dropout 0: dropout masks differ with the world size")
-    # What --mixed-precision computes in: None for fp32, which needs no cast.
-    args.compute_dtype = COMPUTE_DTYPES[args.mixed_precision]
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     check_model_size(parser, args)
     if args.lora_rank is None and (args.lora_alpha is not None or args.lora_targets):
         parser.error("--lora-alpha and --lora-targets shape the adapters that --lora-rank adds: give --lora-rank too")
-    if args.lora_targets is None:
-        args.lora_targets = list(DEFAULT_LORA_TARGETS)
 
 
 def check_fsdp_flags(parser: Parser, args: argparse.Namespace) -> None:
@@ -105,14 +119,12 @@ def check_fsdp_flags(parser: Parser, args: argparse.Namespace) -> None:
 
 
 def check_fsdp2_flags(parser: Parser, args: argparse.Namespace) -> None:
-    """check_fsdp_flags, what this torch's FSDP2 can do, and --replicate-degree 1 (plain FSDP) by default."""
+    """check_fsdp_flags, and what this torch's FSDP2 can do."""
     if args.cpu_offload:
         require_torch(parser, FSDP2_CPU_OFFLOAD, "--cpu-offload with FSDP2")
     if not wants_cuda(args.device):
         require_torch(parser, FSDP2_ON_CPU, "FSDP2 on the CPU")
     check_fsdp_flags(parser, args)
-    if args.replicate_degree is None:
-        args.replicate_degree = 1
 
 
 # torch 2.14.1: in a shard group of one rank, FSDP1's HYBRID_SHARD falls back to NO_SHARD and reduces over that group
@@ -126,7 +138,7 @@ ONE_RANK_SHARD_GROUPS = (
 
 
 def check_fsdp1_flags(parser: Parser, args: argparse.Namespace) -> None:
-    """check_fsdp_flags, and --replicate-degree as FSDP1 takes it: hybrid_shard only, one replica a node by default."""
+    """check_fsdp_flags, and --replicate-degree as FSDP1 takes it: with hybrid_shard only."""
     if args.sharding_strategy != "hybrid_shard" and args.replicate_degree is not None:
         parser.error("--replicate-degree only applies to --sharding-strategy hybrid_shard")
     check_fsdp_flags(parser, args)
@@ -139,16 +151,6 @@ def check_fsdp1_flags(parser: Parser, args: argparse.Namespace) -> None:
             "FSDP1 leaves the weights of a unit with nothing to train out of model.pt and the checkpoints. In one "
             "process use ddp/train_transformer.py or fsdp/train_transformer_fsdp2.py"
         )
-    if args.sharding_strategy == "hybrid_shard" and args.replicate_degree is None:
-        # One replica per machine: sharding stays on a node's fast links, only the all-reduce crosses the network.
-        args.replicate_degree = env_num_nodes()
-        if args.replicate_degree == 1:
-            # A single machine has no nodes to replicate across; pretend it has two.
-            if env_world_size() % 2:
-                parser.error(
-                    f"hybrid_shard on one machine: give --replicate-degree R dividing the world size {env_world_size()}"
-                )
-            args.replicate_degree = 2
     if args.sharding_strategy == "hybrid_shard" and env_world_size() == args.replicate_degree:
         parser.error(ONE_RANK_SHARD_GROUPS.format(replicate=args.replicate_degree))
 
@@ -231,14 +233,10 @@ NOT_TRAINING_SETTINGS = {
 def training_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
     """Every flag of ``parser`` (one added later too) but NOT_TRAINING_SETTINGS, by long name, with its value in
     ``args``: each checkpoint records them, and a resume names each that differs. Call it right after parsing, before
-    checks derive values (a per-rank batch, a preset's width) that would differ at another world size unasked."""
-    settings = {}
-    for action in parser._actions:
-        if action.option_strings and hasattr(args, action.dest):
-            flag = max(action.option_strings, key=len)
-            if flag not in NOT_TRAINING_SETTINGS:
-                settings[flag] = plain_setting(getattr(args, action.dest))
-    return settings
+    resolve_flags fills in values (a per-rank batch, a preset's width) that differ at another world size unasked."""
+    flags = {max(action.option_strings, key=len): action.dest for action in parser._actions if action.option_strings}
+    given = {flag: dest for flag, dest in flags.items() if flag not in NOT_TRAINING_SETTINGS and dest in args}
+    return {flag: plain_setting(getattr(args, dest)) for flag, dest in given.items()}
 
 
 def plain_setting(value: Any) -> Any:

@@ -41,6 +41,10 @@ PRETRAINED_DIR = "hf"
 RUN_RESULTS = (METRICS_FILE, MODEL_FILE, PRETRAINED_DIR)  # what a run leaves in its run dir besides checkpoints
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
 NO_LOCKS_HERE = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}  # Lustre without -o flock, some FUSE mounts
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Ctrl-C, and a terminal that closes: a stop request too, unless the run was started with them ignored
+# (nohup, a background job). A second one does what it would have done: it does not wait for the step.
+SECOND_TIME_STOPS_AT_ONCE = {signal.SIGINT: signal.default_int_handler, signal.SIGHUP: signal.SIG_DFL}
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -215,12 +219,6 @@ class RunDirLock:
             return os.stat(self.path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             return False
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# Ctrl-C, and a terminal that closes: a stop request too, unless the run was started with them ignored
-# (nohup, a background job). A second one does what it would have done: it does not wait for the step.
-SECOND_TIME_STOPS_AT_ONCE = {signal.SIGINT: signal.default_int_handler, signal.SIGHUP: signal.SIG_DFL}
 
 
 class StopRequest:

@@ -17,7 +17,6 @@ import torch
 from torch.utils.data import Dataset
 
 from common.data import TokenData, markov_data
-from common.distributed import print0
 from common.flag_checks import check_synthetic_size, machine_memory
 from common.run_dir import checkpoint_to_resume
 
@@ -224,7 +223,7 @@ def check_token_file(parser: argparse.ArgumentParser, path: Path, block_size: in
 
 
 def check_data_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The data flags, once check_transformer_flags has filled --block-size: one source the run can read and hold."""
+    """The data flags, once resolve_flags has filled in --block-size: one source the run can read and hold."""
     if args.text_file is not None and args.token_file is not None:
         parser.error("give --text-file or --token-file, not both")
     if args.text_file is not None:
@@ -241,13 +240,10 @@ def check_data_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def transformer_data(args: argparse.Namespace) -> TokenData:
     if args.text_file is not None:
-        data = text_data(args.text_file, args.block_size)
-    elif args.token_file is not None:
-        data = token_file_data(args.token_file, args.block_size, args.heldout_sequences)
-    else:
-        data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
-    print0(f"data: {data.description}")
-    return data
+        return text_data(args.text_file, args.block_size)
+    if args.token_file is not None:
+        return token_file_data(args.token_file, args.block_size, args.heldout_sequences)
+    return markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
 
 
 def text_data(path: Path, block_size: int) -> TokenData:

@@ -46,9 +46,11 @@ def parse_args(argv: list[str] | None = None):
     cli.add_mnist_flags(parser, gamma=0.7)
     cli.add_checkpoint_flags(parser, sharded=False)
     args = parser.parse_args(argv)
+    settings = flag_checks.training_settings(parser, args)  # as given: what each checkpoint records
+    flag_checks.resolve_flags(parser, args)  # the values the flags leave open, such as the per-rank batch
     flag_checks.check_training_flags(parser, args)
     flag_checks.check_checkpoint_flags(parser, args)
-    return args
+    return args, settings
 
 
 def wrap_model(model: torch.nn.Module, args, ctx: DistContext) -> torch.nn.Module:
@@ -121,7 +123,7 @@ def save_model(model: torch.nn.Module, ctx: DistContext, checkpoints: Checkpoint
     checkpoints.save_model(state)
 
 
-def train(args, ctx: DistContext, lock: RunDirLock) -> None:
+def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
     run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile, lock)  # metrics, stop requests, the record
     seed_everything(args.seed, args.deterministic)
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
@@ -150,7 +152,7 @@ def train(args, ctx: DistContext, lock: RunDirLock) -> None:
         extra={"scheduler": scheduler},
         identity={"model": "MnistNet"},  # YOUR CHECKPOINT IDENTITY: what it resumes from
         strategy="ddp",  # recorded; a resume names a switch
-        settings=args.training_settings,  # recorded; a resume names each change
+        settings=settings,  # the flags as given, recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=False,
         interval=args.checkpoint_interval,  # save(step) writes one every N steps
@@ -188,7 +190,7 @@ def train(args, ctx: DistContext, lock: RunDirLock) -> None:
 
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, settings = parse_args(argv)
     with errors_reported_once():  # a FatalError or a Ctrl-C: one line from rank 0, one exit code from all
         ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
         timeout = timedelta(seconds=args.dist_timeout)
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
             with RunDirLock(args.run_dir, ctx) as lock:
-                train(args, ctx, lock)
+                train(args, settings, ctx, lock)
         finally:
             with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
                 dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended

@@ -52,11 +52,13 @@ def parse_args(argv: list[str] | None = None):
     cli.add_compute_flags(parser, precisions=["fp32", "bf16"])
     cli.add_checkpoint_flags(parser, sharded=False)
     args = parser.parse_args(argv)
+    settings = flag_checks.training_settings(parser, args)  # as given: what each checkpoint records
+    flag_checks.resolve_flags(parser, args)  # the values the flags leave open, such as the per-rank batch
     flag_checks.check_training_flags(parser, args)
+    flag_checks.check_checkpoint_flags(parser, args)
     flag_checks.check_transformer_flags(parser, args)
     check_data_flags(parser, args)
-    flag_checks.check_checkpoint_flags(parser, args)
-    return args
+    return args, settings
 
 
 def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
@@ -151,10 +153,11 @@ def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Chec
     checkpoints.save_model(state)
 
 
-def train(args, ctx: DistContext, lock: RunDirLock) -> None:
+def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
     run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile, lock)  # metrics, stop requests, the record
     seed_everything(args.seed, args.deterministic)
     data = transformer_data(args)  # YOUR DATA: (input, target) pairs of --text-file, --token-file or a Markov source
+    print0(f"data: {data.description}")
     # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle (torch's DistributedSampler, without
     # a table of the order), as many batches as every other rank: none waits alone.
     sampler = CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)  # DISTRIBUTED
@@ -182,7 +185,7 @@ def train(args, ctx: DistContext, lock: RunDirLock) -> None:
         extra={"scheduler": scheduler},
         identity={"model": config.shape()},  # YOUR CHECKPOINT IDENTITY: what it resumes from
         strategy="ddp",  # recorded; a resume names a switch
-        settings=args.training_settings,  # recorded; a resume names each change
+        settings=settings,  # the flags as given, recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=False,  # DISTRIBUTED: rank 0 writes every rank's state: they are all the same
         interval=args.checkpoint_interval,  # save(step) writes one every N steps
@@ -230,7 +233,7 @@ def train(args, ctx: DistContext, lock: RunDirLock) -> None:
 
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, settings = parse_args(argv)
     with errors_reported_once():  # a FatalError or a Ctrl-C: one line from rank 0, one exit code from all
         ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
         timeout = timedelta(seconds=args.dist_timeout)
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
             ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
             with RunDirLock(args.run_dir, ctx) as lock:
-                train(args, ctx, lock)
+                train(args, settings, ctx, lock)
         finally:
             with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
                 dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended

@@ -49,25 +49,25 @@ def tensor_parallel_size(parser: cli.Parser, tp_degree: int) -> int:
 
 
 def check_tensor_parallel_flags(parser: cli.Parser, args: argparse.Namespace) -> None:
-    """What a split of each Block over ``args.tp_size`` ranks rules out; after check_transformer_flags, which
+    """What a split of each Block over ``args.tp_degree`` ranks rules out; after resolve_flags, which
     fills in the preset's heads."""
     if args.replicate_degree != 1:  # at any degree: wrap_model builds no replicas, so it would go unheard
         parser.error(
             "--replicate-degree: this script shards over every data-parallel group (no HSDP replicas); "
             "HSDP is fsdp/train_transformer_fsdp2.py --replicate-degree"
         )
-    if args.tp_size == 1:
+    if args.tp_degree == 1:
         return
-    if args.n_head % args.tp_size:
+    if args.n_head % args.tp_degree:
         parser.error(
-            f"--tp-degree {args.tp_size} must divide the attention heads ({args.n_head}): a rank holds whole heads"
+            f"--tp-degree {args.tp_degree} must divide the attention heads ({args.n_head}): a rank holds whole heads"
         )
-    if args.block_size % args.tp_size:
+    if args.block_size % args.tp_degree:
         parser.error(
-            f"--tp-degree {args.tp_size} must divide the block size ({args.block_size}): between the Blocks each "
+            f"--tp-degree {args.tp_degree} must divide the block size ({args.block_size}): between the Blocks each "
             "rank holds an equal slice of every sequence"
         )
-    groups = env_world_size() // args.tp_size
+    groups = env_world_size() // args.tp_degree
     if args.d_model % groups:
         # FSDP2 cuts the q|k|v pieces by their columns (wrap_model's shard_placement_fn), and only evenly: torch
         # 2.14.1 raised "FSDP does not support uneven sharding on dim 1" in the wrap, on every rank.

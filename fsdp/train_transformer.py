@@ -67,12 +67,14 @@ def parse_args(argv: list[str] | None = None):
     cli.add_fsdp1_flags(parser)
     cli.add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
+    settings = flag_checks.training_settings(parser, args)  # as given: what each checkpoint records
+    flag_checks.resolve_flags(parser, args)  # the values the flags leave open, such as the per-rank batch
     flag_checks.check_training_flags(parser, args)
     flag_checks.check_checkpoint_flags(parser, args)
     flag_checks.check_transformer_flags(parser, args)
     check_data_flags(parser, args)
     flag_checks.check_fsdp1_flags(parser, args)
-    return args
+    return args, settings
 
 
 def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
@@ -112,7 +114,7 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
             ctx.device.type, (args.replicate_degree, shard_degree), mesh_dim_names=("replicate", "shard")
         )
         print0(f"hybrid_shard: {args.replicate_degree} replica(s), each sharded across {shard_degree} rank(s)")
-    compute_dtype = args.compute_dtype  # None: fp32
+    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)  # None: fp32
     model = FSDP(
         model,
         auto_wrap_policy=CustomPolicy(fsdp_unit),
@@ -151,7 +153,7 @@ def forward_backward(
         # micro-step; gradients add up locally until then. Not in low precision: FSDP1
         # would add them up in that dtype; reduced every micro-step, they add up in fp32 shards.
         last_micro_step = micro_step == len(micro_batches) - 1
-        with nullcontext() if last_micro_step or args.compute_dtype is not None else model.no_sync():
+        with nullcontext() if last_micro_step or args.mixed_precision != "fp32" else model.no_sync():
             logits = model(inputs)
             # YOUR LOSS. In fp32 whatever the compute dtype: a low-precision softmax is too coarse.
             # DISTRIBUTED: times the world size, since the gradient reduction averages over ranks.
@@ -210,10 +212,11 @@ def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Chec
     checkpoints.save_model(state)
 
 
-def train(args, ctx: DistContext, lock: RunDirLock) -> None:
+def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
     run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile, lock)  # metrics, stop requests, the record
     seed_everything(args.seed, args.deterministic)
     data = transformer_data(args)  # YOUR DATA: (input, target) pairs of --text-file, --token-file or a Markov source
+    print0(f"data: {data.description}")
     # DISTRIBUTED: each rank draws its own slice of every epoch's shuffle (torch's DistributedSampler, without
     # a table of the order), as many batches as every other rank: none waits alone.
     sampler = CompactDistributedSampler(data.train, ctx.world_size, ctx.rank, seed=args.seed)  # DISTRIBUTED
@@ -244,7 +247,7 @@ def train(args, ctx: DistContext, lock: RunDirLock) -> None:
         extra={"scheduler": scheduler, "scaler": scaler},
         identity={"model": config.shape()},  # YOUR CHECKPOINT IDENTITY: what it resumes from
         strategy=f"fsdp1_{args.sharding_strategy}",  # recorded; a resume names a switch
-        settings=args.training_settings,  # recorded; a resume names each change
+        settings=settings,  # the flags as given, recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",  # DISTRIBUTED: each rank writes its shards, or rank 0 all
         trust=args.trust_checkpoint,
@@ -293,7 +296,7 @@ def train(args, ctx: DistContext, lock: RunDirLock) -> None:
 
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, settings = parse_args(argv)
     with errors_reported_once():  # a FatalError or a Ctrl-C: one line from rank 0, one exit code from all
         ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
         timeout = timedelta(seconds=args.dist_timeout)
@@ -311,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
             ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
             with RunDirLock(args.run_dir, ctx) as lock:
-                train(args, ctx, lock)
+                train(args, settings, ctx, lock)
         finally:
             with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
                 dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended

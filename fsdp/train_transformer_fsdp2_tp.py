@@ -66,16 +66,14 @@ from common.training import TokenCount, evaluate_language_model, plan_total_step
 
 
 def parallelize(model: GPT, tp_mesh: DeviceMesh, local_heads: int) -> None:
-    """Split every Block over the ranks of ``tp_mesh`` (Megatron-LM's tensor and sequence parallelism).
-
-    Between the Blocks each rank holds its own slice of the sequence, and the LayerNorms, whose weights every
-    rank keeps whole, work on that slice alone (SequenceParallel). Before the attention and the MLP the
-    group gathers the whole sequence (all-gather); each rank then computes its own heads (their q, k and v)
-    and its own hidden units: a column-wise layer cuts the outputs, and the row-wise layer after it cuts its
-    inputs to match and hands each rank its slice of the summed output (reduce-scatter). Backward runs the
-    other one at each place. A norm's gradient from one slice of the sequence is part of the gradient:
-    SequenceParallel's DTensor weights make autograd sum it over the group.
-    """
+    """Split every Block, and the layers around them, over the ranks of ``tp_mesh`` (Megatron-LM's tensor and
+    sequence parallelism). Between the Blocks each rank holds its own slice of the sequence, and the LayerNorms,
+    whose weights every rank keeps whole, work on that slice alone (SequenceParallel). Before the attention and
+    the MLP the group gathers the whole sequence (all-gather); each rank then computes its own heads (their q, k
+    and v) and its own hidden units: a column-wise layer cuts the outputs, and the row-wise layer after it cuts its
+    inputs to match and hands each rank its slice of the summed output (reduce-scatter). Backward runs the other
+    one at each place. A norm's gradient from one slice of the sequence is part of the gradient: SequenceParallel's
+    DTensor weights make autograd sum it over the group."""
     frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]  # --freeze
     gather_the_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     plan = {
@@ -119,14 +117,16 @@ def parse_args(argv: list[str] | None = None):
     tp.add_tensor_parallel_flags(parser)
     cli.add_checkpoint_flags(parser, sharded=True)
     args = parser.parse_args(argv)
-    args.tp_size = tp.tensor_parallel_size(parser, args.tp_degree)  # 1 in a world of one
-    flag_checks.check_training_flags(parser, args, tp_size=args.tp_size)
+    settings = flag_checks.training_settings(parser, args)  # as given: what each checkpoint records
+    args.tp_degree = tp.tensor_parallel_size(parser, args.tp_degree)  # 1 in a world of one; resolve_flags reads it
+    flag_checks.resolve_flags(parser, args)  # the values the flags leave open, such as the per-rank batch
+    flag_checks.check_training_flags(parser, args)
     flag_checks.check_checkpoint_flags(parser, args)
     flag_checks.check_transformer_flags(parser, args)
     check_data_flags(parser, args)
     flag_checks.check_fsdp2_flags(parser, args)
     tp.check_tensor_parallel_flags(parser, args)
-    return args
+    return args, settings
 
 
 def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
@@ -142,7 +142,7 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
     # The mesh: a grid of (world size / tp) x tp ranks, row by row, so that a tensor-parallel group is
     # consecutive ranks (one machine's GPUs: TP's gathers and scatters run in every Block, fast links only)
     # and FSDP shards across the groups. Passed explicitly (on CPU too) so FSDP2 never guesses a device type.
-    shape, dim_names = (ctx.world_size // args.tp_size, args.tp_size), ("dp", "tp")
+    shape, dim_names = (ctx.world_size // args.tp_degree, args.tp_degree), ("dp", "tp")
     print0(f"2-D mesh: {shape[0]} data-parallel group(s) of {shape[1]} tensor-parallel rank(s)")
     if args.cpu_offload:
         # Offloaded shards live in host memory, and the collectives on them (the
@@ -151,8 +151,8 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
         mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names, backend_override=backends)
     else:
         mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=dim_names)
-    if args.tp_size > 1:  # a world of one trains the model unsplit: the reference a split run must match
-        parallelize(model, mesh["tp"], args.n_head // args.tp_size)
+    if args.tp_degree > 1:  # a world of one trains the model unsplit: the reference a split run must match
+        parallelize(model, mesh["tp"], args.n_head // args.tp_degree)
     if args.compile:
         compile_layers(layers)
     if args.activation_checkpointing:
@@ -233,7 +233,7 @@ def train_step(
     tokens = count_tokens(micro_batches)
     run.begin_step(step)  # from here to end_step: one optimizer step, nothing else
     optimizer.zero_grad(set_to_none=True)
-    loss = forward_backward(model, micro_batches, tokens, ctx, dp_size=ctx.world_size // args.tp_size)
+    loss = forward_backward(model, micro_batches, tokens, ctx, dp_size=ctx.world_size // args.tp_degree)
     run.watch_loss(loss, step + 1)  # DISTRIBUTED: every rank stops, or none (read on the steps that log)
     # Clipping also measures the logged global gradient norm (--grad-clip 0: measures only).
     # DISTRIBUTED: of DTensor slices on two meshes (what TP placed on both dimensions, the embeddings on
@@ -247,7 +247,7 @@ def train_step(
 def evaluate(model: torch.nn.Module, loader, run: Bookkeeping, step: int, args, ctx: DistContext, **fields) -> dict:
     """The held-out loss of the model after ``step`` steps, in metrics.jsonl and on the console."""
     with run.paused(), loss_parallel():  # not training time; DISTRIBUTED: the logits stay split, as in training
-        result = evaluate_language_model(model, loader, ctx, copies=args.tp_size)
+        result = evaluate_language_model(model, loader, ctx, copies=args.tp_degree)
     run.write("eval", step=step, **fields, **result)
     print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
     return result
@@ -267,13 +267,13 @@ def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Chec
     checkpoints.save_model(state)
 
 
-def train(args, ctx: DistContext, lock: RunDirLock) -> None:
+def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
     run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile, lock)  # metrics, stop requests, the record
     seed_everything(args.seed, args.deterministic)
     data = transformer_data(args)  # YOUR DATA: (input, target) pairs of --text-file, --token-file or a Markov source
-    dp_size, dp_rank = ctx.world_size // args.tp_size, ctx.rank // args.tp_size  # DISTRIBUTED: the mesh's rows
-    # DISTRIBUTED: each group draws its own slice of every epoch's shuffle (torch's DistributedSampler) and of the
-    # held-out set; the ranks of a group draw the same, since they split one model.
+    print0(f"data: {data.description}")
+    dp_size, dp_rank = ctx.world_size // args.tp_degree, ctx.rank // args.tp_degree  # DISTRIBUTED: the mesh's rows
+    # DISTRIBUTED: each group draws its own slice of every epoch's shuffle and of the held-out set (its ranks alike)
     sampler = CompactDistributedSampler(data.train, dp_size, dp_rank, seed=args.seed)  # DISTRIBUTED
     loader = train_loader(data.train, args.batch_size, sampler, ctx)
     heldout_loader = eval_loader(data.heldout, args.eval_batch_size, replace(ctx, rank=dp_rank, world_size=dp_size))
@@ -298,9 +298,9 @@ def train(args, ctx: DistContext, lock: RunDirLock) -> None:
         model=model,
         optimizer=optimizer,
         extra={"scheduler": scheduler},
-        identity={"model": config.shape(), "qkv": "3 parts" if args.tp_size > 1 else None},  # see tp.parts_apart
+        identity={"model": config.shape(), "qkv": "3 parts" if args.tp_degree > 1 else None},  # see tp.parts_apart
         strategy="fsdp2_tp",  # recorded; a resume names a switch
-        settings=args.training_settings,  # recorded; a resume names each change
+        settings=settings,  # the flags as given, recorded; a resume names each change
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",  # DISTRIBUTED: each rank writes its shards, or rank 0 all
         trust=args.trust_checkpoint,
@@ -312,7 +312,7 @@ def train(args, ctx: DistContext, lock: RunDirLock) -> None:
     )
     resumed = checkpoints.resume(args.resume, args.resume_from, args.init_from)  # YOUR WEIGHTS: --init-from
     run.start(resumed, total_steps, global_batch, tokens_per_example=args.block_size)
-    count_tokens = TokenCount(data.padded, global_batch * args.block_size, ctx, copies=args.tp_size)
+    count_tokens = TokenCount(data.padded, global_batch * args.block_size, ctx, copies=args.tp_degree)
     step, result = resumed.step, None
     while step < total_steps:
         epoch, done_in_epoch = step // steps_per_epoch + 1, step % steps_per_epoch
@@ -351,7 +351,7 @@ def train(args, ctx: DistContext, lock: RunDirLock) -> None:
 
 @record  # DISTRIBUTED: a crash's traceback reaches torchrun's error summary
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, settings = parse_args(argv)
     with errors_reported_once():  # a FatalError or a Ctrl-C: one line from rank 0, one exit code from all
         ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
         timeout = timedelta(seconds=args.dist_timeout)
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
             ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
             with RunDirLock(args.run_dir, ctx) as lock:
-                train(args, ctx, lock)
+                train(args, settings, ctx, lock)
         finally:
             with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)
                 dist.destroy_process_group()  # DISTRIBUTED: every rank leaves, however the run ended

@@ -449,7 +449,7 @@ def test_a_flag_added_later_is_a_recorded_setting(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", with_a_new_flag)
     for script in SCRIPTS:
         parse_args = runpy.run_path(str(REPO / script))["parse_args"]
-        settings = parse_args(["--run-dir", str(tmp_path / "run"), "--new-knob", "2"]).training_settings
+        _, settings = parse_args(["--run-dir", str(tmp_path / "run"), "--new-knob", "2"])
         assert settings["--new-knob"] == 2.0, script
         recorded = {flag: value for flag, value in settings.items() if flag != "--new-knob"}
         assert changed_settings(recorded, settings) == {"--new-knob": ["(not recorded)", 2.0]}, script

@@ -85,7 +85,7 @@ def from_folder(folder: Path) -> transformers.PreTrainedModel:
 
 def heldout_loss(model: torch.nn.Module) -> float:
     """The held-out loss of the data the runs evaluate on (the flags of DATA), as the scripts compute it."""
-    args = runpy.run_path(str(REPO / "ddp" / "train_transformer.py"))["parse_args"](DATA)
+    args, _ = runpy.run_path(str(REPO / "ddp" / "train_transformer.py"))["parse_args"](DATA)
     data = markov_data(args.block_size, args.train_sequences, args.heldout_sequences, args.variable_length)
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():

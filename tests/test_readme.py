@@ -29,7 +29,7 @@ def test_the_readme_progress_line_is_one_a_default_run_prints() -> None:
     )
     assert printed == lines[0]
 
-    defaults = runpy.run_path(str(REPO / "ddp/train_transformer.py"))["parse_args"]([])
+    defaults, _ = runpy.run_path(str(REPO / "ddp/train_transformer.py"))["parse_args"]([])
     assert int(total) == defaults.max_steps
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=defaults.lr)
     schedule = warmup_cosine(optimizer, defaults.warmup_steps, defaults.max_steps, defaults.min_lr_ratio)

@@ -287,7 +287,7 @@ def test_a_resumed_run_leaves_the_ids_to_the_windows_it_reads(
     assert "holds id 300 (token 1,000)" in capsys.readouterr().err
     (run_dir / CHECKPOINTS).mkdir(parents=True)
     (run_dir / CHECKPOINTS / "step-4.pt").touch()
-    assert parse_args(flags).token_file == tokens
+    assert parse_args(flags)[0].token_file == tokens
 
 
 def test_a_text_larger_than_memory_allows_is_refused_with_the_way_to_train_on_it(

@@ -110,7 +110,7 @@ def test_the_logged_lr_is_the_schedules_after_each_step(transformer_noise: Noise
     """A train record of step s logs the learning rate the run goes on with after s steps (the schedule at s),
     checked on the DDP transformer's one-process reference run, against the formula rather than another run."""
     parse_args = runpy.run_path(str(REPO / "ddp/train_transformer.py"))["parse_args"]
-    args = parse_args([*TRANSFORMER_ARGS, "--run-dir", str(tmp_path / "unused")])
+    args, _ = parse_args([*TRANSFORMER_ARGS, "--run-dir", str(tmp_path / "unused")])
     records = [json.loads(line) for line in (transformer_noise.reference / "metrics.jsonl").read_text().splitlines()]
     logged = {r["step"]: r["lr"] for r in records if r["event"] == "train"}
     assert sorted(logged) == list(range(1, args.max_steps + 1)), sorted(logged)
@@ -128,7 +128,7 @@ def test_the_logged_lr_of_the_cnn_decays_once_an_epoch(mnist_noise: NoiseRuns, t
     """The MNIST scripts' StepLR: every step of epoch e logs --lr times --gamma to the power e - 1, checked on
     the DDP CNN's one-process reference run (its steps are all in the first epoch, at the full --lr)."""
     parse_args = runpy.run_path(str(REPO / "ddp/train_mnist.py"))["parse_args"]
-    args = parse_args([*MNIST_ARGS, "--synthetic", "--run-dir", str(tmp_path / "unused")])
+    args, _ = parse_args([*MNIST_ARGS, "--synthetic", "--run-dir", str(tmp_path / "unused")])
     records = [json.loads(line) for line in (mnist_noise.reference / "metrics.jsonl").read_text().splitlines()]
     logged = [(r["step"], r["epoch"], r["lr"]) for r in records if r["event"] == "train"]
     assert [step for step, _, _ in logged] == list(range(1, args.max_steps + 1)), logged

@@ -76,7 +76,7 @@ def fake_world() -> Iterator[DistContext]:
 def wrapped(script: str, flags: list[str], ctx: DistContext) -> torch.nn.Module:
     """The model as ``script``'s wrap_model returns it for these flags."""
     namespace = runpy.run_path(str(REPO / script))
-    args = namespace["parse_args"](["--device", "cpu", *TINY, *flags])
+    args, _ = namespace["parse_args"](["--device", "cpu", *TINY, *flags])
     with torch.device("meta"):
         model = GPT(gpt_config(args, VOCAB), seed=None)
     return namespace["wrap_model"](model, args, ctx)

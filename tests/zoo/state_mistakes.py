@@ -171,10 +171,11 @@ LOCKS = [
         name="run-dir-lock-released-before-training",
         path="ddp/train_transformer.py",
         edits={
-            "            with RunDirLock(args.run_dir, ctx) as lock:\n                train(args, ctx, lock)\n": (
+            "            with RunDirLock(args.run_dir, ctx) as lock:\n"
+            "                train(args, settings, ctx, lock)\n": (
                 "            with RunDirLock(args.run_dir, ctx) as lock:\n"
                 "                pass\n"
-                "            train(args, ctx, lock)\n"
+                "            train(args, settings, ctx, lock)\n"
             )
         },
         test="tests/test_run_dir.py::test_one_run_at_a_time_and_a_killed_run_leaves_no_lock",

@@ -65,7 +65,7 @@ PRECISION = [
         name="fsdp1-accumulate-in-bf16-under-no-sync",
         path=FSDP1,
         edits={
-            "with nullcontext() if last_micro_step or args.compute_dtype is not None else model.no_sync():": (
+            'with nullcontext() if last_micro_step or args.mixed_precision != "fp32" else model.no_sync():': (
                 "with nullcontext() if last_micro_step else model.no_sync():"
             )
         },

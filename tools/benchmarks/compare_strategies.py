@@ -345,7 +345,8 @@ def script_flags(args: argparse.Namespace, passed_on: list[str]) -> list[str]:
 
 def check_script_flags(parser: argparse.ArgumentParser, scripts: list[str], flags: list[str]) -> dict[str, Any]:
     """Each script's own parser reads the flags now, in this process at one rank: a typo after ``--`` is one line
-    before any run, not a failed torchrun later. What each made of them (TP's after its row's flags, as launched)."""
+    before any run, not a failed torchrun later. What each made of them, as its parse_args returns it: the flags
+    resolved and as given (TP's after its row's flags, as launched)."""
     parsed = {}
     with tempfile.TemporaryDirectory() as scratch:
         for script in scripts:

@@ -31,7 +31,8 @@ def script_defaults(strategy: Strategy, model: str, run_dir: Path) -> Any:
     """The script's flags as its parser fills them for ``--model``: the training the bare loop repeats.
     ``run_dir``: a folder that does not exist, so that no earlier run in the default one refuses them."""
     parse_args = runpy.run_path(str(REPO / strategy.script))["parse_args"]
-    return parse_args([*strategy.flags, "--model", model, "--device", "cpu", "--run-dir", str(run_dir)])
+    args, _ = parse_args([*strategy.flags, "--model", model, "--device", "cpu", "--run-dir", str(run_dir)])
+    return args
 
 
 def bare_settings(strategy: Strategy, model: str, warmup: int, steps: int, scratch: Path) -> dict[str, Any]:

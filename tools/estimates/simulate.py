@@ -289,7 +289,7 @@ def simulate(args: argparse.Namespace, progress: Progress | None = None) -> dict
         LOCAL_WORLD_SIZE=str(args.world_size),
         MASTER_ADDR="fake",
     ):
-        script_args = script["parse_args"](script_argv(args))
+        script_args, _ = script["parse_args"](script_argv(args))
     config = gpt_config(script_args, args.vocab_size)
     with (
         mock.patch.dict(os.environ, RANK=str(args.rank)),  # the wrap prints on rank 0 only (print0)

@@ -38,6 +38,7 @@ import argparse
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -121,14 +122,18 @@ def check_degree(
         raise ValueError("--lora-rank with --tp-degree above 1: the script does not split the adapters' layers")
 
 
-def refused_world_sizes(world_sizes: Iterable[int], settings: argparse.Namespace | None) -> dict[int, str]:
-    """The world sizes at which the FSDP2 + TP script, given ``settings`` (its parsed flags; None: not run), would
-    refuse to start, each with check_degree's reason."""
+def refused_world_sizes(
+    world_sizes: Iterable[int], parsed: tuple[argparse.Namespace, dict[str, Any]] | None
+) -> dict[int, str]:
+    """The world sizes at which the FSDP2 + TP script, given ``parsed`` (what its parse_args returned: the flags
+    resolved and as given; None: not run), would refuse to start, each with check_degree's reason."""
     refused = {}
-    for world_size in world_sizes if settings is not None else []:
-        degree = group_degree(settings.tp_degree, world_size)
+    for world_size in world_sizes if parsed is not None else []:
+        args, given = parsed
+        # As given: parsed in this one process, the script resolved --tp-degree to a world of one's 1.
+        degree = group_degree(given["--tp-degree"], world_size)
         try:
-            check_degree(degree, world_size, settings.n_head, settings.d_model, settings.block_size, settings.lora_rank)
+            check_degree(degree, world_size, args.n_head, args.d_model, args.block_size, args.lora_rank)
         except ValueError as err:
             refused[world_size] = str(err)
     return refused
