@@ -316,14 +316,12 @@ class Bookkeeping:
         examples = f"{global_batch} sequences of {tokens_per_example} tokens" if tokens_per_example else global_batch
         print0(f"{ctx.world_size} process(es) on {ctx.device.type} | global batch {examples} | {total_steps} steps")
         log = MetricsLog(self.run_dir, ctx, resumed_at=resumed.step if resumed.path else None, lock=self.lock)
+        progress = ProgressReporter(log, ctx, total_steps, global_batch, tokens_per_example, resumed.step)
+        self.log, self.progress = log, progress
         if resumed.path:
             # A resume at another world size shows as a change; ``changed``: each setting that differs, [old, new].
             sizes = {"checkpoint_world_size": resumed.world_size, "world_size": ctx.world_size}
             log.write("resume", step=resumed.step, checkpoint=str(resumed.path), **sizes, changed=resumed.changed)
-        self.log, self.progress = (
-            log,
-            ProgressReporter(log, ctx, total_steps, global_batch, tokens_per_example, resumed.step),
-        )
         self.stop_request = StopRequest(self.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file
 
     def stop_requested(self) -> bool:  # the same answer on every rank
@@ -389,10 +387,11 @@ class Bookkeeping:
             print0(f"held-out loss {loss:.4f} vs. floor {floor:.4f}: {above}")
         ctx, log, progress = self.ctx, self.log, self.progress
         self.stop_request.settle()
-        fields = {**record.fields(), "wall_s": time.perf_counter() - self.started, **self.observer.record()}
-        state_bytes = max_state_bytes(model, optimizer, ctx)
+        fields = {**record.fields(), "wall_s": time.perf_counter() - self.started}
         trained_peak = progress.peak_memory  # None: the run trained no last step (it resumed at its end)
         local_peak = trained_peak if trained_peak is not None else peak_memory_bytes(ctx.device)
+        gpu_peak = peak_flops(ctx.device)  # MFU: for the transformer on a GPU whose peak is known
+        state_bytes = max_state_bytes(model, optimizer, ctx)  # then the largest over ranks of each
         (peak,) = max_over_ranks([float(local_peak)], ctx)
         fields |= {"global_batch_size": self.global_batch, "world_size": ctx.world_size}
         fields |= {
@@ -401,10 +400,10 @@ class Bookkeeping:
             "peak_memory_bytes": int(peak),
             **progress.throughput(),
         }
-        gpu_peak = peak_flops(ctx.device)  # MFU: for the transformer on a GPU whose peak is known
         flops_per_token = transformer_flops_per_token(model) if gpu_peak is not None else None
         if "tokens_per_s" in fields and flops_per_token is not None:
             fields["mfu"] = model_flops_utilization(flops_per_token, fields["tokens_per_s"], gpu_peak, ctx.world_size)
+        fields |= self.observer.record()  # what one step sent; --profile's trace, written now if the run ended in it
         log.write("final", **fields)
         print0(summary_line(fields))
         log.close()
