@@ -1,5 +1,5 @@
 """A run's bookkeeping behind one object, ``Bookkeeping``: metrics.jsonl, progress lines, the observed step
-(common.collectives), the final record (``FinalRecord``) and the stop requests of common.run_dir's StopRequest.
+(common.collectives), the final record (``FinalRecord``) and the stop requests of common.distributed's StopRequest.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from common.data import TokenData
 from common.distributed import (
     DistContext,
     FatalError,
+    StopRequest,
     all_ranks_agree,
     local_state_bytes,
     max_over_ranks,
@@ -34,7 +35,7 @@ from common.distributed import (
 )
 from common.models import transformer_flops_per_token
 from common.outputs import open_log, write_text
-from common.run_dir import METRICS_FILE, RunDirLock, StopRequest
+from common.run_dir import METRICS_FILE, PREEMPTED_FILE, STOP_FILE, RunDirLock
 from common.safe_io import then_resume, what_is_kept, write_failure
 
 
@@ -322,7 +323,7 @@ class Bookkeeping:
             # A resume at another world size shows as a change; ``changed``: each setting that differs, [old, new].
             sizes = {"checkpoint_world_size": resumed.world_size, "world_size": ctx.world_size}
             log.write("resume", step=resumed.step, checkpoint=str(resumed.path), **sizes, changed=resumed.changed)
-        self.stop_request = StopRequest(self.run_dir, ctx)  # SIGTERM, SIGUSR1 or a STOP file
+        self.stop_request = StopRequest(self.run_dir / STOP_FILE, self.run_dir / PREEMPTED_FILE, ctx)  # or a signal
 
     def stop_requested(self) -> bool:  # the same answer on every rank
         return self.stop_request.requested()
@@ -343,9 +344,8 @@ class Bookkeeping:
         return step % self.log_interval == 0 or step == self.total_steps
 
     def watch_loss(self, loss: torch.Tensor, step: int) -> None:
-        """Stop every rank when the training loss turns NaN or infinite, without a GPU ever waiting for it: note on the
-        device the first step whose loss was not finite; read it only where the host reads the device anyway, at the
-        steps that log (before their update) and before a checkpoint (check_loss). The last step logs: model.pt too."""
+        """Stop every rank at a NaN or infinite loss, a GPU never waiting: note the first such step on the device and
+        read it where the host reads anyway: the steps that log (the last one too) and a checkpoint's check_loss."""
         first_bad_here = ~torch.isfinite(loss) & (self.first_bad_step == self.NO_BAD_STEP)
         self.first_bad_step = torch.where(first_bad_here, step, self.first_bad_step)
         if self.logs(step):

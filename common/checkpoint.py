@@ -80,8 +80,7 @@ class Checkpointer:
     half-loaded. ``settings`` (``training_settings``): recorded in each checkpoint; a resume names each that differs.
     ``extra``: the objects with a ``state_dict`` beside model and optimizer (LR scheduler, gradient scaler).
     ``trust`` (--trust-checkpoint): load a sharded checkpoint whose metadata holds more than DCP's own records.
-    ``check_before_save(step)`` raises if the state must not be saved (Bookkeeping.check_loss: a non-finite loss);
-    ``while_saving()`` holds what a save must not count (Bookkeeping.paused: the clock of training time)."""
+    ``check_before_save(step)``, ``while_saving()``: Bookkeeping's check_loss (no NaN saved) and paused (no clock)."""
 
     ctx: DistContext
     run_dir: Path

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import math
 import os
 import re
@@ -21,11 +22,14 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from common.outputs import write_text
 
 
 class FatalError(Exception):
@@ -210,6 +214,75 @@ class AgreementInFlight:
     def all_agree(self) -> bool:
         self.work.wait()
         return bool(self.flag.item())
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Ctrl-C, and a terminal that closes: a stop request too, unless the run was started with them ignored
+# (nohup, a background job). A second one does what it would have done: it does not wait for the step.
+SECOND_TIME_STOPS_AT_ONCE = {signal.SIGINT: signal.default_int_handler, signal.SIGHUP: signal.SIG_DFL}
+
+
+class StopRequest:
+    """Notices a stop request and makes every rank act on it at the same step."""
+
+    def __init__(self, stop_file: Path, marker: Path, ctx: DistContext) -> None:
+        self.ctx, self.stop_file, self.marker = ctx, stop_file, marker
+        self.received: str | None = None
+        self.answers: AgreementInFlight | None = None  # the ranks' answers of the last call, on their way
+        for number in STOP_SIGNALS:
+            signal.signal(number, self._on_signal)
+        for number in SECOND_TIME_STOPS_AT_ONCE:
+            if signal.getsignal(number) is not signal.SIG_IGN:
+                signal.signal(number, self._on_signal)
+        if ctx.is_main:
+            # The marker describes the run this one continues. A STOP file stays: it may have come while this run
+            # was starting, and then it is meant for it. slurm/'s launchers clear a stale one before a job starts.
+            self.marker.unlink(missing_ok=True)
+
+    def _on_signal(self, number: int, frame: object) -> None:
+        # Only a flag: checkpointing inside the handler would run in the middle of whatever was interrupted (a
+        # collective, a half-done step) and can hang.
+        self.received = signal.Signals(number).name
+        if number in SECOND_TIME_STOPS_AT_ONCE:
+            signal.signal(number, SECOND_TIME_STOPS_AT_ONCE[number])
+
+    def requested(self) -> bool:
+        """True on every rank at the same step, once any rank got a signal or rank 0 saw the STOP file. A collective
+        once a step, on no GPU value: each call sends this step's answer and reads the one sent a step before, so the
+        exchange runs beside the step and a stop comes a step later, on every rank alike."""
+        # Only rank 0 looks at the file: one stat per step instead of one per rank.
+        asked = self.received is not None or (self.ctx.is_main and self.stop_file.exists())
+        if self.ctx.world_size == 1:
+            return asked
+        answers, self.answers = self.answers, AgreementInFlight(not asked, self.ctx)
+        return answers is not None and not answers.all_agree()
+
+    def settle(self) -> None:
+        """Read the last answers sent, so that no exchange is left in flight when the ranks part."""
+        if self.answers is not None:
+            self.answers.all_agree()
+            self.answers = None
+
+    def exit(self, step: int, checkpoint: Path | None) -> NoReturn:
+        """Leave the PREEMPTED marker and end this process (exit code 0: nothing failed)."""
+        self.settle()
+        reason = self.received or ("a STOP file" if self.stop_file.exists() else "a signal to another rank")
+        if self.ctx.is_main:
+            marker = {"step": step, "checkpoint": str(checkpoint), "reason": reason}
+            write_text(self.marker, json.dumps(marker) + "\n", overwrite=True)  # this run's own
+            self._remove_stop_file()
+        print0(f"stopped at step {step} on request ({reason}); checkpoint {checkpoint}. Continue with --resume.")
+        sys.exit(0)
+
+    def _remove_stop_file(self) -> None:
+        """Remove the STOP that was obeyed, so the next run does not stop too; a `mkdir STOP` asks as `touch` does."""
+        try:
+            if self.stop_file.is_dir():
+                self.stop_file.rmdir()
+            else:
+                self.stop_file.unlink(missing_ok=True)
+        except OSError as err:  # a folder with something in it: its contents are not this run's to delete
+            print0(f"warning: could not remove {self.stop_file} ({err.strerror}); remove it, or the next run stops")
 
 
 def broadcast_object(obj: Any) -> Any:

@@ -6,7 +6,7 @@ RUN_DIR/
     hf/                 PRETRAINED_DIR: a Hugging Face model's final model as a save_pretrained folder too
     checkpoints/        CHECKPOINTS: step-N.pt (one file) or step-N/ (a sharded DCP folder)
     profile/            PROFILE_DIR: --profile's traces, one file a rank
-    STOP                STOP_FILE: made by a user, asks the run to checkpoint and exit (StopRequest, below)
+    STOP                STOP_FILE: made by a user, asks the run to checkpoint and exit (distributed.StopRequest)
     PREEMPTED           PREEMPTED_FILE: left by a run that stopped on request: its step and checkpoint
     .lock               LOCK_FILE: held by the run that writes this folder (RunDirLock)
 """
@@ -16,19 +16,17 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
-import json
 import os
 import re
-import signal
 import socket
-import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING
 
-from common.distributed import AgreementInFlight, DistContext, print0
 from common.flags import output_dir
-from common.outputs import write_text
+
+if TYPE_CHECKING:
+    from common.distributed import DistContext
 
 METRICS_FILE = "metrics.jsonl"
 MODEL_FILE = "model.pt"
@@ -41,10 +39,6 @@ PRETRAINED_DIR = "hf"
 RUN_RESULTS = (METRICS_FILE, MODEL_FILE, PRETRAINED_DIR)  # what a run leaves in its run dir besides checkpoints
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
 NO_LOCKS_HERE = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}  # Lustre without -o flock, some FUSE mounts
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# Ctrl-C, and a terminal that closes: a stop request too, unless the run was started with them ignored
-# (nohup, a background job). A second one does what it would have done: it does not wait for the step.
-SECOND_TIME_STOPS_AT_ONCE = {signal.SIGINT: signal.default_int_handler, signal.SIGHUP: signal.SIG_DFL}
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -219,68 +213,3 @@ class RunDirLock:
             return os.stat(self.path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             return False
-
-
-class StopRequest:
-    """Notices a stop request and makes every rank act on it at the same step."""
-
-    def __init__(self, run_dir: Path, ctx: DistContext) -> None:
-        self.ctx = ctx
-        self.stop_file = run_dir / STOP_FILE
-        self.marker = run_dir / PREEMPTED_FILE
-        self.received: str | None = None
-        self.answers: AgreementInFlight | None = None  # the ranks' answers of the last call, on their way
-        for number in STOP_SIGNALS:
-            signal.signal(number, self._on_signal)
-        for number in SECOND_TIME_STOPS_AT_ONCE:
-            if signal.getsignal(number) is not signal.SIG_IGN:
-                signal.signal(number, self._on_signal)
-        if ctx.is_main:
-            # The marker describes the run this one continues. A STOP file stays: it may have come while this run
-            # was starting, and then it is meant for it. slurm/'s launchers clear a stale one before a job starts.
-            self.marker.unlink(missing_ok=True)
-
-    def _on_signal(self, number: int, frame: object) -> None:
-        # Only a flag: checkpointing inside the handler would run in the middle of whatever was interrupted (a
-        # collective, a half-done step) and can hang.
-        self.received = signal.Signals(number).name
-        if number in SECOND_TIME_STOPS_AT_ONCE:
-            signal.signal(number, SECOND_TIME_STOPS_AT_ONCE[number])
-
-    def requested(self) -> bool:
-        """True on every rank at the same step, once any rank got a signal or rank 0 saw the STOP file. A collective
-        once a step, on no GPU value: each call sends this step's answer and reads the one sent a step before, so the
-        exchange runs beside the step and a stop comes a step later, on every rank alike."""
-        # Only rank 0 looks at the file: one stat per step instead of one per rank.
-        asked = self.received is not None or (self.ctx.is_main and self.stop_file.exists())
-        if self.ctx.world_size == 1:
-            return asked
-        answers, self.answers = self.answers, AgreementInFlight(not asked, self.ctx)
-        return answers is not None and not answers.all_agree()
-
-    def settle(self) -> None:
-        """Read the last answers sent, so that no exchange is left in flight when the ranks part."""
-        if self.answers is not None:
-            self.answers.all_agree()
-            self.answers = None
-
-    def exit(self, step: int, checkpoint: Path | None) -> NoReturn:
-        """Leave the PREEMPTED marker and end this process (exit code 0: nothing failed)."""
-        self.settle()
-        reason = self.received or ("a STOP file" if self.stop_file.exists() else "a signal to another rank")
-        if self.ctx.is_main:
-            marker = {"step": step, "checkpoint": str(checkpoint), "reason": reason}
-            write_text(self.marker, json.dumps(marker) + "\n", overwrite=True)  # this run's own
-            self._remove_stop_file()
-        print0(f"stopped at step {step} on request ({reason}); checkpoint {checkpoint}. Continue with --resume.")
-        sys.exit(0)
-
-    def _remove_stop_file(self) -> None:
-        """Remove the STOP that was obeyed, so the next run does not stop too; a `mkdir STOP` asks as `touch` does."""
-        try:
-            if self.stop_file.is_dir():
-                self.stop_file.rmdir()
-            else:
-                self.stop_file.unlink(missing_ok=True)
-        except OSError as err:  # a folder with something in it: its contents are not this run's to delete
-            print0(f"warning: could not remove {self.stop_file} ({err.strerror}); remove it, or the next run stops")

@@ -242,7 +242,7 @@ def test_the_clock_of_an_interval_stops_once_the_device_has_done_its_work(
 
     monkeypatch.setattr(bookkeeping, "synchronize", queued_work_done)
     with distributed("cpu", 60) as ctx:
-        reporter = bookkeeping.ProgressReporter(bookkeeping.MetricsLog(tmp_path, ctx), ctx, 2, 10, "tokens")
+        reporter = bookkeeping.ProgressReporter(bookkeeping.MetricsLog(tmp_path, ctx), ctx, 2, 10, 1, 0)
         now[0] += 1.0
         reporter.report(2, 1, torch.tensor(1.0), torch.tensor(1.0), 0.1)
     (record,) = Run([], 0, "", tmp_path).events("train")

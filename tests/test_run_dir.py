@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from common.bookkeeping import MetricsLog
-from common.distributed import distributed
-from common.run_dir import LOCK_FILE, RunDirLock, StopRequest, checkpoint_step, complete_checkpoints
+from common.distributed import StopRequest, distributed
+from common.run_dir import LOCK_FILE, PREEMPTED_FILE, STOP_FILE, RunDirLock, checkpoint_step, complete_checkpoints
 from common.safe_io import then_resume
 from tests.harness.runs import (
     REPO,
@@ -341,7 +341,7 @@ def test_ctrl_c_asks_for_a_stop_and_a_second_one_ends_the_run_with_one_line(
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever started pytest
     try:
         with pytest.raises(SystemExit) as exit_info, distributed("cpu", 60) as ctx:
-            stop = StopRequest(tmp_path, ctx)
+            stop = StopRequest(tmp_path / STOP_FILE, tmp_path / PREEMPTED_FILE, ctx)
             os.kill(os.getpid(), signal.SIGINT)  # os.kill runs the handler before it returns
             assert stop.requested() and stop.received == "SIGINT"
             os.kill(os.getpid(), signal.SIGINT)

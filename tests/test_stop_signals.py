@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from common.checkpoint import Checkpointer
-from common.distributed import DistContext, distributed
-from common.run_dir import StopRequest, complete_checkpoints
+from common.distributed import DistContext, StopRequest, distributed
+from common.run_dir import PREEMPTED_FILE, STOP_FILE, complete_checkpoints
 
 # Listed here, not read from common.bookkeeping: a signal dropped from there must still be tried.
 STOP_SIGNALS = [signal.SIGTERM, signal.SIGUSR1]
@@ -70,7 +70,7 @@ def test_a_stop_signal_ends_the_run_with_a_checkpoint(
 ) -> None:
     with pytest.raises(SystemExit) as exit_info, distributed("cpu", 60) as ctx:
         checkpoints = tiny_checkpointer(ctx, tmp_path)
-        stop = StopRequest(tmp_path, ctx)
+        stop = StopRequest(tmp_path / STOP_FILE, tmp_path / PREEMPTED_FILE, ctx)
         assert not stop.requested()
         os.kill(os.getpid(), number)  # os.kill runs the handler before it returns
         assert not default_action_caught, f"{number.name} would have killed the run, with no checkpoint"
@@ -92,7 +92,7 @@ def test_the_ranks_answers_travel_during_a_step_and_every_rank_stops_one_step_af
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), "fake")
-        stop = StopRequest(tmp_path, ctx)
+        stop = StopRequest(tmp_path / STOP_FILE, tmp_path / PREEMPTED_FILE, ctx)
         assert not stop.requested()
         (tmp_path / "STOP").touch()
         assert not stop.requested(), "the answers of the step just begun cannot be known yet"

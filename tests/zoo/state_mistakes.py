@@ -116,7 +116,7 @@ STOP_SIGNALS = "tests/test_stop_signals.py::test_a_stop_signal_ends_the_run_with
 SIGNALS = [
     Mistake(
         name="sigusr1-not-a-stop-signal",
-        path="common/run_dir.py",
+        path="common/distributed.py",
         edits={"STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)": "STOP_SIGNALS = (signal.SIGTERM,)"},
         test=f"{STOP_SIGNALS}[SIGUSR1]",
         reason=r"SIGUSR1 would have killed the run, with no checkpoint",
@@ -127,7 +127,7 @@ SIGNALS = [
     ),
     Mistake(
         name="sigterm-not-a-stop-signal",
-        path="common/run_dir.py",
+        path="common/distributed.py",
         edits={"STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)": "STOP_SIGNALS = (signal.SIGUSR1,)"},
         test=f"{STOP_SIGNALS}[SIGTERM]",
         reason=r"SIGTERM would have killed the run, with no checkpoint",
@@ -137,7 +137,7 @@ SIGNALS = [
     ),
     Mistake(
         name="stop-file-left-behind",
-        path="common/run_dir.py",
+        path="common/distributed.py",
         edits={
             '(marker) + "\\n", overwrite=True)  # this run\'s own\n            self._remove_stop_file()\n': (
                 '(marker) + "\\n", overwrite=True)  # this run\'s own\n'
@@ -150,7 +150,7 @@ SIGNALS = [
     ),
     Mistake(
         name="each-rank-decides-to-stop-alone",
-        path="common/run_dir.py",
+        path="common/distributed.py",
         edits={
             "        answers, self.answers = self.answers, AgreementInFlight(not asked, self.ctx)\n"
             "        return answers is not None and not answers.all_agree()\n": "        return asked\n"
