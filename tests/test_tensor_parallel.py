@@ -45,7 +45,10 @@ TP_SCRIPT = "fsdp/train_transformer_fsdp2_tp.py"
 TP_2 = ["--tp-degree", "2"]
 # What a first step unlike one process's points at: the split is the only thing a TP run adds to it. A batch split
 # where the sequence is meant trained 20 steps silently; an even held-out count would have let it reach the end.
-PLACEMENT = "the tensor-parallel placement does not compute what one process computes"
+PLACEMENT = (
+    "the tensor-parallel split (each tensor's placement, each rank's share of the batch) does not compute what one "
+    "process computes"
+)
 
 pytestmark = NEEDS_FSDP2_ON_CPU
 
