@@ -59,6 +59,8 @@ BROKEN_MARGIN = 100
 # reference's training (a clip of each micro-step's partial gradient put them 0.33 to 0.73 apart), and its
 # drift would widen the band until any candidate passed.
 STEP_1_RTOL = 1e-5
+# The test that holds the reference script against a loop not built from its file, and says which one is wrong.
+REFERENCE_AGAINST_A_LOOP = "test_the_reference_script_trains_what_a_loop_of_its_own_trains"
 
 
 @dataclass
@@ -112,7 +114,8 @@ def assert_same_training(noise: NoiseRuns, candidate: Path, description: str, st
     unlike = noise.unlike_the_reference_at_step_1()
     assert not unlike, (
         "the twins are not the reference's training: at step 1, one process in K micro-steps computed "
-        f"{'; '.join(unlike)} (rounding alone: within {STEP_1_RTOL:g} relative)\n{description}"
+        f"{'; '.join(unlike)} (rounding alone: within {STEP_1_RTOL:g} relative). The reference script itself may be "
+        f"wrong: tests/test_equivalence.py::{REFERENCE_AGAINST_A_LOOP} says\n{description}"
     )
     verdict = noise.verdict(candidate)
     report = noise_report(verdict)
