@@ -32,7 +32,7 @@ from tests.harness.noise_floor import TRANSFORMER_ARGS as EQUIVALENCE_ARGS
 from tests.harness.noise_floor import TRANSFORMER_STEPS as EQUIVALENCE_STEPS
 from tests.harness.record_reads import assert_trained_once, trained_steps
 from tests.harness.runs import REPO, Run, run_script, run_until_stopped
-from tests.harness.wrappers import INJECT_FAULT, RECORD_READS
+from tests.harness.wrappers import INJECT_FAULT, OBSERVE, RECORD_READS
 from tools.runs import export_checkpoint
 
 FSDP2 = "fsdp/train_transformer_fsdp2.py"
@@ -75,6 +75,34 @@ FLOOR_CASES = {"ddp-mnist", "fsdp1-transformer-full", "fsdp2-transformer"}
 STOP_AFTER_EPOCH_STEPS = 3
 
 
+# Right after each resume, the optimizer's state as the run holds it and as its checkpoint holds it.
+RESUMED_OPTIMIZER = [OBSERVE, "resumed-optimizer"]
+
+
+def assert_optimizer_state_resumed(run_dir: Path, step: int, description: str) -> None:
+    """Right after the resume at ``step``, each parameter's optimizer state (AdamW's step count and both moments,
+    Adadelta's for MNIST) is the uninterrupted run's: every step count is ``step``, the steps it had taken, and the
+    rest is the checkpoint's, bit for bit, at any world size and under any strategy (resharding moves values, it
+    computes none).
+
+    A loss that differs after the resume says that something differs; this says that it is the optimizer state."""
+    observed = torch.load(run_dir / f"observed-resumed-optimizer-step{step}.pt", weights_only=True)
+    loaded, saved = observed["loaded"], observed["saved"]
+    counts = sorted({float(state["step"]) for state in loaded.values()})
+    unlike = [
+        f"{name}'s {key}"
+        for name, state in saved.items()
+        for key, value in state.items()
+        if key not in loaded.get(name, {}) or not torch.equal(loaded[name][key], value)
+    ]
+    assert counts == [float(step)] and not unlike and loaded.keys() == saved.keys(), (
+        f"the optimizer state after the resume at step {step} is not the uninterrupted run's: its step count "
+        f"{counts} where the run had taken {step} steps; unlike the checkpoint's: {', '.join(unlike[:6]) or 'none'}"
+        f"{' ...' if len(unlike) > 6 else ''}; parameters without state: {sorted(saved.keys() - loaded.keys())}"
+        f"\n{description}"
+    )
+
+
 def train_history(run: Run) -> list[tuple]:
     return [(r["step"], r["epoch"], r["loss"], r["grad_norm"], r["lr"]) for r in run.events("train")]
 
@@ -114,10 +142,12 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(
     assert complete_checkpoints(run_dir)[-expected:] == complete_checkpoints(run_dir)
     assert complete_checkpoints(run_dir)[-1] == checkpoint
 
-    resumed = run_script(script, [*args, "--resume"], run_dir, nproc=2, wrapper=recorded).check()
+    resumed = run_script(script, [*args, "--resume"], run_dir, nproc=2, wrapper=[*recorded, *RESUMED_OPTIMIZER])
+    resumed.check()
     assert resumed.output.count(f"resumed from {checkpoint} at step {stopped_at}") == 1, resumed.describe()
     (resume_record,) = resumed.events("resume")
     assert resume_record["step"] == stopped_at
+    assert_optimizer_state_resumed(run_dir, stopped_at, resumed.describe())
     steps_after_resume = [r["step"] for r in resumed.metrics() if r["event"] == "train" and r["step"] > stopped_at]
     assert steps_after_resume[0] == stopped_at + 1
     assert not (run_dir / "PREEMPTED").exists()
@@ -217,7 +247,8 @@ def test_a_run_switched_between_strategies_and_world_sizes_trains_each_example_o
 ) -> None:
     """Stopped every 4 steps and resumed under another strategy at another world size: a checkpoint belongs
     to the model, not to the script. Each step trains the examples the one-process reference's did, and the
-    run is the same training, its optimizer state, schedule and random state carried across each switch.
+    run is the same training, its optimizer state, schedule and random state carried across each switch: the
+    optimizer state, checked right after each switch, is the one the previous strategy saved.
 
     The equivalence tests' settings: a global batch of 24, the same examples in every step at any world size.
     """
@@ -225,11 +256,14 @@ def test_a_run_switched_between_strategies_and_world_sizes_trains_each_example_o
     recorded = [RECORD_READS, str(reads)]
     for segment, (script, nproc, flags) in enumerate(chain):
         args = [*EQUIVALENCE_ARGS, *flags, *(["--resume"] if segment else [])]
+        wrapper = [*recorded, *RESUMED_OPTIMIZER] if segment else recorded
         if segment < len(chain) - 1:
-            run_until_stopped(script, args, run_dir, nproc, stop_after=4 * (segment + 1), wrapper=recorded).check()
+            run_until_stopped(script, args, run_dir, nproc, stop_after=4 * (segment + 1), wrapper=wrapper).check()
         else:
-            run = run_script(script, args, run_dir, nproc=nproc, wrapper=recorded).check()
+            run = run_script(script, args, run_dir, nproc=nproc, wrapper=wrapper).check()
     resumes = run.events("resume")
+    for record in resumes:
+        assert_optimizer_state_resumed(run_dir, record["step"], run.describe())
     assert [record["world_size"] for record in resumes] == [nproc for _, nproc, _ in chain[1:]], resumes
     assert all(a["step"] < b["step"] for a, b in zip(resumes, resumes[1:], strict=False)), resumes
     strategies = [strategy_of(script, flags) for script, _, flags in chain]

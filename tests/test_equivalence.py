@@ -17,6 +17,7 @@ CPU kernel and torch release; a broken copy leaves that band a hundredfold.
 from __future__ import annotations
 
 import json
+import runpy
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from tests.harness.noise_floor import (
     BROKEN_MARGIN,
     MNIST_ARGS,
     MNIST_STEPS,
+    STEP_1_RTOL,
     TRANSFORMER_ARGS,
     TRANSFORMER_STEPS,
     VARIABLE_LENGTH_ARGS,
@@ -35,7 +37,8 @@ from tests.harness.noise_floor import (
     NoiseRuns,
     assert_same_training,
 )
-from tests.harness.runs import run_script
+from tests.harness.runs import REPO, run_script, run_warm
+from tools.benchmarks.overhead import BARE_LOOP, bare_settings_of
 from tools.checks import check_equivalence
 from tools.estimates.estimate_memory import LAYOUTS
 from tools.estimates.modelled_collectives import run_estimate
@@ -310,6 +313,64 @@ def test_variable_lengths_match_one_process(
     run = run_script(script, flags, tmp_path, nproc=nproc).check()
     assert_same_training(variable_length_noise, tmp_path, run.describe(), TRANSFORMER_STEPS)
     assert_evaluated_alike(variable_length_noise.reference, tmp_path, run.describe())
+
+
+# The one-process reference of every comparison is the DDP script itself, in one step (the reference) and in K
+# micro-steps (its twins): a mistake of its own moves the yardstick, and the candidates of other scripts are the ones
+# that fail. So it is held against tools/benchmarks/bare_loop.py, a loop not built from its file that trains its
+# numbers to the bit. Fixed-length sequences (the loop has no padding) and the variable-length family's clip, which
+# acts at every step and on a micro-step's part of the gradient too. Three steps: a mistake of the accumulation or
+# the clip shows at the first.
+REFERENCE_SCRIPT = "ddp/train_transformer.py"
+AGAINST_THE_BARE_LOOP = [
+    *("--deterministic", "--global-batch-size", "24", "--log-interval", "1", "--grad-clip", str(VARIABLE_LENGTH_CLIP)),
+    *("--max-steps", "3", "--eval-interval", "3", "--warmup-steps", "3"),
+    *("--block-size", "32", "--train-sequences", "600", "--heldout-sequences", "8"),
+]
+BARE_LOOP_MICRO_STEPS = 3
+
+
+def bare_loop_history(flags: list[str], run_dir: Path) -> list[tuple[float, float]]:
+    """Each step's loss and gradient norm of the bare loop, in one process, with what the reference script's
+    parser makes of ``flags``."""
+    parse_args = runpy.run_path(str(REPO / REFERENCE_SCRIPT))["parse_args"]
+    args = parse_args([*flags, "--device", "cpu", "--run-dir", str(run_dir / "never-written")])
+    run_dir.mkdir(parents=True)
+    settings = run_dir / "settings.json"
+    settings.write_text(json.dumps(bare_settings_of(args, "ddp", warmup=0, steps=args.max_steps)))
+    run = run_warm([BARE_LOOP, str(settings)], run_dir, nproc=1, timeout=120).check()
+    (line,) = [line for line in run.output.splitlines() if line.startswith("{")]
+    return [(step["loss"], step["grad_norm"]) for step in json.loads(line)["history"]]
+
+
+def unlike_at_step_1(first: tuple[float, float], reference: tuple[float, float]) -> bool:
+    return any(abs(a - b) > STEP_1_RTOL * abs(b) for a, b in zip(first, reference, strict=True))
+
+
+def test_the_reference_script_trains_what_a_loop_of_its_own_trains(tmp_path: Path) -> None:
+    """The DDP script in one process and K micro-steps, as the twins run it, against the bare loop in K, step by
+    step and bit for bit. Where they part, step 1 says which side is wrong: split into K micro-steps, a loop must
+    compute its own one-step training's step 1 to rounding (STEP_1_RTOL), and the bare loop in one step is that."""
+    accumulated = [*AGAINST_THE_BARE_LOOP, "--grad-accum-steps", str(BARE_LOOP_MICRO_STEPS)]
+    script = run_script(REFERENCE_SCRIPT, accumulated, tmp_path / "script").check()
+    ours = [(record["loss"], record["grad_norm"]) for record in script.events("train")]
+    in_one = bare_loop_history(AGAINST_THE_BARE_LOOP, tmp_path / "bare-loop-1")
+    in_k = bare_loop_history(accumulated, tmp_path / "bare-loop-k")
+    k = BARE_LOOP_MICRO_STEPS
+    assert not unlike_at_step_1(in_k[0], in_one[0]), (
+        f"{BARE_LOOP} is wrong: its step 1 in {k} micro-steps (loss, grad norm) {in_k[0]} is not its step 1 in one, "
+        f"{in_one[0]}; the reference script cannot be judged against it"
+    )
+    assert not unlike_at_step_1(ours[0], in_one[0]), (
+        f"{REFERENCE_SCRIPT} is wrong, the one-process reference and twins of every equivalence test: in {k} "
+        f"micro-steps its step 1 (loss, grad norm) is {ours[0]}, where {BARE_LOOP} computes {in_one[0]} in one step "
+        f"and {in_k[0]} in {k}. Candidates judged against it (FSDP's too) fail for its mistake\n{script.describe()}"
+    )
+    parted = next((step for step, (a, b) in enumerate(zip(ours, in_k, strict=True), 1) if a != b), None)
+    assert parted is None and len(ours) == len(in_k), (
+        f"{REFERENCE_SCRIPT} and {BARE_LOOP} part at step {parted} in {k} micro-steps (loss, grad norm): the script "
+        f"{ours}, the loop {in_k}; both compute their step 1, so either may be wrong\n{script.describe()}"
+    )
 
 
 # The logged training loss of step 1 against the held-out loss of the model as it starts (--max-steps 0): measured

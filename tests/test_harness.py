@@ -90,7 +90,7 @@ def test_conftest_holds_only_hooks_and_fixtures() -> None:
 
 def test_every_wrapper_path_is_a_file() -> None:
     paths = {name: value for name, value in vars(wrappers).items() if name.isupper() and value.endswith(".py")}
-    assert len(paths) == 6
+    assert len(paths) == 7
     assert not [path for path in paths.values() if not (REPO / path).is_file()]
 
 

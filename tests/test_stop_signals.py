@@ -88,7 +88,8 @@ def test_the_ranks_answers_travel_during_a_step_and_every_rank_stops_one_step_af
     """Rank 0 of a world of 2 (torch's fake backend: a collective returns at once and leaves this rank's
     tensor as it was, so each answer read is the one this rank sent). The step after the STOP file
     appears only sends the request; the step after that reads it back and stops. No step waits for the
-    exchange it started, and before the run leaves, the last exchange is read (``settle``)."""
+    exchange it started, and before the run leaves, the last exchange is read (``settle``). Whether every rank
+    reads the same answer needs a real backend: tests/test_agreements.py."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), "fake")

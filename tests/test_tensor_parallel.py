@@ -27,7 +27,13 @@ import torch
 from common.collectives import Traffic
 from common.models import GPT, GPTConfig
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU
-from tests.harness.noise_floor import TRANSFORMER_ARGS, TRANSFORMER_STEPS, NoiseRuns, assert_same_training
+from tests.harness.noise_floor import (
+    TRANSFORMER_ARGS,
+    TRANSFORMER_STEPS,
+    NoiseRuns,
+    assert_same_training,
+    assert_step_1_as_one_process,
+)
 from tests.harness.runs import Run, run_script, run_until_stopped
 from tools.benchmarks.compare_strategies import estimated_state, markdown_table, tensor_parallel_of
 from tools.estimates import estimate_communication, estimate_memory, simulate
@@ -37,6 +43,12 @@ from tools.runs import export_checkpoint
 
 TP_SCRIPT = "fsdp/train_transformer_fsdp2_tp.py"
 TP_2 = ["--tp-degree", "2"]
+# What a first step unlike one process's points at: the split is the only thing a TP run adds to it. A batch split
+# where the sequence is meant trained 20 steps silently; an even held-out count would have let it reach the end.
+PLACEMENT = (
+    "the tensor-parallel split (each tensor's placement, each rank's share of the batch) does not compute what one "
+    "process computes"
+)
 
 pytestmark = NEEDS_FSDP2_ON_CPU
 
@@ -98,7 +110,9 @@ def assert_sent_as_the_formula_says(final: dict) -> None:
 
 
 def test_tensor_parallel_alone_1x2_matches_one_process(transformer_noise: NoiseRuns, tmp_path: Path) -> None:
-    run = run_script(TP_SCRIPT, [*TRANSFORMER_ARGS, *TP_2], tmp_path, nproc=2).check()
+    run = run_script(TP_SCRIPT, [*TRANSFORMER_ARGS, *TP_2], tmp_path, nproc=2)
+    assert_step_1_as_one_process(transformer_noise, run, PLACEMENT)
+    run.check()
     assert_mesh(run, groups=1)
     assert_same_training(transformer_noise, tmp_path, run.describe(), TRANSFORMER_STEPS)
     assert_scored_once(run, transformer_noise.reference)
@@ -108,7 +122,9 @@ def test_tensor_parallel_alone_1x2_matches_one_process(transformer_noise: NoiseR
 
 def test_2x2_stopped_and_resumed_at_1x2_matches_one_process(transformer_noise: NoiseRuns, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    stopped = run_until_stopped(TP_SCRIPT, [*TRANSFORMER_ARGS, *TP_2], run_dir, nproc=4, stop_after=4).check()
+    stopped = run_until_stopped(TP_SCRIPT, [*TRANSFORMER_ARGS, *TP_2], run_dir, nproc=4, stop_after=4)
+    assert_step_1_as_one_process(transformer_noise, stopped, PLACEMENT)
+    stopped.check()
     assert_mesh(stopped, groups=2)
     run = run_script(TP_SCRIPT, [*TRANSFORMER_ARGS, *TP_2, "--resume"], run_dir, nproc=2).check()
     assert_mesh(run, groups=1)

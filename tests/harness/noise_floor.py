@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from tests.harness.runs import run_script
+from tests.harness.runs import Run, run_script
 from tests.harness.wrappers import RECORD_READS
 from tools.checks.check_equivalence import plan
 from tools.runs.compare_runs import NoiseVerdict, compare_with_noise, noise_report, train_records
@@ -59,6 +59,8 @@ BROKEN_MARGIN = 100
 # reference's training (a clip of each micro-step's partial gradient put them 0.33 to 0.73 apart), and its
 # drift would widen the band until any candidate passed.
 STEP_1_RTOL = 1e-5
+# The test that holds the reference script against a loop not built from its file, and says which one is wrong.
+REFERENCE_AGAINST_A_LOOP = "test_the_reference_script_trains_what_a_loop_of_its_own_trains"
 
 
 @dataclass
@@ -75,14 +77,20 @@ class NoiseRuns:
 
     def unlike_the_reference_at_step_1(self) -> list[str]:
         """Each twin whose step-1 loss or gradient norm is further from the reference's than rounding goes."""
+        return [f"{twin.name}'s {unlike}" for twin in self.twins for unlike in self.step_1_unlike(twin)]
+
+    def step_1_unlike(self, run_dir: Path) -> list[str]:
+        """The step-1 loss and gradient norm of ``run_dir`` that are further from the reference's than rounding goes
+        (all of them where it logged no step 1)."""
         reference = train_records(self.reference)[1]
-        unlike = []
-        for twin in self.twins:
-            first = train_records(twin)[1]
-            for key in ("loss", "grad_norm"):
-                if abs(first[key] - reference[key]) > STEP_1_RTOL * abs(reference[key]):
-                    unlike.append(f"{twin.name}'s {key} {first[key]:.6g} against {reference[key]:.6g}")
-        return unlike
+        first = train_records(run_dir).get(1) if (run_dir / "metrics.jsonl").exists() else None
+        if first is None:
+            return ["no step 1"]
+        return [
+            f"{key} {first[key]:.6g} against {reference[key]:.6g}"
+            for key in ("loss", "grad_norm")
+            if abs(first[key] - reference[key]) > STEP_1_RTOL * abs(reference[key])
+        ]
 
     def verdict(self, candidate: Path) -> NoiseVerdict:
         """How far ``candidate`` drifts from the reference, against how far the twins do."""
@@ -106,13 +114,30 @@ def assert_same_training(noise: NoiseRuns, candidate: Path, description: str, st
     unlike = noise.unlike_the_reference_at_step_1()
     assert not unlike, (
         "the twins are not the reference's training: at step 1, one process in K micro-steps computed "
-        f"{'; '.join(unlike)} (rounding alone: within {STEP_1_RTOL:g} relative)\n{description}"
+        f"{'; '.join(unlike)} (rounding alone: within {STEP_1_RTOL:g} relative). The reference script itself may be "
+        f"wrong: tests/test_equivalence.py::{REFERENCE_AGAINST_A_LOOP} says\n{description}"
     )
     verdict = noise.verdict(candidate)
     report = noise_report(verdict)
     assert verdict.steps == steps, f"{report}\n{description}"
-    assert verdict.same, f"{report}\n{description}"
+    # The reference is the DDP script: when the cases of several scripts fail together, it may be the one wrong.
+    assert verdict.same, (
+        f"{report}\n(the reference script against a loop of its own: {REFERENCE_AGAINST_A_LOOP})\n{description}"
+    )
     return verdict
+
+
+def assert_step_1_as_one_process(noise: NoiseRuns, run: Run, what: str) -> None:
+    """Before anything else, fail naming ``what`` (the layout under test) unless ``run``'s first step computed the
+    reference's loss and gradient norm to rounding: the same weights and examples, before any update, so a layout
+    that splits the wrong dimension shows here, whatever the run does later (trains on, or crashes)."""
+    unlike = noise.step_1_unlike(run.run_dir)
+    if unlike == ["no step 1"]:
+        run.check()  # a run that failed before its first step: its own error is the reason
+    assert not unlike, (
+        f"{what}: at step 1, before any update, the run computed {'; '.join(unlike)} of one process "
+        f"(rounding alone: within {STEP_1_RTOL:g} relative)\n{run.describe()}"
+    )
 
 
 def shared_noise_runs(tmp_path_factory: pytest.TempPathFactory, family: str, data: tuple[str, ...] = ()) -> NoiseRuns:

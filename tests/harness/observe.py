@@ -14,6 +14,9 @@ WHAT is one of:
               end there, together, with exit code 0: the run trains no step
   private-memory  the largest private resident memory (RssAnon: not the pages of a mapped file,
               which the kernel can drop and read again) at the start of any training step; Linux only
+  resumed-optimizer  right after a resume, the optimizer's state as the run holds it (gathered whole)
+              and as the checkpoint it resumed from holds it, per parameter; rank 0 writes both to
+              RUN_DIR/observed-resumed-optimizer-step{STEP}.pt ({"loaded": ..., "saved": ...})
 
 Each rank writes RUN_DIR/observed-WHAT-rank{RANK}.json when the script ends, however it ends.
 """
@@ -168,6 +171,36 @@ def watch_private_memory(steps: Steps, record: dict[str, Any]) -> None:
     steps.on_every_step.append(note)
 
 
+def watch_resumes(run_dir: Path) -> None:
+    """After each ``Checkpointer.resume`` that loaded a checkpoint: the optimizer state it left, and the saved one."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from common.checkpoint import Checkpointer, full_state_dict_options
+
+    original = Checkpointer.resume
+
+    def saved_state(path: Path) -> dict[str, Any]:
+        if not path.is_dir():
+            return torch.load(path, weights_only=True)["optimizer"]["state"]
+        whole = run_dir / f"observed-{path.name}.pt"
+        dcp_to_torch_save(path, whole)  # a sharded checkpoint's slices, put together as one file
+        return torch.load(whole, weights_only=True)["optimizer"]["state"]
+
+    def resume(checkpointer: Checkpointer, *args: Any, **kwargs: Any) -> Any:
+        resumed = original(checkpointer, *args, **kwargs)
+        if resumed.path is not None:
+            # DISTRIBUTED: every rank helps gather the state, as for a full checkpoint; rank 0 keeps it.
+            options = full_state_dict_options(checkpointer.ctx.device)
+            _, loaded = get_state_dict(checkpointer.model, checkpointer.optimizer, options=options)
+            if checkpointer.ctx.is_main:
+                observed = {"loaded": loaded["state"], "saved": saved_state(resumed.path)}
+                torch.save(observed, run_dir / f"observed-resumed-optimizer-step{resumed.step}.pt")
+        return resumed
+
+    Checkpointer.resume = resume  # type: ignore[method-assign]
+
+
 def main() -> None:
     what, script, *flags = sys.argv[1:]
     run_dir = Path(flags[flags.index("--run-dir") + 1])
@@ -183,6 +216,8 @@ def main() -> None:
         watch_build_memory(steps, before_build, record, run_dir)
     elif what == "private-memory":
         watch_private_memory(steps, record)
+    elif what == "resumed-optimizer":
+        watch_resumes(run_dir)
     else:
         raise SystemExit(f"unknown observation {what!r}")
     sys.argv = [script, *flags]

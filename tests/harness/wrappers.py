@@ -21,3 +21,5 @@ PAUSE_ONCE = f"{HARNESS}/pause_once.py"
 TEARDOWN_ROUNDS = f"{HARNESS}/teardown_rounds.py"
 # Writes down every example the training loader reads, by which rank and generation of the job.
 RECORD_READS = f"{HARNESS}/record_reads.py"
+# Not a wrapper but a program of its own: two ranks reach an agreement of common.distributed, one of them late.
+LATE_AGREEMENT = f"{HARNESS}/late_agreement.py"

@@ -14,6 +14,8 @@ RESUMES_DIFFERENTLY = r"assert train_history\(resumed\) == train_history\(refere
 TRAINS_OTHER_EXAMPLES = r"trained other examples than the uninterrupted run's"
 # The resumed run did not continue from the checkpoint the stop wrote, at the step it stopped.
 RESUMED_ELSEWHERE = r"assert resumed\.output\.count\(f\"resumed from \{checkpoint\} at step \{stopped_at\}\"\) == 1"
+# Right after the resume, the optimizer state the run holds is not the one the checkpoint holds.
+OPTIMIZER_STATE_LOST = r"the optimizer state after the resume at step \d+ is not the uninterrupted run's"
 
 CHECKPOINTS = [
     Mistake(
@@ -45,9 +47,30 @@ CHECKPOINTS = [
             "            )\n": ""
         },
         test=f"{STOP_AND_RESUME}[ddp-transformer]",
-        reason=RESUMES_DIFFERENTLY,
+        reason=OPTIMIZER_STATE_LOST,
         harm="a resumed run's Adam starts with zero moments and step count: its first updates are far too large",
         notice="a loss spike right after every resume, and a grad norm that jumps at the same step",
+    ),
+    Mistake(
+        name="sharded-resume-resets-the-step-count",
+        path="common/checkpoint.py",
+        edits={
+            "            state = tree_map_only(torch.Tensor, self.sharded_view, "
+            '{"model": model_state, "optimizer": optimizer_state})\n': (
+                "            state = tree_map_only(\n"
+                "                torch.Tensor,\n"
+                "                lambda tensor: self.sharded_view(tensor) if tensor.dim() else tensor.clone(),\n"
+                '                {"model": model_state, "optimizer": optimizer_state},\n'
+                "            )\n"
+            )
+        },
+        test=f"{STOP_AND_RESUME}[fsdp2-transformer]",
+        reason=OPTIMIZER_STATE_LOST + r": its step count \[1\.0\]",
+        harm="a scalar (Adam's per-parameter step) has no shard to view, so it is cloned: DCP fills the clone and "
+        "the optimizer keeps the step count get_state_dict gave it (1). Bias correction starts again, and the "
+        "first updates after every sharded resume are far too large",
+        notice="a loss spike right after each resume from a sharded checkpoint, none after a full one; the step "
+        "counts in a checkpoint written after a resume are the steps since it",
     ),
     Mistake(
         name="resume-restarts-the-epoch",
@@ -200,6 +223,36 @@ LOCKS = [
     ),
 ]
 
+# The agreements on two gloo ranks, the one with the bad news entering late (tests/harness/late_agreement.py).
+AGREEMENTS = "tests/test_agreements.py"
+AGREEMENT_WAIT = "        self.work.wait()\n        return bool(self.flag.item())\n"
+
+IN_FLIGHT = [
+    Mistake(
+        name="agreement-wait-never-called",
+        path="common/distributed.py",
+        edits={AGREEMENT_WAIT: "        self.work.wait\n        return bool(self.flag.item())\n"},
+        test=f"{AGREEMENTS}::test_a_stop_request_of_a_late_rank_stops_every_rank_at_the_same_step",
+        reason=r"the stop agreement: rank 0 read \[False, False, False\] where rank 1, whose request it was, read",
+        harm="the wait lacks its parentheses: each rank reads the flag it sent, or the answer, whichever the "
+        "all-reduce has left there: a stop request that comes late reaches some ranks a step later or never",
+        notice="a job asked to stop hangs in a collective (one rank checkpoints, the others train on), now and then, "
+        "and more often the more ranks there are",
+    ),
+    Mistake(
+        name="agreement-read-before-its-wait",
+        path="common/distributed.py",
+        edits={
+            AGREEMENT_WAIT: "        answer = bool(self.flag.item())\n        self.work.wait()\n        return answer\n"
+        },
+        test=f"{AGREEMENTS}::test_a_checkpoint_a_late_rank_could_not_write_is_refused_by_every_rank",
+        reason=r"the checkpoint agreement: rank 0 answered .* and published \[.*step-3'\)\] as complete",
+        harm="the answer is read, then waited for: a rank that reaches a save's agreement first takes its own "
+        "success for everyone's and publishes a checkpoint another rank could not write",
+        notice="after a full disk or a dead node mid-save, --resume fails on a checkpoint that looks complete",
+    ),
+]
+
 RESTARTS = [
     Mistake(
         name="restart-store-without-generation-prefix",
@@ -257,4 +310,4 @@ FINAL_MODEL = [
     ),
 ]
 
-MISTAKES: list[Mistake] = [*CHECKPOINTS, *SIGNALS, *LOCKS, *RESTARTS, *FINAL_MODEL]
+MISTAKES: list[Mistake] = [*CHECKPOINTS, *SIGNALS, *IN_FLIGHT, *LOCKS, *RESTARTS, *FINAL_MODEL]

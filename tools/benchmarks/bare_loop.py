@@ -4,10 +4,12 @@
 
 Run by ``python -m tools.benchmarks.benchmark --overhead``, which writes SETTINGS.json from the script's own
 defaults for a --model preset. It trains the repository's GPT on its synthetic Markov data, with the script's
-sampler, loss, AdamW, learning-rate schedule and gradient clipping, under DDP or FSDP2 wrapped as the scripts
-wrap them: the same numbers at every step, so that the script's final logged loss equals this loop's, bit for
-bit. Nothing else: no stop checks, loss checks, logging, evaluation or checkpoints. It imports torch, the
-model, the data and the schedule, nothing of the scripts' bookkeeping. Rank 0 prints one line of JSON.
+sampler, loss, AdamW, learning-rate schedule, gradient accumulation and clipping, under DDP or FSDP2 wrapped as
+the scripts wrap them: the same numbers at every step, so that the script's final logged loss equals this loop's,
+bit for bit. Nothing else: no stop checks, loss checks, logging, evaluation or checkpoints. It imports torch, the
+model, the data and the schedule, nothing of the scripts' bookkeeping. Rank 0 prints one line of JSON, with every
+step's loss and gradient norm (``history``): a loop not built from the scripts' files, which the tests hold the
+one-process reference of the equivalence tests against (tests/test_equivalence.py).
 
 Why the same numbers: on CPU a step's time depends on them. Subnormal floats are slow on x86, and how many
 a backward pass meets depends on the examples and their order: with torch's own DistributedSampler instead
@@ -24,6 +26,7 @@ import math
 import os
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -52,9 +55,17 @@ def wrapped(model: GPT, strategy: str, device: torch.device) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def mean_step_ms(settings: dict, device: torch.device) -> dict[str, float]:
+def gradient_sync(model: torch.nn.Module, last_micro_step: bool) -> AbstractContextManager:
+    """Gradients reduced at a step's last micro-step only, as the scripts do (DDP's no_sync, FSDP2's switch)."""
+    if isinstance(model, DistributedDataParallel):
+        return nullcontext() if last_micro_step else model.no_sync()
+    model.set_requires_gradient_sync(last_micro_step)
+    return nullcontext()
+
+
+def mean_step_ms(settings: dict, device: torch.device) -> dict:
     """Rank 0's mean wall time of the steps after the warm-up, the last step's loss averaged over the ranks,
-    and the bytes of this rank's parameters."""
+    the bytes of this rank's parameters, and every step's loss (this rank's) and gradient norm."""
     on_gpu = device.type == "cuda"
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
@@ -68,31 +79,37 @@ def mean_step_ms(settings: dict, device: torch.device) -> dict[str, float]:
     scheduler = warmup_cosine(optimizer, settings["warmup_steps"], total, settings["min_lr_ratio"])
     sampler = CompactDistributedSampler(data.train, world_size, rank, seed=settings["seed"])
     loader = DataLoader(data.train, settings["batch_size"], sampler=sampler, drop_last=True, pin_memory=on_gpu)
-    tokens = torch.tensor(world_size * settings["batch_size"] * settings["block_size"], device=device)
+    micro_steps = settings["grad_accum_steps"]
+    tokens = torch.tensor(world_size * micro_steps * settings["batch_size"] * settings["block_size"], device=device)
     # DDP's gradients are views of its buckets: the DDP script zeroes them in place, the FSDP2 one sets None.
     set_to_none = settings["strategy"] != "ddp"
 
     step, epoch, started = 0, 1, 0.0
     loss = torch.zeros((), device=device)
+    history = []  # read once at the end: no step waits for the host
     while step < total:
         sampler.set_epoch(epoch)
-        for inputs, targets in loader:
+        batches = iter(loader)
+        for _ in range(min(len(loader) // micro_steps, total - step)):
             if step == warmup:
                 if on_gpu:
                     torch.cuda.synchronize(device)
                 started = time.perf_counter()
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=set_to_none)
-            # Summed, then divided by the step's tokens over all ranks, times the ranks the reduction averages.
-            summed = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten(), reduction="sum")
-            loss = summed * world_size / tokens
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), settings["grad_clip"] or math.inf)
+            loss = torch.zeros((), device=device)
+            for micro_step in range(micro_steps):
+                inputs, targets = (tensor.to(device, non_blocking=True) for tensor in next(batches))
+                with gradient_sync(model, last_micro_step=micro_step == micro_steps - 1):
+                    # Summed, then divided by the step's tokens over all ranks, times the ranks the reduction averages.
+                    summed = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten(), reduction="sum")
+                    micro_loss = summed * world_size / tokens
+                    micro_loss.backward()
+                loss += micro_loss.detach()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings["grad_clip"] or math.inf)
+            history.append(torch.stack([loss, norm.full_tensor() if hasattr(norm, "full_tensor") else norm]))
             optimizer.step()
             scheduler.step()
             step += 1
-            if step == total:
-                break
         epoch += 1
     if on_gpu:
         torch.cuda.synchronize(device)
@@ -104,6 +121,7 @@ def mean_step_ms(settings: dict, device: torch.device) -> dict[str, float]:
         "step_ms": 1000 * elapsed / steps,
         "last_loss": loss.item() / world_size,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in local),
+        "history": [{"loss": loss, "grad_norm": norm} for loss, norm in torch.stack(history).tolist()],
     }
 
 

@@ -37,12 +37,16 @@ def script_defaults(strategy: Strategy, model: str, run_dir: Path) -> Any:
 
 def bare_settings(strategy: Strategy, model: str, warmup: int, steps: int, scratch: Path) -> dict[str, Any]:
     """What the bare loop reads: the script's defaults for the preset, the strategy, and the clock's steps."""
-    args = script_defaults(strategy, model, scratch / "never-written")
+    return bare_settings_of(script_defaults(strategy, model, scratch / "never-written"), strategy.name, warmup, steps)
+
+
+def bare_settings_of(args: Any, strategy: str, warmup: int, steps: int) -> dict[str, Any]:
+    """What the bare loop reads, from a transformer script's parsed flags ``args``."""
     return {
-        "strategy": strategy.name,
+        "strategy": strategy,
         "model": {name: getattr(args, name) for name in ("block_size", "n_layer", "n_head", "d_model", "dropout")},
         **{name: getattr(args, name) for name in ("block_size", "train_sequences", "heldout_sequences", "seed")},
-        **{name: getattr(args, name) for name in ("batch_size", "lr", "weight_decay", "grad_clip")},
+        **{name: getattr(args, name) for name in ("batch_size", "grad_accum_steps", "lr", "weight_decay", "grad_clip")},
         **{name: getattr(args, name) for name in ("warmup_steps", "min_lr_ratio")},
         "warmup": warmup,
         "steps": steps,
