@@ -334,7 +334,7 @@ def bare_loop_history(flags: list[str], run_dir: Path) -> list[tuple[float, floa
     """Each step's loss and gradient norm of the bare loop, in one process, with what the reference script's
     parser makes of ``flags``."""
     parse_args = runpy.run_path(str(REPO / REFERENCE_SCRIPT))["parse_args"]
-    args = parse_args([*flags, "--device", "cpu", "--run-dir", str(run_dir / "never-written")])
+    args, _ = parse_args([*flags, "--device", "cpu", "--run-dir", str(run_dir / "never-written")])
     run_dir.mkdir(parents=True)
     settings = run_dir / "settings.json"
     settings.write_text(json.dumps(bare_settings_of(args, "ddp", warmup=0, steps=args.max_steps)))
