@@ -14,6 +14,8 @@ WHAT is one of:
               end there, together, with exit code 0: the run trains no step
   private-memory  the largest private resident memory (RssAnon: not the pages of a mapped file,
               which the kernel can drop and read again) at the start of any training step; Linux only
+  imports     the top-level packages loaded when the script ends (a package a flag imports only when
+              given: tensorboard)
 
 Each rank writes RUN_DIR/observed-WHAT-rank{RANK}.json when the script ends, however it ends.
 """
@@ -183,12 +185,14 @@ def main() -> None:
         watch_build_memory(steps, before_build, record, run_dir)
     elif what == "private-memory":
         watch_private_memory(steps, record)
-    else:
+    elif what != "imports":
         raise SystemExit(f"unknown observation {what!r}")
     sys.argv = [script, *flags]
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
+        if what == "imports":
+            record["imports"] = sorted({name.split(".")[0] for name in sys.modules})
         write_record(run_dir, record | {"steps": steps.current})
 
 
