@@ -35,7 +35,7 @@ from common.distributed import (
 )
 from common.models import transformer_flops_per_token
 from common.outputs import open_log, write_text
-from common.run_dir import METRICS_FILE, PREEMPTED_FILE, STOP_FILE, RunDirLock
+from common.run_dir import METRICS_FILE, PREEMPTED_FILE, STOP_FILE, TENSORBOARD_DIR, RunDirLock
 from common.safe_io import then_resume, what_is_kept, write_failure
 
 
@@ -50,12 +50,41 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 PER_RESTART_EVENTS = {"resume"}
 
 
+class EventFile:
+    """--tensorboard: each number of a metrics.jsonl record as the scalar EVENT/FIELD (train/loss, final/mfu) at its
+    step, written from the record itself. A run starting at step N (0 when fresh) opens its file with SummaryWriter's
+    ``purge_step`` N: TensorBoard hides the earlier files' points at step N and after (written again, or abandoned by a
+    rollback), so a resumed run draws one line; what metrics.jsonl keeps at step N (``at_start``) is written again."""
+
+    def __init__(self, run_dir: Path, start: int, at_start: list[dict[str, Any]]) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # only with --tensorboard: a copy runs without the package
+
+        folder = run_dir / TENSORBOARD_DIR
+        # TensorBoard reads a folder's files in the order of their names, which begin with the second each was opened:
+        # a run resumed within the second of the last file's must wait for the next one, or be read before it.
+        seconds = [int(p.name.split(".")[3]) for p in folder.glob("events.out.tfevents.*") if p.name[20:30].isdigit()]
+        time.sleep(min(max(max(seconds, default=0) + 1 - time.time(), 0), 1))
+        self.writer = SummaryWriter(str(folder), purge_step=start)
+        for record in at_start:
+            self.write(record)
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = record.get("step", record.get("steps"))  # the final record's x: the steps the run trained
+        for name, value in record.items():
+            if name != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{record['event']}/{name}", value, step)
+        self.writer.flush()  # on disk with the record's line: a live TensorBoard shows it, a kill loses nothing
+
+
 class MetricsLog:
     """One JSON object per line in ``run_dir/metrics.jsonl``, written by rank 0 and opened at the first record: a run
     that fails its checks writes nothing over an earlier run's metrics. A run resumed at step N keeps the records up to
     N (it trains and logs the later steps again), leaves out a line cut short (and says so), and does not write twice
     a record of a step's state that it kept (the final evaluation of a run resumed at its end). ``lock``: the run dir's,
     taken again before a record if its file left the folder (an rm -rf, a rename); None: no lock guards the folder."""
+
+    tensorboard = False  # --tensorboard: each record to an EventFile too, opened with metrics.jsonl
+    _board: EventFile | None = None
 
     def __init__(
         self, run_dir: Path, ctx: DistContext, resumed_at: int | None = None, lock: RunDirLock | None = None
@@ -81,11 +110,15 @@ class MetricsLog:
             self._file.close()  # type: ignore[union-attr]
             self._file = None  # _open makes the folder again and, the file being gone, starts a new one
         if self._file is None:
-            self._file = self._open()
+            self._file, at_start = self._open()
+            if self.tensorboard and self._board is None:  # once: not again when metrics.jsonl is made anew
+                self._board = EventFile(self.path.parent, self.resumed_at or 0, at_start)
         if record["event"] not in PER_RESTART_EVENTS and (record["event"], record.get("step")) in self._kept:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._board is not None:
+            self._board.write(record)
 
     def _gone_from_its_path(self, file: IO[str]) -> str | None:
         """How the open ``file`` left ``self.path`` ("deleted", "moved or replaced"); None while it is still there."""
@@ -97,10 +130,11 @@ class MetricsLog:
         except FileNotFoundError:
             return "moved or replaced"
 
-    def _open(self) -> IO[str]:
+    def _open(self) -> tuple[IO[str], list[dict[str, Any]]]:
+        """The file to append to, and the records it keeps of the step this run starts from."""
         if self.resumed_at is None or not self.path.exists():
-            return open_log(self.path, append=False)
-        kept, torn, replaced = [], [], 0
+            return open_log(self.path, append=False), []
+        kept, torn, replaced, at_start = [], [], 0, []
         for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
             try:
                 record = json.loads(line)
@@ -110,6 +144,7 @@ class MetricsLog:
             if record.get("step", math.inf) <= self.resumed_at:
                 kept.append(line)
                 self._kept.add((record.get("event"), record["step"]))
+                at_start += [record] if record["step"] == self.resumed_at else []
             else:
                 replaced += 1
         if replaced:
@@ -120,11 +155,13 @@ class MetricsLog:
             print(f"{self.path}: left out {len(torn)} line(s) cut off mid-write (line {lines})", flush=True)
         # Replaced in one rename, so a kill here cannot lose the earlier history.
         write_text(self.path, "".join(line + "\n" for line in kept), overwrite=True)  # this run's own file
-        return open_log(self.path, append=True)
+        return open_log(self.path, append=True), at_start
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+        if self._board is not None:
+            self._board.writer.close()
 
 
 def progress_line(
@@ -303,8 +340,11 @@ class Bookkeeping:
     progress: ProgressReporter
     stop_request: StopRequest
 
-    def __init__(self, run_dir: Path, ctx: DistContext, log_interval: int, profile: int, lock: RunDirLock) -> None:
+    def __init__(
+        self, run_dir: Path, ctx: DistContext, log_interval: int, profile: int, lock: RunDirLock, tensorboard: bool
+    ) -> None:
         self.run_dir, self.ctx, self.log_interval, self.lock = run_dir, ctx, log_interval, lock
+        self.tensorboard = tensorboard  # metrics.jsonl's numbers into an EventFile too
         self.started = time.perf_counter()  # wall_s counts the whole of train(), data loading included
         self.observer = StepObserver(run_dir, ctx, profile)  # what one step sends; --profile's trace of N steps
         self.first_bad_step = torch.full((), self.NO_BAD_STEP, dtype=torch.int64, device=ctx.device)  # a NaN loss's
@@ -317,6 +357,7 @@ class Bookkeeping:
         examples = f"{global_batch} sequences of {tokens_per_example} tokens" if tokens_per_example else global_batch
         print0(f"{ctx.world_size} process(es) on {ctx.device.type} | global batch {examples} | {total_steps} steps")
         log = MetricsLog(self.run_dir, ctx, resumed_at=resumed.step if resumed.path else None, lock=self.lock)
+        log.tensorboard = self.tensorboard
         progress = ProgressReporter(log, ctx, total_steps, global_batch, tokens_per_example, resumed.step)
         self.log, self.progress = log, progress
         if resumed.path:

@@ -56,6 +56,11 @@ def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> 
         "it in ui.perfetto.dev or chrome://tracing); 0: no trace (default: %(default)s)"
     )
     run.add_argument("--profile", type=flags.non_negative_int, default=0, metavar="N", help=text)
+    text = (
+        "rank 0 also writes metrics.jsonl's numbers into RUN_DIR/tensorboard/ as TensorBoard scalars, the step as x "
+        "(tensorboard --logdir runs); needs the tensorboard package"
+    )
+    run.add_argument("--tensorboard", action="store_true", help=text)
     return parser
 
 

@@ -4,6 +4,7 @@ decided after parsing, before any process group, so a mistake costs a second and
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -97,6 +98,8 @@ def check_training_flags(parser: Parser, args: argparse.Namespace) -> None:
         parser.error("give --epochs or --max-steps")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:  # looked up, not imported
+        parser.error("--tensorboard needs the tensorboard package, which is not installed: pip install tensorboard")
 
 
 def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
@@ -223,7 +226,7 @@ def check_synthetic_size(parser: argparse.ArgumentParser, args: argparse.Namespa
 # What a resume may change without a word: where the run writes or computes, what it reports, how it saves or starts.
 NOT_TRAINING_SETTINGS = {
     *("--run-dir", "--data-dir", "--device", "--dist-timeout"),  # where, and how long a collective waits
-    *("--log-interval", "--profile"),  # what is reported; neither touches the weights or the data order
+    *("--log-interval", "--profile", "--tensorboard"),  # what is reported; none touches the weights or the data order
     *("--eval-interval", "--eval-batch-size", "--test-batch-size"),  # evaluation never updates a weight
     *("--checkpoint-interval", "--keep-checkpoints", "--checkpoint-format", "--trust-checkpoint"),  # saving
     *("--resume", "--resume-from", "--init-from"),  # where the run starts; a resume starts from a checkpoint

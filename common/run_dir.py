@@ -6,6 +6,7 @@ RUN_DIR/
     hf/                 PRETRAINED_DIR: a Hugging Face model's final model as a save_pretrained folder too
     checkpoints/        CHECKPOINTS: step-N.pt (one file) or step-N/ (a sharded DCP folder)
     profile/            PROFILE_DIR: --profile's traces, one file a rank
+    tensorboard/        TENSORBOARD_DIR: --tensorboard's event files, metrics.jsonl's numbers as TensorBoard scalars
     STOP                STOP_FILE: made by a user, asks the run to checkpoint and exit (distributed.StopRequest)
     PREEMPTED           PREEMPTED_FILE: left by a run that stopped on request: its step and checkpoint
     .lock               LOCK_FILE: held by the run that writes this folder (RunDirLock)
@@ -32,6 +33,7 @@ METRICS_FILE = "metrics.jsonl"
 MODEL_FILE = "model.pt"
 CHECKPOINTS = "checkpoints"
 PROFILE_DIR = "profile"
+TENSORBOARD_DIR = "tensorboard"
 STOP_FILE = "STOP"
 LOCK_FILE = ".lock"
 PREEMPTED_FILE = "PREEMPTED"

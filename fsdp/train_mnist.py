@@ -137,7 +137,7 @@ def save_model(model: torch.nn.Module, ctx: DistContext, checkpoints: Checkpoint
 
 
 def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
-    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile, lock)  # metrics, stop requests, the record
+    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile, lock, args.tensorboard)  # the run's records
     seed_everything(args.seed, args.deterministic)
     # YOUR DATA: datasets of (input, target) pairs; the sampler and the evaluation take any such.
     train_set, test_set = synthetic_mnist() if args.synthetic else load_mnist(args.data_dir, ctx)

@@ -268,7 +268,7 @@ def save_model(model: torch.nn.Module, args, ctx: DistContext, checkpoints: Chec
 
 
 def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
-    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile, lock)  # metrics, stop requests, the record
+    run = Bookkeeping(args.run_dir, ctx, args.log_interval, args.profile, lock, args.tensorboard)  # the run's records
     seed_everything(args.seed, args.deterministic)
     data = transformer_data(args)  # YOUR DATA: (input, target) pairs of --text-file, --token-file or a Markov source
     print0(f"data: {data.description}")

@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,24 @@ def test_global_batch_must_divide_over_the_ranks(
     code, output = run_in_process("ddp/train_mnist.py", ["--global-batch-size", "25"], tmp_path / "run", capsys)
     assert code == 2, output
     assert output.count("--global-batch-size 25 does not divide into 2 rank(s) x 1 micro-step(s)") == 1, output
+
+
+SCRIPTS = sorted(
+    path.relative_to(REPO).as_posix() for path in [*REPO.glob("ddp/train_*.py"), *REPO.glob("fsdp/train_*.py")]
+)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_tensorboard_without_its_package_is_refused_before_any_work(
+    script: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # None in sys.modules: what an interpreter without the package finds (find_spec None, import fails).
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    code, output = run_in_process(script, ["--tensorboard", "--max-steps", "1"], tmp_path / "run", capsys)
+    assert code == 2, output
+    message = "--tensorboard needs the tensorboard package, which is not installed: pip install tensorboard"
+    assert output.count(message) == 1 and output.count("error") == 1, output
+    assert not (tmp_path / "run").exists(), "a run that fails its checks must write nothing"
 
 
 TP_SCRIPT = "fsdp/train_transformer_fsdp2_tp.py"

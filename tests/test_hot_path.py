@@ -23,6 +23,7 @@ from common.data import CompactDistributedSampler, MarkovSource, train_loader
 from common.distributed import DistContext, distributed, set_cpu_threads
 from common.mnist import _open_mnist, normalize_images
 from common.models import GPT, GPT_PRESETS, GPTConfig, count_parameters
+from common.run_dir import TENSORBOARD_DIR
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.per_image_mnist import per_image_mnist
 from tests.harness.runs import Run, run_script
@@ -70,7 +71,8 @@ def test_steps_that_do_not_log_or_save_read_nothing_from_the_device(script: str,
     data = ["--synthetic"] if "mnist" in script else SHORT_TRANSFORMER
     # 8 steps: steps 4 and 8 log; the checkpoint after step 6 is written at the start of step 7,
     # before its zero_grad, so its reads count for step 6. 8 is the last step (evaluation, model.pt).
-    args = [*data, "--max-steps", "8", "--log-interval", "4", "--checkpoint-interval", "6"]
+    # --tensorboard: its scalars come from the record's numbers, which the logging step has already read.
+    args = [*data, "--max-steps", "8", "--log-interval", "4", "--checkpoint-interval", "6", "--tensorboard"]
     # fsdp/train_mnist.py's one run through torchrun itself: every script has one, for the launcher's contract.
     real = script == "fsdp/train_mnist.py"
     run = run_script(script, args, tmp_path, nproc=2, wrapper=[OBSERVE, "host-reads"], real_launcher=real)
@@ -82,6 +84,7 @@ def test_steps_that_do_not_log_or_save_read_nothing_from_the_device(script: str,
         assert all(not found for found in quiet.values()), f"rank {rank}: {quiet}\n{run.describe()}"
         # The count sees reads where they are allowed: logging reads the loss (or it counts nothing).
         assert any("common/bookkeeping.py:report" in read for read in reads.get(4, [])), reads
+    assert len(list((tmp_path / TENSORBOARD_DIR).glob("events.out.tfevents.*"))) == 1, "rank 0's event file"
 
 
 def per_step(run: Run) -> list[tuple]:

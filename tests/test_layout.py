@@ -23,8 +23,10 @@ MNIST_SCRIPTS = [script for script in SCRIPTS if "mnist" in script.name]
 # needed 25 modules and 6,076 lines when issue 53 began, 18 and 5,411 when it left common/ to the scripts, 16 and
 # 4,498 once common/ was condensed, and 16 and 4,423 after a second pass module by module (the MNIST scripts 4,206),
 # which issue 69 accepted as the budget and kept while it gave Bookkeeping real methods (the MNIST scripts 4,206).
+# Issue 72's --tensorboard costs 51 lines (the flag, its check, the EventFile that MetricsLog writes, the folder's
+# name): from the 4,423 a copy needed then to 4,474 (the MNIST scripts 4,257).
 MOST_MODULES_A_SCRIPT_NEEDS = 16
-MOST_LINES_A_SCRIPT_NEEDS = 4_423
+MOST_LINES_A_SCRIPT_NEEDS = 4_474
 # The code that reads text and token files, which the MNIST scripts have no use for.
 TOKEN_FILE_MODULES = {"common.tokens"}
 

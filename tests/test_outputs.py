@@ -50,6 +50,7 @@ WRITING_FUNCTIONS = {
     "shutil.copy2",
     "shutil.copyfile",
     "shutil.copytree",
+    "SummaryWriter",  # --tensorboard's event files
 }
 WRITING_METHODS = {
     "write_text",
@@ -69,6 +70,8 @@ CREATING_FLAGS = {"O_CREAT", "O_WRONLY", "O_RDWR", "O_APPEND", "O_TRUNC"}
 # renames into place through common.outputs.
 EXEMPT = {
     ("common/run_dir.py", "os.open"): "the run's lock file: flock needs one inode that every run opens; no result",
+    # Appended record by record as metrics.jsonl is, into a folder of their own; never whole files to replace.
+    ("common/bookkeeping.py", "SummaryWriter"): "tensorboard's own writer of event files, in RUN_DIR/tensorboard/",
 }
 
 

@@ -17,6 +17,8 @@ WHAT is one of:
   resumed-optimizer  right after a resume, the optimizer's state as the run holds it (gathered whole)
               and as the checkpoint it resumed from holds it, per parameter; rank 0 writes both to
               RUN_DIR/observed-resumed-optimizer-step{STEP}.pt ({"loaded": ..., "saved": ...})
+  imports     the top-level packages loaded when the script ends (a package a flag imports only when
+              given: tensorboard)
 
 Each rank writes RUN_DIR/observed-WHAT-rank{RANK}.json when the script ends, however it ends.
 """
@@ -218,12 +220,14 @@ def main() -> None:
         watch_private_memory(steps, record)
     elif what == "resumed-optimizer":
         watch_resumes(run_dir)
-    else:
+    elif what != "imports":
         raise SystemExit(f"unknown observation {what!r}")
     sys.argv = [script, *flags]
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
+        if what == "imports":
+            record["imports"] = sorted({name.split(".")[0] for name in sys.modules})
         write_record(run_dir, record | {"steps": steps.current})
 
 
