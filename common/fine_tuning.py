@@ -172,6 +172,46 @@ def trained_parameters(model: nn.Module) -> list[str] | None:
     return None if len(names) == sum(1 for _ in inner.parameters()) else sorted(names)
 
 
+def adapters_difference(
+    there: dict[str, Any] | None, here: dict[str, Any], trained_there: list[str] | None, trained_here: list[str] | None
+) -> str:
+    """What differs between a checkpoint's LoRA adapters (``adapter_identity``) and this run's, each by the flag that
+    sets it; with the trained parameters both recorded, which layers one side adapts and the other does not."""
+    if there is None:
+        return (
+            f"--lora-rank: the checkpoint has no LoRA adapters, this run adds them to {here['layers']} layers (to "
+            "fine-tune it with adapters: python -m tools.runs.export_checkpoint CHECKPOINT model.pt, then start a new "
+            "run with --init-from model.pt)"
+        )
+    parts = []
+    if there["rank"] != here["rank"]:
+        parts.append(f"--lora-rank {there['rank']} there, {here['rank']} here")
+    if there["scale"] != here["scale"]:
+        parts.append(f"--lora-alpha / --lora-rank scale the update by {there['scale']:g} there, {here['scale']:g} here")
+    layers = named_differences(adapted_layers(trained_there), adapted_layers(trained_here), "is adapted")
+    if there["layers"] != here["layers"] or layers:
+        counts = f"{there['layers']} layers there, {here['layers']} here"
+        parts.append(f"--lora-targets differ: adapters on {counts}" + (f" ({'; '.join(layers)})" if layers else ""))
+    return "; ".join(parts)
+
+
+def adapted_layers(trained: list[str] | None) -> set[str]:
+    """The layers that carry an adapter, from a list of the parameters that train (none where it is not recorded)."""
+    return {name.removesuffix(".adapter.a") for name in trained or [] if name.endswith(".adapter.a")}
+
+
+def named_differences(there: set[str], here: set[str], verb: str) -> list[str]:
+    """``'first' and N more VERB there but not here``, and the other way round, for the sides that have any."""
+    plural = {"trains": "train", "is adapted": "are adapted"}[verb]
+    parts = []
+    for names, where in ((there - here, "there but not here"), (here - there, "here but not there")):
+        if names:
+            first = sorted(names)[0]
+            some = f"{first!r} and {len(names) - 1} more {plural}" if len(names) > 1 else f"{first!r} {verb}"
+            parts.append(f"{some} {where}")
+    return parts
+
+
 def trained_difference(there: list[str] | None, here: list[str] | None) -> str:
     """The setting that changed between a checkpoint's trained parameters and this run's, and what it changed."""
     if there is None or here is None:
@@ -184,10 +224,4 @@ def trained_difference(there: list[str] | None, here: list[str] | None) -> str:
     setting = "--freeze or --lora-targets"
     if len(adapters) == 1:
         setting = "--lora-targets" if adapters.pop() else "--freeze"
-    parts = []
-    for names, where in ((there_set - here_set, "there but not here"), (here_set - there_set, "here but not there")):
-        if names:
-            first = sorted(names)[0]
-            some = f"{first!r} and {len(names) - 1} more train" if len(names) > 1 else f"{first!r} trains"
-            parts.append(f"{some} {where}")
-    return f"{setting} differ: {'; '.join(parts)}"
+    return f"{setting} differ: {'; '.join(named_differences(there_set, here_set, 'trains'))}"

@@ -24,7 +24,7 @@ from common.distributed import (
     require_torch,
     wants_cuda,
 )
-from common.fine_tuning import DEFAULT_LORA_TARGETS, trained_difference
+from common.fine_tuning import DEFAULT_LORA_TARGETS, adapters_difference, trained_difference
 from common.models import COMPUTE_DTYPES, GPT_PRESETS
 from common.run_dir import check_run_dir, check_run_dir_allows, checkpoint_step
 from common.safetensors_weights import holds_safetensors, safetensors_files
@@ -254,10 +254,14 @@ def plain_setting(value: Any) -> Any:
 NOT_RECORDED = "(not recorded)"  # a flag that the script which wrote the checkpoint did not have yet
 EXPORT = "python -m tools.runs.export_checkpoint CHECKPOINT model.pt, then start a new run with --init-from model.pt"
 WAYS_ON = {  # what to do where an identity differs, by (key, whether this run has None there)
-    ("lora", True): "lora is {theirs!r} there, None here (to go on without adapters, merge them: " + EXPORT + ")",
+    ("lora", True): "--lora-rank: the checkpoint has LoRA adapters ({theirs!r}), this run none (to go on without "
+    "adapters, merge them: " + EXPORT + ")",
     ("qkv", True): "its q|k|v weights were saved split for tensor parallelism: resume it with "
     "fsdp/train_transformer_fsdp2_tp.py at a --tp-degree above 1 (2 processes or more), or export it: " + EXPORT,
-    ("qkv", False): "its q|k|v weights were saved whole; a --tp-degree above 1 splits them: resume it in one process",
+    ("qkv", False): "its q|k|v weights were saved whole; a --tp-degree above 1 splits them: resume it with "
+    "fsdp/train_transformer_fsdp2.py, or with fsdp/train_transformer_fsdp2_tp.py at --tp-degree 1 (any number of "
+    "processes). Whole weights do not go into split ones, from a checkpoint or from --init-from: to train it split, "
+    "go on unsplit or start the split run afresh",
 }
 
 
@@ -343,7 +347,9 @@ def identity_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | Non
     for key, value in ({**ours, "qkv": ours.get("qkv")} if "qkv" in theirs else ours).items():
         if theirs.get(key) == value or (key in ("trained", "model") and key not in theirs):
             continue
-        if key != "trained":
+        if key == "lora" and value is not None:
+            differences.append(adapters_difference(theirs.get(key), value, theirs.get("trained"), ours.get("trained")))
+        elif key != "trained":
             way_on = WAYS_ON.get((key, value is None), "{key} is {theirs!r} there, {ours!r} here")
             differences.append(way_on.format(key=key, theirs=theirs.get(key), ours=value))
         elif theirs.get("lora") == ours.get("lora"):  # other adapters train other parameters: said already
