@@ -172,43 +172,30 @@ def trained_parameters(model: nn.Module) -> list[str] | None:
     return None if len(names) == sum(1 for _ in inner.parameters()) else sorted(names)
 
 
-def adapters_difference(
-    there: dict[str, Any] | None, here: dict[str, Any], trained_there: list[str] | None, trained_here: list[str] | None
-) -> str:
-    """What differs between a checkpoint's LoRA adapters (``adapter_identity``) and this run's, each by the flag that
-    sets it; with the trained parameters both recorded, which layers one side adapts and the other does not."""
-    if there is None:
-        return (
-            f"--lora-rank: the checkpoint has no LoRA adapters, this run adds them to {here['layers']} layers (to "
-            "fine-tune it with adapters: python -m tools.runs.export_checkpoint CHECKPOINT model.pt, then start a new "
-            "run with --init-from model.pt)"
-        )
-    parts = []
-    if there["rank"] != here["rank"]:
-        parts.append(f"--lora-rank {there['rank']} there, {here['rank']} here")
+def adapters_difference(there: dict[str, Any] | None, here: dict[str, Any], trained: list[list[str] | None]) -> str:
+    """Each LoRA flag that differs between a checkpoint's adapters (``adapter_identity``) and this run's, with the
+    layers one side adapts and the other does not where both recorded what trains (``trained``: there, here)."""
+    there = there or {"rank": "unset", "scale": here["scale"], "layers": 0}
+    parts = [f"--lora-rank {there['rank']} there, {here['rank']} here"] if there["rank"] != here["rank"] else []
     if there["scale"] != here["scale"]:
-        parts.append(f"--lora-alpha / --lora-rank scale the update by {there['scale']:g} there, {here['scale']:g} here")
-    layers = named_differences(adapted_layers(trained_there), adapted_layers(trained_here), "is adapted")
-    if there["layers"] != here["layers"] or layers:
-        counts = f"{there['layers']} layers there, {here['layers']} here"
-        parts.append(f"--lora-targets differ: adapters on {counts}" + (f" ({'; '.join(layers)})" if layers else ""))
+        parts.append(f"--lora-alpha: the update is scaled by {there['scale']:g} there, {here['scale']:g} here")
+    layers = [
+        {name.removesuffix(".adapter.a") for name in names or [] if name.endswith(".adapter.a")} for names in trained
+    ]
+    layers_named = named_differences(*layers, "is adapted", "are adapted")
+    if there["layers"] != here["layers"] or layers_named:
+        counts = f"adapters on {there['layers']} layers there, {here['layers']} here"
+        parts.append("; ".join([f"--lora-targets differ: {counts}", *layers_named]))
     return "; ".join(parts)
 
 
-def adapted_layers(trained: list[str] | None) -> set[str]:
-    """The layers that carry an adapter, from a list of the parameters that train (none where it is not recorded)."""
-    return {name.removesuffix(".adapter.a") for name in trained or [] if name.endswith(".adapter.a")}
-
-
-def named_differences(there: set[str], here: set[str], verb: str) -> list[str]:
-    """``'first' and N more VERB there but not here``, and the other way round, for the sides that have any."""
-    plural = {"trains": "train", "is adapted": "are adapted"}[verb]
+def named_differences(there: set[str], here: set[str], one: str, many: str) -> list[str]:
+    """``'first' and N more MANY there but not here`` (or ``'first' ONE``), and the other way round, where any."""
     parts = []
     for names, where in ((there - here, "there but not here"), (here - there, "here but not there")):
         if names:
-            first = sorted(names)[0]
-            some = f"{first!r} and {len(names) - 1} more {plural}" if len(names) > 1 else f"{first!r} {verb}"
-            parts.append(f"{some} {where}")
+            first, more = sorted(names)[0], len(names) - 1
+            parts.append(f"{first!r} and {more} more {many} {where}" if more else f"{first!r} {one} {where}")
     return parts
 
 
@@ -224,4 +211,4 @@ def trained_difference(there: list[str] | None, here: list[str] | None) -> str:
     setting = "--freeze or --lora-targets"
     if len(adapters) == 1:
         setting = "--lora-targets" if adapters.pop() else "--freeze"
-    return f"{setting} differ: {'; '.join(named_differences(there_set, here_set, 'trains'))}"
+    return f"{setting} differ: {'; '.join(named_differences(there_set, here_set, 'trains', 'train'))}"

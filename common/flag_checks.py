@@ -348,7 +348,9 @@ def identity_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | Non
         if theirs.get(key) == value or (key in ("trained", "model") and key not in theirs):
             continue
         if key == "lora" and value is not None:
-            differences.append(adapters_difference(theirs.get(key), value, theirs.get("trained"), ours.get("trained")))
+            differences.append(
+                adapters_difference(theirs.get(key), value, [theirs.get("trained"), ours.get("trained")])
+            )
         elif key != "trained":
             way_on = WAYS_ON.get((key, value is None), "{key} is {theirs!r} there, {ours!r} here")
             differences.append(way_on.format(key=key, theirs=theirs.get(key), ours=value))

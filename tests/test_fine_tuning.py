@@ -257,16 +257,16 @@ ATTENTION, MLP, FIRST_BLOCK = "blocks.*.attn.*", "blocks.*.mlp.*", "blocks.0.*"
     [
         # The case: 8 layers there, 4 here, "lora is {...} there, {...} here" named no flag.
         ((2, None, [ATTENTION, MLP]), (2, None, [ATTENTION]), ["--lora-targets differ: adapters on 8 layers there, "
-         "4 here ('blocks.0.mlp.fc' and 3 more are adapted there but not here)"]),
+         "4 here; 'blocks.0.mlp.fc' and 3 more are adapted there but not here"]),
         ((4, None, [FIRST_BLOCK]), (4, None, [ATTENTION, MLP]), ["--lora-targets differ: adapters on 4 layers there, "
-         "8 here ('blocks.1.attn.proj' and 3 more are adapted here but not there)"]),
+         "8 here; 'blocks.1.attn.proj' and 3 more are adapted here but not there"]),
         # Other layers and another rank: both flags named.
         ((4, None, [ATTENTION]), (2, None, [MLP]), ["--lora-rank 4 there, 2 here", "'blocks.0.attn.proj' and 3 more "
          "are adapted there but not here; 'blocks.0.mlp.fc' and 3 more are adapted here but not there"]),
         ((4, 8.0, [ATTENTION]), (4, 4.0, [ATTENTION]),
-         ["--lora-alpha / --lora-rank scale the update by 2 there, 1 here"]),
-        ((None, None, []), (4, None, [MLP]), ["--lora-rank: the checkpoint has no LoRA adapters, this run adds them "
-         "to 4 layers"]),
+         ["--lora-alpha: the update is scaled by 2 there, 1 here"]),
+        ((None, None, []), (4, None, [MLP]), ["--lora-rank unset there, 4 here; --lora-targets differ: adapters on 0 "
+         "layers there, 4 here; 'blocks.0.mlp.fc' and 3 more are adapted here but not there"]),
         ((4, None, [MLP]), (None, None, []), ["--lora-rank: the checkpoint has LoRA adapters"]),
     ],
     ids=["fewer-layers", "more-layers", "other-layers-and-rank", "other-alpha", "adapters-added", "adapters-dropped"],
