@@ -417,6 +417,60 @@ def test_an_export_as_a_folder_refuses_what_it_would_break(
     assert (tmp_path / "a-file").read_text() == "mine\n"
 
 
+def config_of(family: str, tmp_path: Path, **changes: object) -> Path:
+    """A folder holding only the config.json of a tiny model of ``family`` (as the library writes it), changed."""
+    tiny = {"vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    tiny |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": None}
+    configs = {"phi3": transformers.Phi3Config, "qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}
+    folder = tmp_path / f"{family}-config"
+    configs[family](**(tiny | changes)).save_pretrained(folder)
+    return folder
+
+
+# (the checkpoint's model, the config given to --hf-config): what the one message must say.
+OTHER_CONFIGS = {
+    # The issue's: a Llama run exported with a Phi3 config loaded with 4 keys newly initialised and 10 unexpected.
+    "phi3": ("llama", lambda project, tmp: config_of("phi3", tmp), "missing: model.layers.0.self_attn.qkv_proj.weight"),
+    # Qwen3's q_norm and k_norm loaded random: every other name and shape of a Llama fits it.
+    "qwen3": ("llama", lambda project, tmp: config_of("qwen3", tmp), "missing: model.layers.0.self_attn.q_norm.weight"),
+    "wider": ("llama", lambda project, tmp: config_of("llama", tmp, hidden_size=48), "other shapes: model.embed"),
+    "gpt2": ("llama", lambda project, tmp: project / "models" / "gpt2", "missing: transformer.wte.weight"),
+    "tied": ("llama", lambda project, tmp: config_of("llama", tmp, tie_word_embeddings=True),
+             "holds lm_head.weight and model.embed_tokens.weight as two different tensors"),
+    "experts": ("llama", lambda project, tmp: mixtral_weights(project, tmp), "MixtralForCausalLM is stored in its"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(OTHER_CONFIGS))
+def test_an_export_with_another_models_config_is_refused_and_writes_nothing(
+    case: str, project: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """export_checkpoint --hf-config wrote whatever config it was given over the checkpoint's weights ("wrote ...: 21
+    tensors", exit 0), a folder from_pretrained then filled with random weights. Checked as --init-from checks."""
+    model, config, message = OTHER_CONFIGS[case]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-2.pt"
+    checkpoint.parent.mkdir(parents=True)
+    torch.save({"model": from_folder(project / "models" / model).state_dict()}, checkpoint)
+    out = tmp_path / "exported"
+    code = export_checkpoint.main([str(checkpoint), str(out), "--hf-config", str(config(project, tmp_path))])
+    error = capsys.readouterr().err
+    assert code == 2 and error.count(message) == 1 and error.count("error:") == 1, error
+    assert "nothing was written" in error and not out.exists(), error
+
+
+def test_an_export_writes_the_names_the_library_reads(project: Path, tmp_path: Path) -> None:
+    """A GPT-NeoX checkpoint holds the model's lm_head.weight; its files, and so the export, embed_out.weight."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-2.pt"
+    checkpoint.parent.mkdir(parents=True)
+    trained = from_folder(project / "models" / "neox").state_dict()
+    torch.save({"model": trained}, checkpoint)
+    hf_config = str(project / "models" / "neox")
+    assert export_checkpoint.main([str(checkpoint), str(tmp_path / "out"), "--hf-config", hf_config]) == 0
+    assert_holds_the_names_save_pretrained_writes(tmp_path / "out", "neox", project)
+    loaded = from_folder(tmp_path / "out").state_dict()
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[name], trained[name]) for name in trained)
+
+
 @NEEDS_FSDP2_ON_CPU
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_the_preflight_passes(model: str, project: Path, tmp_path: Path) -> None:
