@@ -57,7 +57,16 @@ from common.cli import HelpFormatter
 from common.flags import positive_float, positive_int
 from common.mnist import MnistNet
 from common.models import GPT_PRESETS, GPTConfig, count_parameters
-from tools.command_flags import block_count, layer_count, parameter_count
+from tools.command_flags import (
+    block_count,
+    context_length,
+    head_count,
+    layer_count,
+    micro_batch_size,
+    parameter_count,
+    vocabulary_size,
+    width,
+)
 from tools.estimates.activations import ActivationBytes, gpt_activations, mnist_activations
 from tools.estimates.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from tools.estimates.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
@@ -225,17 +234,17 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="the scripts' model: a GPT preset (its parameters replace --params, its Blocks --layers) or the MNIST net",
     )
     group.add_argument("--n-layer", type=block_count, help="override the preset's number of Blocks")
-    group.add_argument("--n-head", type=positive_int, help="override the preset's attention heads")
-    group.add_argument("--d-model", type=positive_int, help="override the preset's width")
-    group.add_argument("--block-size", type=positive_int, help="override the preset's context length (tokens)")
+    group.add_argument("--n-head", type=head_count, help="override the preset's attention heads")
+    group.add_argument("--d-model", type=width, help="override the preset's width")
+    group.add_argument("--block-size", type=context_length, help="override the preset's context length (tokens)")
     group.add_argument(
         "--vocab-size",
-        type=positive_int,
+        type=vocabulary_size,
         help=f"the GPT's vocabulary (default: {SYNTHETIC_VOCAB}, the scripts' synthetic data; GPT-2's is 50257)",
     )
     group.add_argument(
         "--batch-size",
-        type=positive_int,
+        type=micro_batch_size,
         help=f"sequences or images per rank per micro-step (default: the script's, "
         f"{DEFAULT_BATCH['gpt']} for the GPT and {DEFAULT_BATCH[MNIST]} for MNIST)",
     )
