@@ -191,10 +191,13 @@ REFUSALS = [
     (["--model", "mnist", "--mixed-precision", "bf16"], "the MNIST scripts have neither"),
     (["--model", "mnist", "--block-size", "64"], "describe the GPT, not MNIST"),
     (["--model", "tiny", "--n-head", "3"], "must be divisible by --n-head 3"),
-    # Each below 2**63, and so a flag's value, but their product is a tensor's size no 64-bit count holds.
-    (["--model", "tiny", "--batch-size", str(2**62)], "logits (4611686018427387904 x 64 x 16 values)"),
+    # Below 2**63, and so a flag's value, but a tensor's size no 64-bit count holds: the shape flags stop far below
+    # (the logits and the convolution's output were refused as such), --lora-rank by the size of its factor.
+    (["--model", "tiny", "--batch-size", str(2**62)], "must be at most 65,536 sequences or images"),
     (["--model", "tiny", "--lora-rank", str(2**62)], "more bytes than torch can count"),
-    (["--model", "mnist", "--batch-size", str(2**62)], "second convolution's output"),
+    (["--model", "mnist", "--batch-size", str(2**62)], "must be at most 65,536 sequences or images"),
+    # --d-model 1000000000 was a traceback: a q|k|v weight of 3 x 10**18 values ("Storage size calculation overflowed").
+    (["--model", "tiny", "--d-model", str(10**9)], "--d-model: must be at most 65,536 features, got 1000000000"),
     # A fake step over 10**9 Blocks never ended (10 minutes at 1,000): refused past 128, with the way that is fast.
     (["--model", "tiny", "--n-layer", "129"], "must be at most 128 Blocks, got 129"),
     ([], "give --params"),
