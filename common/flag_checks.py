@@ -339,6 +339,14 @@ def with_strategy_change(recorded: Any, current: str, changed: dict[str, list[An
     return {"strategy": [recorded, current], **kept}
 
 
+def fields_that_differ(there: Any, here: Any) -> tuple[Any, Any]:
+    """Two records cut to the fields in which they differ, where both are dicts (a Hugging Face config has dozens)."""
+    if not (isinstance(there, dict) and isinstance(here, dict)):
+        return there, here
+    fields = [name for name in {**there, **here} if there.get(name, NOT_RECORDED) != here.get(name, NOT_RECORDED)]
+    return tuple({name: record.get(name, NOT_RECORDED) for name in fields} for record in (there, here))  # type: ignore[return-value]
+
+
 def identity_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
     """What makes a checkpoint (its recorded ``identity``) unfit for this run, each difference named; None if it fits.
     A checkpoint belongs to a model, not to a script (the strategy is not in it). "trained" and "model" missing there:
@@ -353,7 +361,8 @@ def identity_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | Non
             )
         elif key != "trained":
             way_on = WAYS_ON.get((key, value is None), "{key} is {theirs!r} there, {ours!r} here")
-            differences.append(way_on.format(key=key, theirs=theirs.get(key), ours=value))
+            there, here = fields_that_differ(theirs.get(key), value)
+            differences.append(way_on.format(key=key, theirs=there, ours=here))
         elif theirs.get("lora") == ours.get("lora"):  # other adapters train other parameters: said already
             differences.append(trained_difference(theirs[key], value))
     return "; ".join(differences) or None

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402 - transformers 
 from common.data import IGNORE_INDEX, markov_data  # noqa: E402
 from common.distributed import FatalError  # noqa: E402
 from common.fine_tuning import add_adapters, freeze  # noqa: E402
+from common.flag_checks import identity_mismatch  # noqa: E402
 from tests.harness import launcher  # noqa: E402
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU  # noqa: E402
 from tests.harness.copies import check_warm, copy_common, project_env, run_copy  # noqa: E402
@@ -327,6 +328,20 @@ def test_the_folder_out_has_the_config_the_run_started_from(
     assert written.pop("dtype") == "float32"  # the weights' dtype, which save_pretrained records too
     assert written == {name: value for name, value in started_with.items() if name != "dtype"}
     from_folder(tmp_path / "run" / "hf")
+
+
+def test_a_resume_with_another_config_names_only_the_fields_that_differ() -> None:
+    """A run resumed after its --init-from config.json changed was refused with both configs whole: 40 fields each,
+    some 2,000 characters, where one field differed."""
+    from examples.hf_model import model_shape
+
+    wider = tiny_config("llama")
+    wider.intermediate_size = 96
+    message = identity_mismatch({"model": model_shape(tiny_config("llama"))}, {"model": model_shape(wider)})
+    assert message == "model is {'intermediate_size': 64} there, {'intermediate_size': 96} here", message
+    other = identity_mismatch({"model": model_shape(tiny_config("llama"))}, {"model": model_shape(tiny_config("gpt2"))})
+    assert other is not None and "'model_type': 'llama'" in other and "'model_type': 'gpt2'" in other, other
+    assert "'vocab_size'" not in other, other  # 16 on both sides
 
 
 def test_a_pickled_model_file_loads_only_when_named(project: Path, tmp_path: Path) -> None:
