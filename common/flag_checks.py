@@ -260,8 +260,7 @@ WAYS_ON = {  # what to do where an identity differs, by (key, whether this run h
     "fsdp/train_transformer_fsdp2_tp.py at a --tp-degree above 1 (2 processes or more), or export it: " + EXPORT,
     ("qkv", False): "its q|k|v weights were saved whole; a --tp-degree above 1 splits them: resume it with "
     "fsdp/train_transformer_fsdp2.py, or with fsdp/train_transformer_fsdp2_tp.py at --tp-degree 1 (any number of "
-    "processes). Whole weights do not go into split ones, from a checkpoint or from --init-from: to train it split, "
-    "go on unsplit or start the split run afresh",
+    "processes); this torch loads whole q|k|v weights into split ones from no checkpoint and no --init-from",
 }
 
 
