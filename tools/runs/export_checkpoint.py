@@ -21,7 +21,9 @@ A run of a Hugging Face model (docs/hugging-face.md) exports as a folder ``from_
     python -m tools.runs.export_checkpoint RUN_DIR/checkpoints/step-N OUT_DIR --hf-config MODEL_DIR
 
 ``config.json`` comes from --hf-config (the folder the run started from, or the file itself), the
-weights go to ``model.safetensors``, a tied weight once, under its first name.
+weights go to ``model.safetensors``, a tied weight once, under its first name, each under the name the
+library's files give it (GPT-NeoX's head as embed_out.weight). Weights that do not fit the model of that
+config (another family's, another shape) are refused before anything is written, as --init-from refuses them.
 """
 
 from __future__ import annotations
