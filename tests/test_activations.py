@@ -11,12 +11,14 @@ import dataclasses
 import functools
 import math
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 from common.models import GPT_PRESETS, GPTConfig
 from tests.harness.runs import run_script
+from tools.estimates import estimate_communication, estimate_memory
 from tools.estimates.activations import FORWARDS, ActivationBytes, gpt_activations, mnist_activations
 from tools.estimates.estimate_memory import GIB, MIB, estimate_model, forward_of, main
 from tools.model_shapes import fine_tune, gpt_parameter_shapes
@@ -212,6 +214,21 @@ def test_the_estimator_refuses_flags_that_do_not_fit(
         main([*args, "--world-size", "8", "--gpu-memory", "80"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("command", [estimate_memory, estimate_communication], ids=["memory", "communication"])
+def test_a_model_over_more_ranks_than_can_be_worked_out_is_refused_and_params_answers(
+    command: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --model each rank's share is worked out in turn: --world-size 2**61 ran on unended, 1,000,000 over a
+    minute. --params answers for such a world at once."""
+    job = ["--world-size", str(2**61), *(["--gpu-memory", "80"] if command is estimate_memory else [])]
+    for model in (["--model", "tiny"], ["--model", "mnist"])[: 2 if command is estimate_memory else 1]:
+        with pytest.raises(SystemExit) as exit_info:
+            command.parse_args([*model, *job])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("with --model: each rank's share of every tensor") == 1, err
+    command.parse_args(["--params", "7e9", *job])
 
 
 def test_mnist_rows(capsys: pytest.CaptureFixture[str]) -> None:

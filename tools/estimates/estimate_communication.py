@@ -34,6 +34,7 @@ from tools.estimates.estimate_memory import (
     between_steps,
     count_label,
     gpt_shape,
+    refuse_too_many_ranks,
     resolve_shard_group_size,
     shard_group_for,
 )
@@ -316,6 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     resolve_shard_group_size(parser, args)
+    refuse_too_many_ranks(parser, args)
     config = gpt_of(parser, args)
     if args.layers * args.micro_steps > MAX_UNIT_STEPS:
         units = "--layers" if config is None else "--n-layer"
