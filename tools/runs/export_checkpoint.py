@@ -228,9 +228,9 @@ def as_in_files(state: dict[str, torch.Tensor], config_text: str) -> tuple[dict[
     """``state`` under the names that the files of --hf-config's model give its tensors, and that model's ties (alias
     -> first name, as named there). ValueError where the weights do not fit that model: other names, shapes or dtypes,
     or a pair it ties held as two tensors; the same checks as --init-from's."""
+    model = pretrained_model(config_text)  # first: it says so where transformers is not installed
     from examples.hf_model import names_in_files  # the copies' own: what their RUN_DIR/hf holds is what this writes
 
-    model = pretrained_model(config_text)
     try:
         in_files = names_in_files(model)
     except FatalError as err:  # a family these scripts cannot write, whatever the weights
