@@ -325,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             write_pretrained(state, args.output, args.hf_config, tied, args.overwrite)
     except OSError as err:
         return fail(f"cannot write {args.output}: {err.strerror or err}")
-    parameters = sum(tensor.numel() for tensor in state.values())
-    print(f"wrote {args.output}: {len(state)} tensors, {parameters:,} values")
+    written = [tensor for name, tensor in state.items() if args.hf_config is None or name not in tied]  # a tie once
+    print(f"wrote {args.output}: {len(written)} tensors, {sum(tensor.numel() for tensor in written):,} values")
     return 0
 
 
