@@ -40,8 +40,8 @@ from common.distributed import (
     quiet_internal_warnings,
     shard_group_size,
 )
-from common.fine_tuning import adapter_identity, trained_difference, trained_parameters
-from common.flag_checks import plain_setting
+from common.fine_tuning import adapter_identity, adapters_difference, trained_difference, trained_parameters
+from common.flag_checks import NOT_RECORDED, fields_that_differ, plain_setting
 from common.models import tied_parameters
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
 from common.run_dir import CHECKPOINTS, MODEL_FILE, checkpoint_step, checkpoint_to_resume, complete_checkpoints
@@ -339,13 +339,15 @@ class Checkpointer:
         return safe_io.read_agreed(path, read, self.run_dir, self.ctx, every_rank)
 
 
-NOT_RECORDED = "(not recorded)"  # a flag that the script which wrote the checkpoint did not have yet
 EXPORT = "python -m tools.runs.export_checkpoint CHECKPOINT model.pt, then start a new run with --init-from model.pt"
 WAYS_ON = {  # what to do where an identity differs, by (key, whether this run has None there)
-    ("lora", True): "lora is {theirs!r} there, None here (to go on without adapters, merge them: " + EXPORT + ")",
+    ("lora", True): "--lora-rank: the checkpoint has LoRA adapters ({theirs!r}), this run none (to go on without "
+    "adapters, merge them: " + EXPORT + ")",
     ("qkv", True): "its q|k|v weights were saved split for tensor parallelism: resume it with "
     "fsdp/train_transformer_fsdp2_tp.py at a --tp-degree above 1 (2 processes or more), or export it: " + EXPORT,
-    ("qkv", False): "its q|k|v weights were saved whole; a --tp-degree above 1 splits them: resume it in one process",
+    ("qkv", False): "its q|k|v weights were saved whole; a --tp-degree above 1 splits them: resume it with "
+    "fsdp/train_transformer_fsdp2.py, or with fsdp/train_transformer_fsdp2_tp.py at --tp-degree 1 (any number of "
+    "processes); this torch loads whole q|k|v weights into split ones from no checkpoint and no --init-from",
 }
 
 
@@ -431,9 +433,14 @@ def identity_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> str | Non
     for key, value in ({**ours, "qkv": ours.get("qkv")} if "qkv" in theirs else ours).items():
         if theirs.get(key) == value or (key in ("trained", "model") and key not in theirs):
             continue
-        if key != "trained":
+        if key == "lora" and value is not None:
+            differences.append(
+                adapters_difference(theirs.get(key), value, [theirs.get("trained"), ours.get("trained")])
+            )
+        elif key != "trained":
             way_on = WAYS_ON.get((key, value is None), "{key} is {theirs!r} there, {ours!r} here")
-            differences.append(way_on.format(key=key, theirs=theirs.get(key), ours=value))
+            there, here = fields_that_differ(theirs.get(key), value)
+            differences.append(way_on.format(key=key, theirs=there, ours=here))
         elif theirs.get("lora") == ours.get("lora"):  # other adapters train other parameters: said already
             differences.append(trained_difference(theirs[key], value))
     return "; ".join(differences) or None

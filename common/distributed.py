@@ -85,12 +85,18 @@ def set_cpu_threads(local_world_size: int) -> None:
     """Share the cores between this node's processes (each would spawn a thread per core), unless OMP_NUM_THREADS
     is set (torchrun sets 1 for several workers, SLURM launchers per task). Where torch already has its share (one
     process, no CPU limit) its count is left alone: setting it, even to the same number, makes MKL use every thread
-    on small matrix products: the tiny preset's step took 15% longer (19.2 against 16.5 ms, medians of 5, 2 cores)."""
-    if "OMP_NUM_THREADS" in os.environ:
+    on small matrix products: the tiny preset's step took 15% longer (19.2 against 16.5 ms, medians of 5, 2 cores).
+    A value OpenMP does not count (empty, 0, a word) counts as unset: OpenMP took it for every core, in each process
+    (2 ranks on 2 cores ran the README's job 4.4 times slower); rank 0 says so."""
+    given = os.environ.get("OMP_NUM_THREADS")
+    if given is not None and re.fullmatch(r"\s*0*[1-9]\d*\s*(,\s*0*[1-9]\d*\s*)*", given):  # a count per nesting level
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     share = max(1, cores // local_world_size)
-    if torch.get_num_threads() != share:
+    if given is not None:
+        print0(f"OMP_NUM_THREADS={given!r} is no thread count: taken as unset, {share} thread(s) per process")
+        os.environ["OMP_NUM_THREADS"] = str(share)  # what this process's children (data loader workers) read
+    if given is not None or torch.get_num_threads() != share:
         torch.set_num_threads(share)
 
 

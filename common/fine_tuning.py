@@ -172,6 +172,33 @@ def trained_parameters(model: nn.Module) -> list[str] | None:
     return None if len(names) == sum(1 for _ in inner.parameters()) else sorted(names)
 
 
+def adapters_difference(there: dict[str, Any] | None, here: dict[str, Any], trained: list[list[str] | None]) -> str:
+    """Each LoRA flag that differs between a checkpoint's adapters (``adapter_identity``) and this run's, with the
+    layers one side adapts and the other does not where both recorded what trains (``trained``: there, here)."""
+    there = there or {"rank": "unset", "scale": here["scale"], "layers": 0}
+    parts = [f"--lora-rank {there['rank']} there, {here['rank']} here"] if there["rank"] != here["rank"] else []
+    if there["scale"] != here["scale"]:
+        parts.append(f"--lora-alpha: the update is scaled by {there['scale']:g} there, {here['scale']:g} here")
+    layers = [
+        {name.removesuffix(".adapter.a") for name in names or [] if name.endswith(".adapter.a")} for names in trained
+    ]
+    layers_named = named_differences(*layers, "is adapted", "are adapted")
+    if there["layers"] != here["layers"] or layers_named:
+        counts = f"adapters on {there['layers']} layers there, {here['layers']} here"
+        parts.append("; ".join([f"--lora-targets differ: {counts}", *layers_named]))
+    return "; ".join(parts)
+
+
+def named_differences(there: set[str], here: set[str], one: str, many: str) -> list[str]:
+    """``'first' and N more MANY there but not here`` (or ``'first' ONE``), and the other way round, where any."""
+    parts = []
+    for names, where in ((there - here, "there but not here"), (here - there, "here but not there")):
+        if names:
+            first, more = sorted(names)[0], len(names) - 1
+            parts.append(f"{first!r} and {more} more {many} {where}" if more else f"{first!r} {one} {where}")
+    return parts
+
+
 def trained_difference(there: list[str] | None, here: list[str] | None) -> str:
     """The setting that changed between a checkpoint's trained parameters and this run's, and what it changed."""
     if there is None or here is None:
@@ -184,10 +211,4 @@ def trained_difference(there: list[str] | None, here: list[str] | None) -> str:
     setting = "--freeze or --lora-targets"
     if len(adapters) == 1:
         setting = "--lora-targets" if adapters.pop() else "--freeze"
-    parts = []
-    for names, where in ((there_set - here_set, "there but not here"), (here_set - there_set, "here but not there")):
-        if names:
-            first = sorted(names)[0]
-            some = f"{first!r} and {len(names) - 1} more train" if len(names) > 1 else f"{first!r} trains"
-            parts.append(f"{some} {where}")
-    return f"{setting} differ: {'; '.join(parts)}"
+    return f"{setting} differ: {'; '.join(named_differences(there_set, here_set, 'trains', 'train'))}"

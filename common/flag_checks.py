@@ -249,3 +249,14 @@ def plain_setting(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [plain_setting(item) for item in value]
     return str(value)  # a Path, or anything else a flag's type makes
+
+
+NOT_RECORDED = "(not recorded)"  # a flag that the script which wrote the checkpoint did not have yet
+
+
+def fields_that_differ(there: Any, here: Any) -> tuple[Any, Any]:
+    """Two records cut to the fields in which they differ, where both are dicts (a Hugging Face config has dozens)."""
+    if not (isinstance(there, dict) and isinstance(here, dict)):
+        return there, here
+    fields = [name for name in {**there, **here} if there.get(name, NOT_RECORDED) != here.get(name, NOT_RECORDED)]
+    return tuple({name: record.get(name, NOT_RECORDED) for name in fields} for record in (there, here))  # type: ignore[return-value]

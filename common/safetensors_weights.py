@@ -23,7 +23,7 @@ from common.distributed import (
     quiet_internal_warnings,
 )
 from common.fine_tuning import is_adapter
-from common.models import tied_parameters
+from common.models import tied_parameters, unwrapped
 from common.outputs import output_folder, write_by_name, write_text
 
 SUFFIX = ".safetensors"
@@ -31,6 +31,9 @@ WEIGHTS_FILE = "model.safetensors"  # what save_pretrained writes for a model of
 INDEX_FILE = "model.safetensors.index.json"  # for a model in several files: which file holds which tensor
 CONFIG_FILE = "config.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")  # the format before safetensors
+# A model's attribute: {its name: the name its files give the tensor}, where they differ (a Hugging Face model's own
+# renaming on load, as GPT-NeoX's embed_out.weight for lm_head.weight; examples/hf_model.py sets it).
+NAMES_IN_FILES = "names_in_files"
 
 Header = dict[str, tuple[tuple[int, ...], torch.dtype]]  # a tensor's shape and dtype, by name
 
@@ -125,15 +128,16 @@ def weights_problem(found: Header, expected: Header, tied: dict[str, str]) -> st
     return f"does not fit this model ({'; '.join(parts)})" if parts else None
 
 
-def tied_tensors(files: list[Path], tied: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The tensors ``files`` hold under the names of a tied pair: both, where the files store it twice."""
+def tied_tensors(files: list[Path], tied: dict[str, str], in_files: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors ``files`` hold under the names of a tied pair (``in_files``: as the files name them): both, where
+    the files store it twice; by the model's names."""
     from safetensors import safe_open
 
-    wanted = {name for pair in tied.items() for name in pair}
+    wanted = {in_files.get(name, name): name for pair in tied.items() for name in pair}
     stored: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as opened:
-            stored |= {name: opened.get_tensor(name) for name in opened.keys() if name in wanted}  # noqa: SIM118
+            stored |= {wanted[name]: opened.get_tensor(name) for name in opened.keys() if name in wanted}  # noqa: SIM118
     return stored
 
 
@@ -188,7 +192,7 @@ def start_from_safetensors(model: torch.nn.Module, path: Path, ctx: DistContext)
     """--init-from a ``save_pretrained`` folder or a ``.safetensors`` file, into the wrapped ``model``. DISTRIBUTED:
     rank 0 checks the headers against the model (names, shapes, dtypes, tying), every rank stops with one message if
     they do not fit; then each rank reads the slices it keeps. LoRA adapters are not in such weights (no change)."""
-    tied = tied_parameters(model)
+    tied, in_files = tied_parameters(model), getattr(unwrapped(model), NAMES_IN_FILES, {})
     with quiet_internal_warnings():  # FSDP1's sharded state dict still goes through ShardedTensor
         state = get_model_state_dict(model)
         expected = {name: (tuple(t.size()), t.dtype) for name, t in state.items() if not is_adapter(name)}
@@ -196,14 +200,17 @@ def start_from_safetensors(model: torch.nn.Module, path: Path, ctx: DistContext)
     if ctx.is_main:
         try:
             files = safetensors_files(path)
-            header = read_header(files)
+            model_names = {file_name: name for name, file_name in in_files.items()}
+            header = {model_names.get(name, name): value for name, value in read_header(files).items()}
         except ValueError as err:  # the files as a whole: none there, missing from an index, a tensor in two
             problem = str(err)
         except Exception as err:  # noqa: BLE001 - any failure to read a file is one message, below
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
             problem = f"cannot be read ({type(err).__name__}: {first_line})"
         else:
-            problem = weights_problem(header, expected, tied) or untied_problem(tied_tensors(files, tied), tied)
+            problem = weights_problem(header, expected, tied) or untied_problem(
+                tied_tensors(files, tied, in_files), tied
+            )
             problem = problem and tie_hint(path, problem, tied)
             # A tied pair stored twice holds one value (checked above): read it once, under the first name.
             read = [name for name in expected if name in header and not (name in tied and tied[name] in header)]
@@ -212,7 +219,7 @@ def start_from_safetensors(model: torch.nn.Module, path: Path, ctx: DistContext)
         raise FatalError(f"--init-from {path} {problem}")
     reader = counting_reader(files)
     with quiet_internal_warnings():
-        dcp.load({name: state[name] for name in read}, storage_reader=reader)
+        dcp.load({in_files.get(name, name): state[name] for name in read}, storage_reader=reader)
         for alias, source in tied.items():
             state[alias] = state[source]
         set_model_state_dict(model, state)

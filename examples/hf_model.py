@@ -7,26 +7,33 @@ every run starts from that folder's weights: a pretrained model, or one you made
 ``AutoModelForCausalLM.from_config(config).save_pretrained(folder)`` to train from scratch.
 
 This file imports transformers; the scripts and common/ never do. What it needs of the library:
-``AutoConfig``, ``AutoModelForCausalLM`` and a model's own ``_init_weights`` for its buffers.
+``CONFIG_MAPPING`` (the config class of each model_type), ``AutoModelForCausalLM`` and a model's own ``_init_weights``
+for its buffers.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from common.distributed import DistContext, FatalError
 from common.models import tied_parameters
 from common.run_dir import PRETRAINED_DIR
 from common.safe_io import save_model_folder
-from common.safetensors_weights import CONFIG_FILE
+from common.safetensors_weights import CONFIG_FILE, NAMES_IN_FILES
 
+# The text of each --init-from's config.json as the run read it, before it built the model: what RUN_DIR/hf gets at
+# the end, whatever the folder holds by then (another export with --overwrite may have replaced it meanwhile).
+CONFIGS_AS_READ: dict[Path, str] = {}
 # Config fields that are no part of the model's shape: a resume may change them.
 NOT_THE_SHAPE = {"use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "architectures"}
 
@@ -50,9 +57,12 @@ def hf_config(init_from: Path | None, dropout: float) -> PretrainedConfig:
     generation reuses. FatalError for a config of a model that is no causal language model."""
     folder = config_folder(init_from)
     try:
-        config = AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError, KeyError) as err:
-        raise FatalError(f"{folder / CONFIG_FILE} cannot be read as a Hugging Face config ({err})") from None
+        text = (folder / CONFIG_FILE).read_text()
+        fields = json.loads(text)
+        config = CONFIG_MAPPING[fields["model_type"]].from_dict(fields)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise FatalError(f"{folder / CONFIG_FILE} cannot be read as a Hugging Face config ({err!r})") from None
+    CONFIGS_AS_READ[init_from] = text
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise FatalError(
             f"{folder / CONFIG_FILE} describes a {config.model_type} model, which is no causal language model "
@@ -78,7 +88,26 @@ def causal_lm(config: PretrainedConfig, vocab_size: int, block_size: int) -> Pre
     if longest is not None and block_size > longest:
         raise FatalError(f"--block-size {block_size} is longer than this model's {longest} positions")
     # fp32 whatever the folder's dtype: the weights the optimizer updates stay fp32 (--mixed-precision computes lower).
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    setattr(model, NAMES_IN_FILES, names_in_files(model))  # what --init-from reads each tensor as
+    return model
+
+
+def names_in_files(model: PreTrainedModel) -> dict[str, str]:
+    """Each name of the model's state dict that its files give another name (GPT-NeoX's ``lm_head.weight`` is
+    ``embed_out.weight`` there): transformers' own reverse of the renaming it applies on load, as ``save_pretrained``
+    writes. FatalError for a family whose files hold its tensors in another layout (Mixtral's experts one by one,
+    merged on load): these scripts read a file's tensors by name, as they are."""
+    markers = {name: torch.empty_like(tensor, device="meta") for name, tensor in model.state_dict().items()}
+    written = revert_weight_conversion(model, dict(markers))
+    names = {id(marker): name for name, marker in markers.items()}
+    if len(written) != len(markers) or any(id(tensor) not in names for tensor in written.values()):
+        raise FatalError(
+            f"{type(model).__name__} is stored in its files in another layout than the model holds (transformers "
+            f"converts {len(written)} tensors there into {len(markers)} on load): these scripts read each tensor "
+            "by its name, as stored, so they cannot train this family"
+        )
+    return {names[id(tensor)]: name for name, tensor in written.items() if names[id(tensor)] != name}
 
 
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
@@ -174,6 +203,10 @@ def save_pretrained(
     state: dict[str, torch.Tensor] | None, model: nn.Module, init_from: Path, run_dir: Path, ctx: DistContext
 ) -> None:
     """RUN_DIR/hf: the final model as a folder ``from_pretrained`` loads, from the state dict model.pt holds,
-    with the config.json of the folder the run started from (its dropouts as they were there)."""
-    config_text = (config_folder(init_from) / CONFIG_FILE).read_text()
-    save_model_folder(state, run_dir / PRETRAINED_DIR, config_text, tied_parameters(model), ctx)
+    with the config.json of the folder the run started from, as ``hf_config`` read it (its dropouts as they were)."""
+    config_text = CONFIGS_AS_READ[init_from]
+    pretrained = next(module for module in model.modules() if isinstance(module, PreTrainedModel))
+    in_files = getattr(pretrained, NAMES_IN_FILES)  # as causal_lm found them, on the model before it was wrapped
+    state = state and {in_files.get(name, name): tensor for name, tensor in state.items()}
+    tied = {in_files.get(alias, alias): in_files.get(name, name) for alias, name in tied_parameters(model).items()}
+    save_model_folder(state, run_dir / PRETRAINED_DIR, config_text, tied, ctx)

@@ -11,12 +11,14 @@ import dataclasses
 import functools
 import math
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 from common.models import GPT_PRESETS, GPTConfig
 from tests.harness.runs import run_script
+from tools.estimates import estimate_communication, estimate_memory
 from tools.estimates.activations import FORWARDS, ActivationBytes, gpt_activations, mnist_activations
 from tools.estimates.estimate_memory import GIB, MIB, estimate_model, forward_of, main
 from tools.model_shapes import fine_tune, gpt_parameter_shapes
@@ -191,10 +193,13 @@ REFUSALS = [
     (["--model", "mnist", "--mixed-precision", "bf16"], "the MNIST scripts have neither"),
     (["--model", "mnist", "--block-size", "64"], "describe the GPT, not MNIST"),
     (["--model", "tiny", "--n-head", "3"], "must be divisible by --n-head 3"),
-    # Each below 2**63, and so a flag's value, but their product is a tensor's size no 64-bit count holds.
-    (["--model", "tiny", "--batch-size", str(2**62)], "logits (4611686018427387904 x 64 x 16 values)"),
+    # Below 2**63, and so a flag's value, but a tensor's size no 64-bit count holds: the shape flags stop far below
+    # (the logits and the convolution's output were refused as such), --lora-rank by the size of its factor.
+    (["--model", "tiny", "--batch-size", str(2**62)], "must be at most 65,536 sequences or images"),
     (["--model", "tiny", "--lora-rank", str(2**62)], "more bytes than torch can count"),
-    (["--model", "mnist", "--batch-size", str(2**62)], "second convolution's output"),
+    (["--model", "mnist", "--batch-size", str(2**62)], "must be at most 65,536 sequences or images"),
+    # --d-model 1000000000 was a traceback: a q|k|v weight of 3 x 10**18 values ("Storage size calculation overflowed").
+    (["--model", "tiny", "--d-model", str(10**9)], "--d-model: must be at most 65,536 features, got 1000000000"),
     # A fake step over 10**9 Blocks never ended (10 minutes at 1,000): refused past 128, with the way that is fast.
     (["--model", "tiny", "--n-layer", "129"], "must be at most 128 Blocks, got 129"),
     ([], "give --params"),
@@ -209,6 +214,21 @@ def test_the_estimator_refuses_flags_that_do_not_fit(
         main([*args, "--world-size", "8", "--gpu-memory", "80"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("command", [estimate_memory, estimate_communication], ids=["memory", "communication"])
+def test_a_model_over_more_ranks_than_can_be_worked_out_is_refused_and_params_answers(
+    command: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --model each rank's share is worked out in turn: --world-size 2**61 ran on unended, 1,000,000 over a
+    minute. --params answers for such a world at once."""
+    job = ["--world-size", str(2**61), *(["--gpu-memory", "80"] if command is estimate_memory else [])]
+    for model in (["--model", "tiny"], ["--model", "mnist"])[: 2 if command is estimate_memory else 1]:
+        with pytest.raises(SystemExit) as exit_info:
+            command.parse_args([*model, *job])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("with --model: each rank's share of every tensor") == 1, err
+    command.parse_args(["--params", "7e9", *job])
 
 
 def test_mnist_rows(capsys: pytest.CaptureFixture[str]) -> None:

@@ -370,7 +370,10 @@ def test_a_tensor_parallel_checkpoint_resumed_unsplit_says_how_to_go_on() -> Non
             "fsdp/train_transformer_fsdp2_tp.py at a --tp-degree above 1"
         ), message
         assert "python -m tools.runs.export_checkpoint CHECKPOINT model.pt" in message and "--init-from" in message
-    assert "were saved whole; a --tp-degree above 1 splits them" in str(identity_mismatch(common, split))
+    # Which script resumes it, and at what degree (it said "resume it in one process", naming neither).
+    whole = str(identity_mismatch(common, split))
+    assert "saved whole; a --tp-degree above 1 splits them: resume it with fsdp/train_transformer_fsdp2.py" in whole
+    assert "or with fsdp/train_transformer_fsdp2_tp.py at --tp-degree 1 (any number of processes)" in whole
     # Whole weights fit either way; a key only the first checkpoints recorded ("script") is still not compared.
     assert identity_mismatch(unsplit, common) is None and identity_mismatch(common, unsplit) is None
     assert identity_mismatch({**common, "script": "fsdp/train_transformer_fsdp2.py"}, common) is None

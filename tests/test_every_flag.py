@@ -5,7 +5,8 @@ the tools/ modules with a ``__main__`` block (found as tests/test_layout.py find
 ``parse_args(argv)`` that parses and runs the module's checks, and does no work. The test catches the
 parser it builds, walks ``parser._actions``, and tries on each flag the hostile values of its kind,
 which the flag's type declares (``common.flags``): for a number nan, inf, 0, -1, 1e999 and a word, and for
-a whole number also integers past 64 bits (2**63, and a 401-digit one as a typo or a script makes); for
+a whole number also integers past 64 bits (2**63, and a 401-digit one as a typo or a script makes), and for a
+dimension of the model's tensors (``tools.command_flags.DIMENSION``) also sizes whose tensors torch cannot count; for
 an input a missing path and the wrong kind of path; for an output a folder or a file where the other
 goes, a place below a file (unwritable, even for root), and an input of the same command; two outputs of
 one command get one path (a file and a file, or a file and a folder). A flag with choices gets a word that
@@ -35,6 +36,7 @@ import pytest
 from common import flags
 from tests.harness.cases import is_command
 from tests.harness.runs import REPO, clean_env
+from tools.command_flags import DIMENSION
 
 SCRIPTS = sorted(str(path.relative_to(REPO)) for path in [*REPO.glob("ddp/train_*.py"), *REPO.glob("fsdp/train_*.py")])
 
@@ -51,9 +53,14 @@ NUMBERS = ["nan", "inf", "0", "-1", "1e999", "many"]
 # Python reads any integer, torch and numpy no larger than 2**63 - 1: these once reached a tensor's shape
 # (tools.estimates.simulate --batch-size, a traceback from torch.randint).
 HUGE_INTEGERS = [str(2**63), str(10**400)]
+# Within 64 bits, but a model's tensors of that size are more bytes than torch counts (2**63): a width of 10**9 made
+# a q|k|v weight of 3 x 10**18 values ("Storage size calculation overflowed", tools.estimates.estimate_memory), 2**32
+# squares to 2**64, and one dimension of 2**61 fp32 values alone is 2**63 bytes.
+TENSOR_OVERFLOWS = [str(10**9), str(2**32), str(2**61)]
 HOSTILE = {
     flags.NUMBER: NUMBERS,
     flags.INTEGER: [*NUMBERS, *HUGE_INTEGERS],
+    DIMENSION: [*NUMBERS, *HUGE_INTEGERS, *TENSOR_OVERFLOWS],
     flags.EXISTING_FILE: ["{missing}", "{folder}", *ANY_PATH],
     flags.EXISTING_DIR: ["{missing}", "{file}", *ANY_PATH],
     flags.EXISTING_PATH: ["{missing}", "{below_file}", *ANY_PATH],
@@ -133,8 +140,9 @@ BASE: dict[str, tuple[list[str], dict[str, list[str]]]] = {
     "tools.checks.comm_check": (["--device", "cpu", "--out", "{out}"], {}),
     "tools.runs.compare_runs": ([], {"run_a": ["{run_a}"], "run_b": ["{run_b}"]}),
     "tools.benchmarks.compare_strategies": (["--device", "cpu", "--out-dir", "{runs}"], {}),
-    "tools.estimates.estimate_communication": (["--params", "7e9", "--world-size", "8"], {}),
-    "tools.estimates.estimate_memory": (["--params", "7e9", "--world-size", "8", "--gpu-memory", "80"], {}),
+    # The GPT, not --params: its shape flags are then tried as its shape, where a size can overflow a tensor.
+    "tools.estimates.estimate_communication": (["--model", "tiny", "--world-size", "8"], {}),
+    "tools.estimates.estimate_memory": (["--model", "tiny", "--world-size", "8", "--gpu-memory", "80"], {}),
     "tools.runs.export_checkpoint": ([], {"checkpoint": ["{checkpoint}"], "output": ["{out}"]}),
     "tools.runs.plot": (["--out", "{out}.png"], {"run_dirs": ["{finished_run}"]}),
     "tools.checks.preflight": (["--nproc", "2"], {"script": ["{script}"]}),
@@ -314,6 +322,22 @@ def test_every_flag_refuses_what_broke_one(tmp_path: Path, capsys: pytest.Captur
         programs = len(SCRIPTS) + len(COMMANDS)
         print(f"\n{flags_seen} flags of {programs} programs: {tried} values tried, {declared_valid} of them VALID")
     assert not failures, "\n".join(failures)
+
+
+# The dests of the flags that size the GPT's tensors in a command (the estimators, tools.estimates.simulate).
+MODEL_DIMENSIONS = {"n_layer", "n_head", "d_model", "block_size", "vocab_size", "batch_size"}
+
+
+def test_every_flag_that_sizes_a_commands_model_is_tried_as_a_dimension() -> None:
+    """A shape flag typed as a plain whole number would be tried with 64-bit overflows only, which --d-model 10**9
+    passed on its way to a traceback."""
+    plain = [
+        f"{program} {name_of(action)}"
+        for program in COMMANDS
+        for action in parser_of(entry_point(program))._actions
+        if action.dest in MODEL_DIMENSIONS and getattr(action.type, "kind", None) != DIMENSION
+    ]
+    assert not plain, plain
 
 
 @pytest.mark.parametrize("program", COMMANDS)

@@ -17,7 +17,15 @@ import pytest
 import torch
 
 from common.collectives import Traffic
-from common.fine_tuning import DEFAULT_LORA_TARGETS, LowRankUpdate, add_adapters, merge_adapters
+from common.fine_tuning import (
+    DEFAULT_LORA_TARGETS,
+    LowRankUpdate,
+    adapter_identity,
+    add_adapters,
+    merge_adapters,
+    trained_parameters,
+)
+from common.flag_checks import identity_mismatch
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.model_files import assert_same_parameters
@@ -178,7 +186,10 @@ def test_a_lora_checkpoint_resumes_only_with_its_adapters_and_exports_them_alone
     checkpoint = tmp_path / "checkpoints" / "step-2.pt"
     plain = run_script("ddp/train_transformer.py", [*SMALL, "--resume", "--max-steps", "4"], tmp_path)
     assert plain.returncode == 2, plain.describe()
-    assert plain.output.count("lora is {'rank': 4, 'scale': 2.0, 'layers': 8} there, None here") == 1, plain.describe()
+    assert (
+        plain.output.count("--lora-rank: the checkpoint has LoRA adapters ({'rank': 4, 'scale': 2.0, 'layers': 8})")
+        == 1
+    ), plain.describe()
     assert "Traceback" not in plain.output and checkpoint.exists(), plain.describe()
     adapters = tmp_path / "adapters.pt"
     assert export_checkpoint.main([str(checkpoint), str(adapters), "--adapters-only"]) == 0
@@ -228,6 +239,49 @@ def test_a_resume_that_trains_other_parameters_names_the_setting(
     assert refused.returncode == 2, refused.describe()
     assert refused.output.count(said) == 1 and "Traceback" not in refused.output, refused.describe()
     assert (tmp_path / "checkpoints" / "step-2.pt").exists(), refused.describe()
+
+
+def adapted_identity(rank: int | None, alpha: float | None, targets: list[str]) -> dict[str, object]:
+    """What a checkpoint of the tiny GPT records of its adapters (``rank`` None: no --lora-rank), built in process."""
+    with torch.device("meta"):
+        model = GPT(TINY, seed=None)
+    add_adapters(model, rank, alpha, targets, seed=0)
+    return {"model": TINY.shape(), "lora": adapter_identity(model), "tied": None, "trained": trained_parameters(model)}
+
+
+ATTENTION, MLP, FIRST_BLOCK = "blocks.*.attn.*", "blocks.*.mlp.*", "blocks.0.*"
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed", "said"),
+    [
+        # The issue's case: 8 layers there, 4 here, "lora is {...} there, {...} here" named no flag.
+        ((2, None, [ATTENTION, MLP]), (2, None, [ATTENTION]), ["--lora-targets differ: adapters on 8 layers there, "
+         "4 here; 'blocks.0.mlp.fc' and 3 more are adapted there but not here"]),
+        ((4, None, [FIRST_BLOCK]), (4, None, [ATTENTION, MLP]), ["--lora-targets differ: adapters on 4 layers there, "
+         "8 here; 'blocks.1.attn.proj' and 3 more are adapted here but not there"]),
+        # Other layers and another rank: both flags named.
+        ((4, None, [ATTENTION]), (2, None, [MLP]), ["--lora-rank 4 there, 2 here", "'blocks.0.attn.proj' and 3 more "
+         "are adapted there but not here; 'blocks.0.mlp.fc' and 3 more are adapted here but not there"]),
+        ((4, 8.0, [ATTENTION]), (4, 4.0, [ATTENTION]),
+         ["--lora-alpha: the update is scaled by 2 there, 1 here"]),
+        ((None, None, []), (4, None, [MLP]), ["--lora-rank unset there, 4 here; --lora-targets differ: adapters on 0 "
+         "layers there, 4 here; 'blocks.0.mlp.fc' and 3 more are adapted here but not there"]),
+        ((4, None, [MLP]), (None, None, []), ["--lora-rank: the checkpoint has LoRA adapters"]),
+    ],
+    ids=["fewer-layers", "more-layers", "other-layers-and-rank", "other-alpha", "adapters-added", "adapters-dropped"],
+)  # fmt: skip
+def test_a_resume_with_other_adapters_names_each_lora_flag_that_differs(
+    saved: tuple, resumed: tuple, said: list[str]
+) -> None:
+    """The checkpoint's identity against the resumed run's, as the scripts compare them before loading anything.
+    A checkpoint from before "trained" was recorded still names --lora-targets, by the counts alone."""
+    there, here = adapted_identity(*saved), adapted_identity(*resumed)
+    message = identity_mismatch(there, here)
+    assert message is not None and all(part in message for part in said), message
+    if there["lora"] and here["lora"] and there["lora"]["layers"] != here["lora"]["layers"]:
+        unrecorded = identity_mismatch({key: value for key, value in there.items() if key != "trained"}, here)
+        assert unrecorded is not None and "--lora-targets differ: adapters on " in unrecorded, unrecorded
 
 
 def test_fsdp1_lora_resumes_its_own_sharded_checkpoint_at_3_processes(tmp_path: Path) -> None:

@@ -269,3 +269,29 @@ def test_one_process_with_every_core_keeps_torchs_own_thread_count(monkeypatch: 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # a task given 2 of the 4
     set_cpu_threads(1)
     assert asked == [2, 2]
+
+
+@pytest.mark.parametrize("value", ["", " ", "0", "-1", "four", "2x"])
+def test_an_omp_num_threads_that_is_no_count_is_taken_as_unset_and_said_once(
+    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OpenMP reads such a value as every core, in each process: 2 ranks on 2 cores took 7 min 52 s for the
+    README's job instead of 1 min 47 s, with only libgomp's "Invalid value" to see. Each process takes its share
+    of the cores as if the variable were unset, its children get that count, and rank 0 alone says why."""
+    asked: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        set_cpu_threads(2)
+        assert os.environ["OMP_NUM_THREADS"] == "2"
+    assert asked == [2, 2]
+    said = capsys.readouterr().out
+    assert said.count(f"OMP_NUM_THREADS={value!r} is no thread count") == 1, said
+    # What OpenMP takes as a count is the user's choice, left alone.
+    for count in ("3", " 1 ", "2,1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", count)
+        set_cpu_threads(2)
+    assert asked == [2, 2] and capsys.readouterr().out == ""

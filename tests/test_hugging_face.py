@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402 - transformers 
 from common.data import IGNORE_INDEX, markov_data  # noqa: E402
 from common.distributed import FatalError  # noqa: E402
 from common.fine_tuning import add_adapters, freeze  # noqa: E402
+from common.flag_checks import identity_mismatch  # noqa: E402
 from tests.harness import launcher  # noqa: E402
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU  # noqa: E402
 from tests.harness.copies import check_warm, copy_common, project_env, run_copy  # noqa: E402
@@ -56,6 +57,11 @@ def tiny_config(model: str) -> transformers.PretrainedConfig:
             vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, **tokens,
         )  # fmt: skip
+    if model == "neox":  # its files name its head embed_out.weight; the library renames it lm_head on load
+        return transformers.GPTNeoXConfig(
+            vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, **tokens,
+        )  # fmt: skip
     return transformers.GPT2Config(vocab_size=16, n_embd=32, n_layer=2, n_head=4, n_positions=64, **tokens)
 
 
@@ -70,7 +76,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert set(edits) == set(COPIES.values()), "the page gives the edits of each transformer script"
     for name, script in COPIES.items():
         (train / f"{name}.py").write_text(apply_edits((REPO / script).read_text(), edits[script]))
-    for model in ("llama", "gpt2"):
+    for model in ("llama", "gpt2", "neox"):
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(tiny_config(model)).save_pretrained(project / "models" / model)
     return project
@@ -184,8 +190,11 @@ def test_each_strategy_trains_what_one_process_does_and_resumes_where_it_stopped
         # 12 and the embedding: 13).
         ("gpt2", "fsdp1", ["--freeze", "lm_head.*", "--freeze", "transformer.h.0.*"],
          ["frozen: 13 of 28 parameters", "frozen: lm_head.weight too, which is transformer.wte.weight"]),
+        # GPT-NeoX's file holds its head as embed_out.weight, which the library loads as lm_head.weight: refused as
+        # "missing: lm_head.weight; not in this model: embed_out.weight", and written back under the model's name.
+        ("neox", "fsdp1", ["--freeze", "lm_head.*"], ["frozen: 1 of 28 parameters"]),
     ],
-    ids=["llama-fsdp2-lora", "gpt2-fsdp1-freeze"],
+    ids=["llama-fsdp2-lora", "gpt2-fsdp1-freeze", "neox-fsdp1-freeze-head"],
 )  # fmt: skip
 def test_a_folder_in_and_out_unchanged_is_bit_identical(
     model: str, strategy: str, fine_tuning: list[str], said: list[str], project: Path, tmp_path: Path
@@ -200,6 +209,7 @@ def test_a_folder_in_and_out_unchanged_is_bit_identical(
     before, after = load_file(source / "model.safetensors"), load_file(tmp_path / "run" / "hf" / "model.safetensors")
     assert before.keys() == after.keys()
     assert all(torch.equal(before[name], after[name]) for name in before)
+    from_folder(tmp_path / "run" / "hf")  # every key where the library looks for it
 
 
 def folder_like(project: Path, tmp_path: Path, model: str, **changes: object) -> Path:
@@ -241,6 +251,17 @@ def bert_weights(project: Path, tmp_path: Path) -> Path:
     return tmp_path / "bert"
 
 
+def mixtral_weights(project: Path, tmp_path: Path) -> Path:
+    """A Mixtral written as the library writes it: each expert's weights apart, which it merges into one tensor per
+    layer on load. Its names never fit the model's, and the message must say why rather than list them."""
+    config = transformers.MixtralConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=2, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mixtral")
+    return tmp_path / "mixtral"
+
+
 def double_weights(project: Path, tmp_path: Path) -> Path:
     """Llama's weights in float64: more bits than the model's float32 keeps."""
     folder = folder_like(project, tmp_path, "llama")
@@ -265,6 +286,8 @@ REFUSED = {
         "ddp", None, "describes a t5 model, which is no causal language model",
     ),
     "dtype": (double_weights, "ddp", None, "convert exactly: model.embed_tokens.weight is float64 there, float32 here"),
+    "experts": (mixtral_weights, "fsdp2", 2, "MixtralForCausalLM is stored in its files in another layout than the "
+                "model holds (transformers converts 29 tensors there into 21 on load)"),
 }  # fmt: skip
 
 
@@ -277,6 +300,48 @@ def test_weights_that_do_not_fit_are_one_message_and_nothing_saved(case: str, pr
     assert run.returncode == 2 and run.output.count(message) == 1, run.describe()
     assert "Traceback" not in run.output, run.describe()
     assert not any((tmp_path / "run" / name).exists() for name in ("model.pt", "hf", "checkpoints")), run.describe()
+
+
+@NEEDS_FSDP2_ON_CPU
+@pytest.mark.parametrize(("strategy", "nproc", "change"), [("ddp", None, "replaced"), ("fsdp2", 2, "deleted")])
+def test_the_folder_out_has_the_config_the_run_started_from(
+    strategy: str, nproc: int | None, change: str, project: Path, tmp_path: Path
+) -> None:
+    """RUN_DIR/hf/config.json was read from the --init-from folder when the run ended: a config replaced while it
+    trained (another export with --overwrite onto that folder) ended as "model_type": "gpt2" over Llama weights,
+    exit 0; one deleted meanwhile lost the run its folder. The run writes the config it built the model from."""
+    source = folder_like(project, tmp_path, "llama")
+    started_with = json.loads((source / "config.json").read_text())
+
+    def change_the_config(line: str) -> None:
+        if re.match(r"step +2/", line) and change == "replaced":
+            shutil.copy(project / "models" / "gpt2" / "config.json", source / "config.json")
+        elif re.match(r"step +2/", line):
+            (source / "config.json").unlink()
+
+    flags = ["--init-from", str(source), *DATA, "--max-steps", "20", "--log-interval", "1"]
+    run = run_copy(project, f"train/{strategy}.py", flags, tmp_path / "run", nproc, on_line=change_the_config)
+    assert run.returncode == 0, run.describe()
+    now = source / "config.json"
+    assert (json.loads(now.read_text())["model_type"] if now.exists() else None) == {"replaced": "gpt2"}.get(change)
+    written = json.loads((tmp_path / "run" / "hf" / "config.json").read_text())
+    assert written.pop("dtype") == "float32"  # the weights' dtype, which save_pretrained records too
+    assert written == {name: value for name, value in started_with.items() if name != "dtype"}
+    from_folder(tmp_path / "run" / "hf")
+
+
+def test_a_resume_with_another_config_names_only_the_fields_that_differ() -> None:
+    """A run resumed after its --init-from config.json changed was refused with both configs whole: 40 fields each,
+    some 2,000 characters, where one field differed."""
+    from examples.hf_model import model_shape
+
+    wider = tiny_config("llama")
+    wider.intermediate_size = 96
+    message = identity_mismatch({"model": model_shape(tiny_config("llama"))}, {"model": model_shape(wider)})
+    assert message == "model is {'intermediate_size': 64} there, {'intermediate_size': 96} here", message
+    other = identity_mismatch({"model": model_shape(tiny_config("llama"))}, {"model": model_shape(tiny_config("gpt2"))})
+    assert other is not None and "'model_type': 'llama'" in other and "'model_type': 'gpt2'" in other, other
+    assert "'vocab_size'" not in other, other  # 16 on both sides
 
 
 def test_a_pickled_model_file_loads_only_when_named(project: Path, tmp_path: Path) -> None:
@@ -365,6 +430,60 @@ def test_an_export_as_a_folder_refuses_what_it_would_break(
         assert stopped.value.code == 2 and error.count(message) == 1, (argv, error)
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine\n"
     assert (tmp_path / "a-file").read_text() == "mine\n"
+
+
+def config_of(family: str, tmp_path: Path, **changes: object) -> Path:
+    """A folder holding only the config.json of a tiny model of ``family`` (as the library writes it), changed."""
+    tiny = {"vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    tiny |= {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": None}
+    configs = {"phi3": transformers.Phi3Config, "qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}
+    folder = tmp_path / f"{family}-config"
+    configs[family](**(tiny | changes)).save_pretrained(folder)
+    return folder
+
+
+# (the checkpoint's model, the config given to --hf-config): what the one message must say.
+OTHER_CONFIGS = {
+    # The issue's: a Llama run exported with a Phi3 config loaded with 4 keys newly initialised and 10 unexpected.
+    "phi3": ("llama", lambda project, tmp: config_of("phi3", tmp), "missing: model.layers.0.self_attn.qkv_proj.weight"),
+    # Qwen3's q_norm and k_norm loaded random: every other name and shape of a Llama fits it.
+    "qwen3": ("llama", lambda project, tmp: config_of("qwen3", tmp), "missing: model.layers.0.self_attn.q_norm.weight"),
+    "wider": ("llama", lambda project, tmp: config_of("llama", tmp, hidden_size=48), "other shapes: model.embed"),
+    "gpt2": ("llama", lambda project, tmp: project / "models" / "gpt2", "missing: transformer.wte.weight"),
+    "tied": ("llama", lambda project, tmp: config_of("llama", tmp, tie_word_embeddings=True),
+             "holds lm_head.weight and model.embed_tokens.weight as two different tensors"),
+    "experts": ("llama", lambda project, tmp: mixtral_weights(project, tmp), "MixtralForCausalLM is stored in its"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(OTHER_CONFIGS))
+def test_an_export_with_another_models_config_is_refused_and_writes_nothing(
+    case: str, project: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """export_checkpoint --hf-config wrote whatever config it was given over the checkpoint's weights ("wrote ...: 21
+    tensors", exit 0), a folder from_pretrained then filled with random weights. Checked as --init-from checks."""
+    model, config, message = OTHER_CONFIGS[case]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-2.pt"
+    checkpoint.parent.mkdir(parents=True)
+    torch.save({"model": from_folder(project / "models" / model).state_dict()}, checkpoint)
+    out = tmp_path / "exported"
+    code = export_checkpoint.main([str(checkpoint), str(out), "--hf-config", str(config(project, tmp_path))])
+    error = capsys.readouterr().err
+    assert code == 2 and error.count(message) == 1 and error.count("error:") == 1, error
+    assert "nothing was written" in error and not out.exists(), error
+
+
+def test_an_export_writes_the_names_the_library_reads(project: Path, tmp_path: Path) -> None:
+    """A GPT-NeoX checkpoint holds the model's lm_head.weight; its files, and so the export, embed_out.weight."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-2.pt"
+    checkpoint.parent.mkdir(parents=True)
+    trained = from_folder(project / "models" / "neox").state_dict()
+    torch.save({"model": trained}, checkpoint)
+    hf_config = str(project / "models" / "neox")
+    assert export_checkpoint.main([str(checkpoint), str(tmp_path / "out"), "--hf-config", hf_config]) == 0
+    assert_holds_the_names_save_pretrained_writes(tmp_path / "out", "neox", project)
+    loaded = from_folder(tmp_path / "out").state_dict()
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[name], trained[name]) for name in trained)
 
 
 @NEEDS_FSDP2_ON_CPU

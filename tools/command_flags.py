@@ -26,11 +26,15 @@ from common.flags import (
 )
 from tools.output_checks import same_file
 
+# The kind of a flag that sizes a dimension of the model's tensors (tests/test_every_flag.py tries on it values whose
+# tensors torch cannot count, beside those past 64 bits).
+DIMENSION = "tensor dimension"
 
-def positive_int_up_to(limit: int, unit: str, why: str, *, name: str) -> Callable[[str], int]:
+
+def positive_int_up_to(limit: int, unit: str, why: str, *, name: str, kind: str = INTEGER) -> Callable[[str], int]:
     """Whole numbers from 1 to ``limit``, where a larger one is a job too long to run; the refusal says ``why``."""
 
-    @flag_kind(INTEGER)
+    @flag_kind(kind)
     def parse(text: str) -> int:
         value = positive_int(text)
         if value > limit:
@@ -62,6 +66,33 @@ block_count = positive_int_up_to(
     "the fake step that measures the activations takes minutes at 128; --params N --layers L (no --model) "
     "estimates the model state of any depth at once",
     name="n_layer",
+    kind=DIMENSION,
+)
+# tools.estimates.estimate_communication lists each Block's collectives: 1,000 Blocks took 23 s, 10,000 minutes.
+unit_count = positive_int_up_to(
+    MAX_BLOCKS,
+    "Blocks",
+    "--params N --layers L (no --model) estimates any depth at once",
+    name="n_layer",
+    kind=DIMENSION,
+)
+
+# The rest of the GPT's shape in the estimators and tools.estimates.simulate, each far past what published models
+# use: the estimates build the model's tensors (fake ones), and torch counts a tensor's bytes in 63 bits. --d-model
+# 1000000000 made a q|k|v weight of 3 x 10**18 values: "Storage size calculation overflowed", a traceback.
+PAST_PUBLISHED = "far past published models"
+width = positive_int_up_to(
+    2**16, "features", f"{PAST_PUBLISHED} (Llama 3.1 405B: 16,384)", name="d_model", kind=DIMENSION
+)
+head_count = positive_int_up_to(2**16, "heads", "heads divide --d-model, at most 65,536", name="n_head", kind=DIMENSION)
+context_length = positive_int_up_to(
+    2**20, "tokens", f"{PAST_PUBLISHED} (Llama 3.1: 131,072 tokens)", name="block_size", kind=DIMENSION
+)
+vocabulary_size = positive_int_up_to(
+    2**22, "tokens", f"{PAST_PUBLISHED} (Gemma 3: 262,144 tokens)", name="vocab_size", kind=DIMENSION
+)
+micro_batch_size = positive_int_up_to(
+    2**16, "sequences or images", "far past what one GPU holds in a micro-step", name="batch_size", kind=DIMENSION
 )
 
 

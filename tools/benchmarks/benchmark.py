@@ -29,7 +29,7 @@ from common.models import GPT_PRESETS
 from common.outputs import OutputExists, output_folder, write_text
 from tools.benchmarks.compare_strategies import STRATEGIES, launch
 from tools.benchmarks.overhead import OVERHEAD_STRATEGIES, measure, overhead_table
-from tools.command_flags import output_file
+from tools.command_flags import micro_batch_size, output_file
 from tools.output_checks import add_overwrite_flag, check_output_path, check_run_folders, finished_run_in
 from tools.processes import exit_code_of
 
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--batch-size",
-        type=positive_int,
+        type=micro_batch_size,
         default=None,
         help="sequences per process per step (default: 16 on GPUs, else 8)",
     )

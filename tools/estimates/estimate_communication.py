@@ -21,6 +21,7 @@ from common.cli import HelpFormatter
 from common.collectives import Traffic
 from common.flags import existing_file, int_in_range, positive_float, positive_int
 from common.models import GPT_PRESETS, GPTConfig
+from tools.command_flags import context_length, head_count, micro_batch_size, unit_count, vocabulary_size, width
 from tools.estimates.estimate_memory import (
     DEFAULT_BATCH,
     GIB,
@@ -33,6 +34,7 @@ from tools.estimates.estimate_memory import (
     between_steps,
     count_label,
     gpt_shape,
+    refuse_too_many_ranks,
     resolve_shard_group_size,
     shard_group_for,
 )
@@ -206,6 +208,16 @@ micro_step_count = int_in_range(1, 1024, name="micro_step_count")
 MAX_UNIT_STEPS = 100_000
 
 
+# Each of GPT_SHAPE_FLAGS capped as in tools.estimates.estimate_memory; the Blocks for the time listing them takes.
+SHAPE_TYPES = {
+    "n_layer": unit_count,
+    "n_head": head_count,
+    "d_model": width,
+    "block_size": context_length,
+    "vocab_size": vocabulary_size,
+}
+
+
 def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("the scripts' GPT (instead of --params)")
     group.add_argument(
@@ -221,7 +233,7 @@ def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--batch-size",
-        type=positive_int,
+        type=micro_batch_size,
         help=f"with --tp-degree: sequences per group per micro-step, whose hidden states its all-reduces carry "
         f"(default: {DEFAULT_BATCH['gpt']}, the scripts')",
     )
@@ -229,7 +241,7 @@ def add_gpt_flags(parser: argparse.ArgumentParser) -> None:
         default = f"{SYNTHETIC_VOCAB}, the scripts' synthetic data" if flag == "vocab_size" else "the preset's"
         group.add_argument(
             f"--{flag.replace('_', '-')}",
-            type=positive_int,
+            type=SHAPE_TYPES[flag],
             help=f"the scripts' flag of that name (default: {default})",
         )
 
@@ -305,6 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     resolve_shard_group_size(parser, args)
+    refuse_too_many_ranks(parser, args)
     config = gpt_of(parser, args)
     if args.layers * args.micro_steps > MAX_UNIT_STEPS:
         units = "--layers" if config is None else "--n-layer"

@@ -57,7 +57,16 @@ from common.cli import HelpFormatter
 from common.flags import positive_float, positive_int
 from common.mnist import MnistNet
 from common.models import GPT_PRESETS, GPTConfig, count_parameters
-from tools.command_flags import block_count, layer_count, parameter_count
+from tools.command_flags import (
+    block_count,
+    context_length,
+    head_count,
+    layer_count,
+    micro_batch_size,
+    parameter_count,
+    vocabulary_size,
+    width,
+)
 from tools.estimates.activations import ActivationBytes, gpt_activations, mnist_activations
 from tools.estimates.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from tools.estimates.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
@@ -225,17 +234,17 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="the scripts' model: a GPT preset (its parameters replace --params, its Blocks --layers) or the MNIST net",
     )
     group.add_argument("--n-layer", type=block_count, help="override the preset's number of Blocks")
-    group.add_argument("--n-head", type=positive_int, help="override the preset's attention heads")
-    group.add_argument("--d-model", type=positive_int, help="override the preset's width")
-    group.add_argument("--block-size", type=positive_int, help="override the preset's context length (tokens)")
+    group.add_argument("--n-head", type=head_count, help="override the preset's attention heads")
+    group.add_argument("--d-model", type=width, help="override the preset's width")
+    group.add_argument("--block-size", type=context_length, help="override the preset's context length (tokens)")
     group.add_argument(
         "--vocab-size",
-        type=positive_int,
+        type=vocabulary_size,
         help=f"the GPT's vocabulary (default: {SYNTHETIC_VOCAB}, the scripts' synthetic data; GPT-2's is 50257)",
     )
     group.add_argument(
         "--batch-size",
-        type=positive_int,
+        type=micro_batch_size,
         help=f"sequences or images per rank per micro-step (default: the script's, "
         f"{DEFAULT_BATCH['gpt']} for the GPT and {DEFAULT_BATCH[MNIST]} for MNIST)",
     )
@@ -259,9 +268,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.params is None) == (args.model is None):
         parser.error("give --params (the model state alone) or --model (with its activations), one of them")
+    refuse_too_many_ranks(parser, args)
     args.fine_tuning = estimator_shapes(parser, args, check_model_flags(parser, args))
     resolve_shard_group_size(parser, args)
     return args
+
+
+# With --model, each rank's share of every tensor is worked out rank by rank (FSDP2 pads each tensor's pieces): the
+# tiny preset took 8.6 s at 131,072 ranks and over a minute at 1,000,000, where --world-size 2**61 ran on unended.
+MOST_RANKS_WITH_A_MODEL = 2**17
+
+
+def refuse_too_many_ranks(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--world-size past MOST_RANKS_WITH_A_MODEL with --model: refused with the way that answers at once."""
+    if args.model is not None and args.world_size > MOST_RANKS_WITH_A_MODEL:
+        parser.error(
+            f"--world-size {args.world_size} with --model: each rank's share of every tensor is worked out in turn "
+            f"(over a minute at 1,000,000 ranks), up to {MOST_RANKS_WITH_A_MODEL:,}; --params P --layers L (no "
+            "--model) estimates the model state of any world size at once"
+        )
 
 
 def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConfig | None:

@@ -44,7 +44,13 @@ from common.flag_checks import ONE_RANK_SHARD_GROUPS
 from common.flags import non_negative_int, positive_int
 from common.models import GPT, GPT_PRESETS, GPTConfig, gpt_config
 from common.outputs import write_text
-from tools.command_flags import output_file, positive_int_up_to, refuse_outputs_on_one_path
+from tools.command_flags import (
+    micro_batch_size,
+    output_file,
+    positive_int_up_to,
+    refuse_outputs_on_one_path,
+    vocabulary_size,
+)
 from tools.estimates import estimate_memory, modelled_collectives
 from tools.estimates.activations import gpt_activations
 from tools.estimates.fake_world import StepRecorder, all_reduced_bucket, fake_world, held_tensors
@@ -154,10 +160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"fsdp2_tp: ranks per tensor-parallel group, which split each Block (default: {TP_DEGREE})",
     )
     parser.add_argument("--rank", type=non_negative_int, default=0, help="the rank simulated (default: 0)")
-    parser.add_argument("--batch-size", type=positive_int, help="sequences per rank per step (default: the script's)")
-    parser.add_argument(
-        "--vocab-size", type=positive_int, default=SYNTHETIC_VOCAB, help="the data's vocabulary (default: %(default)s)"
-    )
+    text = "sequences per rank per step (default: the script's)"
+    parser.add_argument("--batch-size", type=micro_batch_size, help=text)
+    text = "the data's vocabulary (default: %(default)s)"
+    parser.add_argument("--vocab-size", type=vocabulary_size, default=SYNTHETIC_VOCAB, help=text)
     add_fine_tuning_flags(parser, title="fine-tuning, as the transformer scripts take it", alpha=False)
     parser.add_argument("--out", type=output_file, help="write the figures here as JSON (several jobs: a list)")
     parser.add_argument("--png", type=output_file, help="draw state per rank by world size here (.png or .svg)")

@@ -21,7 +21,9 @@ A run of a Hugging Face model (docs/hugging-face.md) exports as a folder ``from_
     python -m tools.runs.export_checkpoint RUN_DIR/checkpoints/step-N OUT_DIR --hf-config MODEL_DIR
 
 ``config.json`` comes from --hf-config (the folder the run started from, or the file itself), the
-weights go to ``model.safetensors``, a tied weight once, under its first name.
+weights go to ``model.safetensors``, a tied weight once, under its first name, each under the name the
+library's files give it (GPT-NeoX's head as embed_out.weight). Weights that do not fit the model of that
+config (another family's, another shape) are refused before anything is written, as --init-from refuses them.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from common.checkpoint import TRAINER_FILE
 from common.cli import HelpFormatter, add_trust_flag
+from common.distributed import FatalError
 from common.fine_tuning import adapter_scale, is_adapter, merge_adapters, merged_with_scale
 from common.flags import existing_path
+from common.models import tied_parameters
 from common.outputs import OVERWRITE_FLAG, holds_something, save_torch
 from common.run_dir import CHECKPOINTS, LOCK_FILE, METRICS_FILE, RUN_RESULTS, checkpoint_step
 from common.safe_io import UntrustedCheckpoint, describe_failure, load_file, root_failure, sharded_reader
-from common.safetensors_weights import CONFIG_FILE, pretrained_folder, write_pretrained
+from common.safetensors_weights import CONFIG_FILE, pretrained_folder, untied_problem, weights_problem, write_pretrained
 from tools.command_flags import output_path
 from tools.output_checks import add_overwrite_flag, check_output_path, folder_problem, same_file
 from tools.processes import exit_code_of
@@ -220,6 +224,44 @@ def config_text(path: Path) -> str:
     return text
 
 
+def as_in_files(state: dict[str, torch.Tensor], config_text: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``state`` under the names that the files of --hf-config's model give its tensors, and that model's ties (alias
+    -> first name, as named there). ValueError where the weights do not fit that model: other names, shapes or dtypes,
+    or a pair it ties held as two tensors; the same checks as --init-from's."""
+    model = pretrained_model(config_text)  # first: it says so where transformers is not installed
+    from examples.hf_model import names_in_files  # the copies' own: what their RUN_DIR/hf holds is what this writes
+
+    try:
+        in_files = names_in_files(model)
+    except FatalError as err:  # a family these scripts cannot write, whatever the weights
+        raise ValueError(f"cannot be written for --hf-config: {err}") from None
+    tied = tied_parameters(model)
+    expected = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in model.state_dict().items()}
+    found = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
+    problem = weights_problem(found, expected, tied) or untied_problem(state, tied)
+    if problem is not None:
+        raise ValueError(f"{problem}, the {type(model).__name__} that --hf-config describes")
+    renamed = {in_files.get(name, name): tensor for name, tensor in state.items()}
+    return renamed, {in_files.get(alias, alias): in_files.get(name, name) for alias, name in tied.items()}
+
+
+def pretrained_model(config_text: str) -> Any:
+    """The model of a Hugging Face config, as the copies build it (fp32), on the meta device: names and shapes alone.
+    ValueError where transformers builds no causal language model of it."""
+    try:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        raise ValueError("cannot be checked against --hf-config without the transformers package") from None
+    fields = json.loads(config_text)
+    try:
+        config = CONFIG_MAPPING[fields["model_type"]].from_dict(fields)
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (KeyError, ValueError, TypeError) as err:
+        raise ValueError(f"is no causal language model's: transformers builds none from --hf-config ({err})") from None
+
+
 def pretrained_output_problem(output: Path, checkpoint: Path, overwrite: bool) -> str | None:
     """Why the folder ``output`` cannot take a Hugging Face export of ``checkpoint``; None if it can."""
     if output.resolve() == checkpoint.resolve() or output.resolve() in checkpoint.resolve().parents:
@@ -270,15 +312,21 @@ def main(argv: list[str] | None = None) -> int:
         state = plain_or_adapters(state, recorded_settings(trainer), args.adapters_only)
     except ValueError as err:
         return fail(f"{args.checkpoint}: {err}")
+    tied = recorded_ties(trainer)
+    if args.hf_config is not None:
+        try:
+            state, tied = as_in_files(state, args.hf_config)
+        except ValueError as err:
+            return fail(f"{args.checkpoint} {err}; nothing was written")
     try:
         if args.hf_config is None:
             save_torch(state, args.output, args.overwrite)
         else:
-            write_pretrained(state, args.output, args.hf_config, recorded_ties(trainer), args.overwrite)
+            write_pretrained(state, args.output, args.hf_config, tied, args.overwrite)
     except OSError as err:
         return fail(f"cannot write {args.output}: {err.strerror or err}")
-    parameters = sum(tensor.numel() for tensor in state.values())
-    print(f"wrote {args.output}: {len(state)} tensors, {parameters:,} values")
+    written = [tensor for name, tensor in state.items() if args.hf_config is None or name not in tied]  # a tie once
+    print(f"wrote {args.output}: {len(written)} tensors, {sum(tensor.numel() for tensor in written):,} values")
     return 0
 
 
