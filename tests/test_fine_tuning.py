@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.checkpoint import identity_mismatch
 from common.collectives import Traffic
 from common.fine_tuning import (
     DEFAULT_LORA_TARGETS,
@@ -25,7 +26,6 @@ from common.fine_tuning import (
     merge_adapters,
     trained_parameters,
 )
-from common.flag_checks import identity_mismatch
 from common.models import GPT, GPTConfig
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.model_files import assert_same_parameters

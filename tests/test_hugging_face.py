@@ -24,10 +24,10 @@ transformers = pytest.importorskip("transformers")  # in requirements.txt; the f
 
 from safetensors.torch import load_file, save_file  # noqa: E402 - transformers brings it
 
+from common.checkpoint import identity_mismatch  # noqa: E402
 from common.data import IGNORE_INDEX, markov_data  # noqa: E402
 from common.distributed import FatalError  # noqa: E402
 from common.fine_tuning import add_adapters, freeze  # noqa: E402
-from common.flag_checks import identity_mismatch  # noqa: E402
 from tests.harness import launcher  # noqa: E402
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU  # noqa: E402
 from tests.harness.copies import check_warm, copy_common, project_env, run_copy  # noqa: E402
