@@ -76,7 +76,8 @@ def wrap_model(model: GPT, args, ctx: DistContext) -> torch.nn.Module:
         checkpoint_activations(model, layers)
     if args.mixed_precision != "fp32":
         # Weights stay fp32; autocast runs each matmul of forward (evaluation's too) in low precision and keeps
-        # norms and softmax in fp32. Backward runs each operation in the dtype its forward ran in.
+        # norms and softmax in fp32; backward runs each operation in its forward's dtype. (An attribute of this
+        # model: a copy made of it, an EMA's say, would call this model's forward. Wrap a copy anew.)
         model.forward = torch.autocast(ctx.device.type, dtype=COMPUTE_DTYPES[args.mixed_precision])(model.forward)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
