@@ -21,7 +21,15 @@ from common.cli import HelpFormatter
 from common.collectives import Traffic
 from common.flags import existing_file, int_in_range, positive_float, positive_int
 from common.models import GPT_PRESETS, GPTConfig
-from tools.command_flags import context_length, head_count, micro_batch_size, unit_count, vocabulary_size, width
+from tools.command_flags import (
+    context_length,
+    head_count,
+    micro_batch_size,
+    refuse_too_many_ranks,
+    unit_count,
+    vocabulary_size,
+    width,
+)
 from tools.estimates.estimate_memory import (
     DEFAULT_BATCH,
     GIB,
@@ -34,7 +42,6 @@ from tools.estimates.estimate_memory import (
     between_steps,
     count_label,
     gpt_shape,
-    refuse_too_many_ranks,
     resolve_shard_group_size,
     shard_group_for,
 )

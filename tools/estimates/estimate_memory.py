@@ -57,16 +57,7 @@ from common.cli import HelpFormatter
 from common.flags import positive_float, positive_int
 from common.mnist import MnistNet
 from common.models import GPT_PRESETS, GPTConfig, count_parameters
-from tools.command_flags import (
-    block_count,
-    context_length,
-    head_count,
-    layer_count,
-    micro_batch_size,
-    parameter_count,
-    vocabulary_size,
-    width,
-)
+from tools import command_flags as sizes
 from tools.estimates.activations import ActivationBytes, gpt_activations, mnist_activations
 from tools.estimates.in_flight import STRATEGIES, GatheredUnits, gathered_units, in_flight_bytes, reduce_scatter_bytes
 from tools.estimates.shard_sizes import COMPUTE_BYTES, StateBytes, between_steps
@@ -204,7 +195,7 @@ def gib_or_na(value: float | None) -> str:
 def add_job_flags(parser: argparse.ArgumentParser, *, params_required: bool = True) -> None:
     """The model and the job, as this estimator and tools.estimates.estimate_communication both take them."""
     text = "parameters in the model, e.g. 7e9 (several: one row each)"
-    parser.add_argument("--params", type=parameter_count, nargs="+", required=params_required, help=text)
+    parser.add_argument("--params", type=sizes.parameter_count, nargs="+", required=params_required, help=text)
     parser.add_argument("--world-size", type=positive_int, required=True, help="GPUs in the job")
     parser.add_argument(
         "--shard-group-size",
@@ -221,7 +212,7 @@ def add_job_flags(parser: argparse.ArgumentParser, *, params_required: bool = Tr
     )
     parser.add_argument(
         "--layers",
-        type=layer_count,
+        type=sizes.layer_count,
         help=f"with --params: FSDP units (transformer blocks); one unit is params / layers (default: {DEFAULT_LAYERS})",
     )
 
@@ -233,18 +224,18 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         choices=[MNIST, *GPT_PRESETS],
         help="the scripts' model: a GPT preset (its parameters replace --params, its Blocks --layers) or the MNIST net",
     )
-    group.add_argument("--n-layer", type=block_count, help="override the preset's number of Blocks")
-    group.add_argument("--n-head", type=head_count, help="override the preset's attention heads")
-    group.add_argument("--d-model", type=width, help="override the preset's width")
-    group.add_argument("--block-size", type=context_length, help="override the preset's context length (tokens)")
+    group.add_argument("--n-layer", type=sizes.block_count, help="override the preset's number of Blocks")
+    group.add_argument("--n-head", type=sizes.head_count, help="override the preset's attention heads")
+    group.add_argument("--d-model", type=sizes.width, help="override the preset's width")
+    group.add_argument("--block-size", type=sizes.context_length, help="override the preset's context length (tokens)")
     group.add_argument(
         "--vocab-size",
-        type=vocabulary_size,
+        type=sizes.vocabulary_size,
         help=f"the GPT's vocabulary (default: {SYNTHETIC_VOCAB}, the scripts' synthetic data; GPT-2's is 50257)",
     )
     group.add_argument(
         "--batch-size",
-        type=micro_batch_size,
+        type=sizes.micro_batch_size,
         help=f"sequences or images per rank per micro-step (default: the script's, "
         f"{DEFAULT_BATCH['gpt']} for the GPT and {DEFAULT_BATCH[MNIST]} for MNIST)",
     )
@@ -268,25 +259,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.params is None) == (args.model is None):
         parser.error("give --params (the model state alone) or --model (with its activations), one of them")
-    refuse_too_many_ranks(parser, args)
+    sizes.refuse_too_many_ranks(parser, args)
     args.fine_tuning = estimator_shapes(parser, args, check_model_flags(parser, args))
     resolve_shard_group_size(parser, args)
     return args
-
-
-# With --model, each rank's share of every tensor is worked out rank by rank (FSDP2 pads each tensor's pieces): the
-# tiny preset took 8.6 s at 131,072 ranks and over a minute at 1,000,000, where --world-size 2**61 ran on unended.
-MOST_RANKS_WITH_A_MODEL = 2**17
-
-
-def refuse_too_many_ranks(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--world-size past MOST_RANKS_WITH_A_MODEL with --model: refused with the way that answers at once."""
-    if args.model is not None and args.world_size > MOST_RANKS_WITH_A_MODEL:
-        parser.error(
-            f"--world-size {args.world_size} with --model: each rank's share of every tensor is worked out in turn "
-            f"(over a minute at 1,000,000 ranks), up to {MOST_RANKS_WITH_A_MODEL:,}; --params P --layers L (no "
-            "--model) estimates the model state of any world size at once"
-        )
 
 
 def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTConfig | None:
