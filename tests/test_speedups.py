@@ -111,7 +111,7 @@ def test_the_speedups_table_runs_each_row_on_one_global_batch_and_survives_a_fai
         "+ compile",
         "+ fused AdamW",
         "+ flash attention",
-        "+ no host read in a step",
+        "+ loss read every 2 steps",
         "+ one micro-batch of 4",
     ]
     assert ddp[0]["gain"] is None and all(row["gain"] > 0 for row in ddp[1:]), ddp
