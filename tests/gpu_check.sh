@@ -21,7 +21,7 @@ python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version
 workers=()
 python -c "import xdist" 2>/dev/null && workers=(-n 4)
 tests=0
-python -m pytest -m cuda "${workers[@]}" -v -p no:cacheprovider || tests=$?
+python -m pytest -m cuda ${workers[@]+"${workers[@]}"} -v -p no:cacheprovider || tests=$?
 # Each row is printed as it finishes; stopped at 8 minutes (exit 124), the JSON keeps the rows it finished.
 timeout --signal=TERM 480 python -m tools.benchmarks.benchmark --speedups --nproc 1 --out runs/benchmark/gpu-speedups.json --overwrite
 exit "$tests"

@@ -7,6 +7,7 @@ the same global batch), which every equivalence test holds."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common import cli, flag_checks
 from tests.harness.noise_floor import TRANSFORMER_ARGS, TRANSFORMER_STEPS, NoiseRuns, assert_same_training
 from tests.harness.runs import run_script
 from tools.benchmarks import benchmark
@@ -131,3 +133,24 @@ def test_the_speedups_table_runs_each_row_on_one_global_batch_and_survives_a_fai
     assert "grad_dtype 'BFloat16'" in fsdp1[1]["failed"], fsdp1
     shown = capsys.readouterr().out
     assert "| ddp | + one micro-batch of 4 |" in shown and "| fsdp1_full_shard | + compile | failed: " in shown
+
+
+@pytest.mark.parametrize(
+    ("backend", "precision", "refused"),
+    [("flash", "fp32", True), ("cudnn", "fp32", True), ("flash", "bf16", False), ("efficient", "fp32", False)],
+)
+def test_on_a_gpu_a_kernel_without_fp32_is_refused_in_fp32(
+    backend: str, precision: str, refused: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """flash and cudnn compute in bf16 or fp16 on a GPU: in fp32 torch would fail at the first forward, naming no
+    flag. Checked here as on a GPU machine (the check asks only whether the run will use CUDA)."""
+    monkeypatch.setattr(flag_checks, "wants_cuda", lambda device: True)
+    parser = cli.Parser(prog="train_transformer.py")
+    args = argparse.Namespace(sdpa_backend=backend, device="auto", mixed_precision=precision)
+    if not refused:
+        flag_checks.check_sdpa_backend(parser, args)
+        return
+    with pytest.raises(SystemExit) as exited:
+        flag_checks.check_sdpa_backend(parser, args)
+    assert exited.value.code == 2
+    assert f"--sdpa-backend {backend} on a GPU computes in bf16 or fp16" in capsys.readouterr().err
