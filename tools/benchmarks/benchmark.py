@@ -92,8 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--speedups",
         action="store_true",
         help="instead: each strategy eager, then with one option more a row (--compile, --fused-adamw, --sdpa-backend "
-        "flash, no host read in a step, one micro-batch of --larger-batch-size), the same global batch in every row "
-        "(tools/benchmarks/speedups.py)",
+        "flash, the loss read every --warmup steps, one micro-batch of --larger-batch-size), the same global batch "
+        "in every row (tools/benchmarks/speedups.py)",
     )
     parser.add_argument(
         "--larger-batch-size",
