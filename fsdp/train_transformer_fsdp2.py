@@ -178,7 +178,9 @@ def train_step(
 
 def evaluate(model: torch.nn.Module, loader, run: Bookkeeping, step: int, ctx: DistContext, **fields) -> dict:
     """The held-out loss of the model after ``step`` steps, in metrics.jsonl and on the console."""
-    with run.paused():  # not training time
+    # Eager, compiled or not: evaluation is not timed, and a compiled Block traced again without gradients costs a
+    # compilation more (and fails under FSDP1 in bf16 on torch 2.14.1, its bf16 parameters holding fp32 gradients).
+    with run.paused(), torch.compiler.set_stance("force_eager"):  # not training time
         result = evaluate_language_model(model, loader, ctx)
     run.write("eval", step=step, **fields, **result)
     print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")

@@ -246,7 +246,8 @@ def train_step(
 
 def evaluate(model: torch.nn.Module, loader, run: Bookkeeping, step: int, args, ctx: DistContext, **fields) -> dict:
     """The held-out loss of the model after ``step`` steps, in metrics.jsonl and on the console."""
-    with run.paused(), loss_parallel():  # not training time; DISTRIBUTED: the logits stay split, as in training
+    # Eager, compiled or not, as in the other transformer scripts. DISTRIBUTED: the logits stay split, as in training.
+    with run.paused(), loss_parallel(), torch.compiler.set_stance("force_eager"):  # not training time
         result = evaluate_language_model(model, loader, ctx, copies=args.tp_degree)
     run.write("eval", step=step, **fields, **result)
     print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
