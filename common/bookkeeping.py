@@ -196,9 +196,9 @@ def max_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Dis
     return {key: int(value) for key, value in zip(local, largest, strict=True)}
 
 
-# Dense bf16 peaks per GPU (NVIDIA's data sheets, half the "with sparsity" figure) for MFU; MFU_PEAK_TFLOPS overrides
-# them. Specific names first: NVL and PCIe boards must not match the SXM figure of their plain names (H200, H100).
-PEAK_BF16_TFLOPS = {"H200 NVL": 835, "H200": 989, "H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "A100": 312}
+# Dense bf16 peaks per GPU for MFU (NVIDIA's data sheets, docs/performance.md names each); MFU_PEAK_TFLOPS overrides
+# them. Specific names first (NVL and PCIe before H200, H100), and a key ends where a word does: L4 is not the L40S.
+BF16_TFLOPS = {"H200 NVL": 835, "H200": 989, "H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "A100": 312, "L4": 121}
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -207,8 +207,8 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     if "MFU_PEAK_TFLOPS" in os.environ:
         return float(os.environ["MFU_PEAK_TFLOPS"]) * 1e12
-    name = torch.cuda.get_device_name(device)
-    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+    name = torch.cuda.get_device_name(device).replace("-", " ") + " "  # "NVIDIA A100-SXM4-80GB": words end at a space
+    return next((tflops * 1e12 for key, tflops in BF16_TFLOPS.items() if f"{key} " in name), None)
 
 
 def model_flops_utilization(flops_per_token: float, tokens_per_s: float, peak_per_gpu: float, gpus: int) -> float:

@@ -179,6 +179,17 @@ def add_compute_flags(parser: Parser, *, precisions: list[str]) -> None:
     group.add_argument("--activation-checkpointing", action="store_true", help=text)
     text = "torch.compile each Block (the first steps are slow while it compiles)"
     group.add_argument("--compile", action="store_true", help=text)
+    text = (
+        "AdamW's fused kernel, AdamW(fused=True): one kernel updates every parameter (default: torch's choice, its "
+        "foreach kernels on GPUs)"
+    )
+    # None when not given, not False: AdamW(fused=False) would also turn its foreach kernels off.
+    group.add_argument("--fused-adamw", action="store_true", default=None, help=text)
+    text = (
+        "the kernel every attention must use (torch.nn.attention.sdpa_kernel): flash (FlashAttention-2; bf16 or fp16 "
+        "on GPUs), efficient and cudnn (GPUs only), math (plain operations) (default: torch's choice at every call)"
+    )
+    group.add_argument("--sdpa-backend", choices=["flash", "efficient", "cudnn", "math"], help=text)
 
 
 def add_fsdp_flags(parser: Parser) -> None:

@@ -109,8 +109,18 @@ def check_transformer_flags(parser: Parser, args: argparse.Namespace) -> None:
     if args.d_model % args.n_head:
         parser.error(f"--d-model {args.d_model} must be divisible by --n-head {args.n_head}")
     check_model_size(parser, args)
+    check_sdpa_backend(parser, args)
     if args.lora_rank is None and (args.lora_alpha is not None or args.lora_targets):
         parser.error("--lora-alpha and --lora-targets shape the adapters that --lora-rank adds: give --lora-rank too")
+
+
+def check_sdpa_backend(parser: Parser, args: argparse.Namespace) -> None:
+    """Refuse an attention kernel this run cannot use: torch would fail at the first forward, naming no flag."""
+    backend, on_gpu = args.sdpa_backend, wants_cuda(args.device)
+    if backend in ("efficient", "cudnn") and not on_gpu:
+        parser.error(f"--sdpa-backend {backend} is a CUDA kernel and this run has no GPU: on CPU use flash or math")
+    if backend in ("flash", "cudnn") and on_gpu and args.mixed_precision == "fp32":
+        parser.error(f"--sdpa-backend {backend} on a GPU computes in bf16 or fp16: add --mixed-precision bf16")
 
 
 def check_fsdp_flags(parser: Parser, args: argparse.Namespace) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import zlib
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -12,7 +13,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
+
+# --sdpa-backend: the kernel F.scaled_dot_product_attention must use; None lets torch choose at every call.
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 
 
 @dataclass(frozen=True)
@@ -23,10 +33,11 @@ class GPTConfig:
     n_head: int
     d_model: int
     dropout: float = 0.0
+    sdpa_backend: str | None = None  # a name of SDPA_BACKENDS
 
     def shape(self) -> dict[str, int]:
         """The fields that decide the parameters' shapes; a checkpoint must agree on all of them."""
-        return {name: value for name, value in asdict(self).items() if name != "dropout"}
+        return {name: value for name, value in asdict(self).items() if name not in ("dropout", "sdpa_backend")}
 
 
 # Sizes for --model. Dimensions can still be overridden one by one with flags.
@@ -40,13 +51,15 @@ GPT_PRESETS: dict[str, dict[str, int]] = {
 
 def gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
     """The GPT of the transformer flags (as check_transformer_flags fills them in), on the data's vocabulary."""
-    return GPTConfig(vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model, args.dropout)
+    shape = (vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model)
+    return GPTConfig(*shape, args.dropout, args.sdpa_backend)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head, self.dropout = config.n_head, config.dropout
+        self.sdpa_backend = config.sdpa_backend
         # No bias: a bias on the keys adds the same amount to every score of a query, which softmax cancels. Its
         # gradient is pure rounding noise, and Adam, which divides by the gradient's size, turns noise into full steps.
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
@@ -59,7 +72,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).chunk(3, dim=2)
         q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (batch, heads, time, dim)
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        # Inside the module, so that a compiled Block keeps the choice (torchtitan does the same).
+        with sdpa_kernel(SDPA_BACKENDS[self.sdpa_backend]) if self.sdpa_backend else nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
 
 

@@ -178,7 +178,9 @@ def train_step(
 
 def evaluate(model: torch.nn.Module, loader, run: Bookkeeping, step: int, ctx: DistContext, **fields) -> dict:
     """The held-out loss of the model after ``step`` steps, in metrics.jsonl and on the console."""
-    with run.paused():  # not training time
+    # Eager, compiled or not: evaluation is not timed, and a compiled Block traced again without gradients costs a
+    # compilation more (and fails under FSDP1 in bf16 on torch 2.14.1, its bf16 parameters holding fp32 gradients).
+    with run.paused(), torch.compiler.set_stance("force_eager"):  # not training time
         result = evaluate_language_model(model, loader, ctx)
     run.write("eval", step=step, **fields, **result)
     print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
@@ -222,7 +224,7 @@ def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
     freeze(model, args.freeze)  # --freeze: before the wrap, which sees which parameters need gradients
     model = wrap_model(model, args, ctx)  # DISTRIBUTED
     # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), args.lr, weight_decay=args.weight_decay, fused=args.fused_adamw)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
 
     checkpoints = Checkpointer(

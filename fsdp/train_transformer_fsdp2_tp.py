@@ -246,7 +246,8 @@ def train_step(
 
 def evaluate(model: torch.nn.Module, loader, run: Bookkeeping, step: int, args, ctx: DistContext, **fields) -> dict:
     """The held-out loss of the model after ``step`` steps, in metrics.jsonl and on the console."""
-    with run.paused(), loss_parallel():  # not training time; DISTRIBUTED: the logits stay split, as in training
+    # Eager, compiled or not, as in the other transformer scripts. DISTRIBUTED: the logits stay split, as in training.
+    with run.paused(), loss_parallel(), torch.compiler.set_stance("force_eager"):  # not training time
         result = evaluate_language_model(model, loader, ctx, copies=args.tp_degree)
     run.write("eval", step=step, **fields, **result)
     print0(f"eval at step {step}: held-out loss {result['loss']:.4f} nats/token")
@@ -290,7 +291,7 @@ def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
     freeze(model, args.freeze)  # --freeze: before the wrap, which sees which parameters need gradients
     model = wrap_model(model, args, ctx)  # DISTRIBUTED
     # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), args.lr, weight_decay=args.weight_decay, fused=args.fused_adamw)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
     checkpoints = Checkpointer(
         ctx,

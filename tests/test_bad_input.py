@@ -28,6 +28,8 @@ CASES = [
     ("ddp/train_transformer.py", ["--d-model", "66", "--n-head", "4"], "--d-model 66 must be divisible by --n-head 4"),
     ("ddp/train_mnist.py", ["--global-batch-size", "10", "--batch-size", "5"], "not both"),
     ("ddp/train_transformer.py", ["--deterministic", "--dropout", "0.1"], "--deterministic needs --dropout 0"),
+    # torch's own words, at the first forward: "No viable backend for scaled_dot_product_attention was found".
+    (FSDP2, ["--sdpa-backend", "efficient"], "--sdpa-backend efficient is a CUDA kernel and this run has no GPU"),
     (FSDP1, ["--sharding-strategy", "hybrid_shard", "--replicate-degree", "2"], "not divide the world size 1"),
     (FSDP1, ["--replicate-degree", "2"], "--replicate-degree only applies to --sharding-strategy hybrid_shard"),
     (FSDP1, ["--sharding-strategy", "hybrid_shard"], "hybrid_shard on one machine: give --replicate-degree R"),
@@ -280,6 +282,9 @@ COMMAND_CASES = [
     # --wait becomes each rank's --dist-timeout: refused by its own name, in that flag's range (issue 37, 13).
     ("checks.preflight", ["--nproc", "2", "--wait", "1e6", "ddp/train_mnist.py"], "--wait: must be from 10 to 604800"),
     ("runs.sample", ["common", "--prompt", "1", "--temperature", "1e-40"], "--temperature: must be from 0.01 to 100"),
+    # The rows above the last reach its one micro-batch in micro-steps of --batch-size: a whole number of them.
+    ("benchmarks.benchmark", ["--speedups", "--batch-size", "3", "--larger-batch-size", "8"], "a multiple of --batch"),
+    ("benchmarks.benchmark", ["--larger-batch-size", "8"], "--larger-batch-size is the last row of --speedups"),
 ]
 
 

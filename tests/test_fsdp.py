@@ -128,6 +128,7 @@ def test_option_trains(script: str, args: list[str], tmp_path: Path) -> None:
 
 # --- GPU-only options: one CUDA process with NCCL -------------------------------------------------
 
+FASTEST = ["--compile", "--fused-adamw", "--sdpa-backend", "flash"]
 CUDA_CASES = [
     pytest.param(MNIST, ["--synthetic", "--epochs", "1"], id="fsdp1-mnist"),
     pytest.param("ddp/train_mnist.py", ["--synthetic", "--epochs", "1"], id="ddp-mnist"),
@@ -143,6 +144,9 @@ CUDA_CASES = [
     pytest.param(
         FSDP2, [*SHORT_ARGS, "--compile", "--mixed-precision", "bf16", "--activation-checkpointing"], id="fsdp2-all"
     ),
+    # The speed-ups table's last row (tools/benchmarks/speedups.py): flash attention needs bf16 on a GPU.
+    pytest.param(DDP, [*SHORT_ARGS, *FASTEST, "--mixed-precision", "bf16"], id="ddp-compile-fused-flash-bf16"),
+    pytest.param(FSDP2, [*SHORT_ARGS, *FASTEST, "--mixed-precision", "bf16"], id="fsdp2-compile-fused-flash-bf16"),
 ]
 
 

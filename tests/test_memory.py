@@ -266,6 +266,28 @@ def test_transformer_flops_per_token() -> None:
     assert transformer_flops_per_token(torch.nn.Linear(3, 3)) is None
 
 
+# Names as torch.cuda.get_device_name gives them (a GH200's GPU is an H200), and the dense bf16 peak each gets.
+GPU_PEAKS = {
+    "NVIDIA H100 80GB HBM3": 989,
+    "NVIDIA H100 PCIe": 756,
+    "NVIDIA H100 NVL": 835,
+    "NVIDIA H200": 989,
+    "NVIDIA H200 NVL": 835,
+    "NVIDIA GH200 480GB": 989,
+    "NVIDIA A100-SXM4-80GB": 312,
+    "NVIDIA A100 80GB PCIe": 312,
+    "NVIDIA L4": 121,
+    "NVIDIA L40S": None,  # not in the table: no MFU rather than the L4's
+}
+
+
+def test_each_gpu_gets_its_own_boards_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MFU_PEAK_TFLOPS", raising=False)
+    for name, tflops in GPU_PEAKS.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert peak_flops(torch.device("cuda", 0)) == (tflops and tflops * 1e12), name
+
+
 def test_mfu_is_omitted_on_cpu_and_divides_by_every_gpu() -> None:
     assert peak_flops(torch.device("cpu")) is None
     # 1e6 FLOPs per token at 1e8 tokens/s on 2 GPUs of 1e14 FLOP/s each: half of the peak.

@@ -270,15 +270,19 @@ def fake_training_run(strategy, world_size: int, run_dir: Path, flags: list[str]
         sys.exit(f"error: --run-dir {run_dir} already holds an earlier run (metrics.jsonl)")
     record = {"event": "final", "strategy": strategy.name, "world_size": world_size, "peak_memory_bytes": 0}
     record |= {"tokens_per_s": 1.0, "mfu": None, "step_ms": 1.0}
+    # The last step's record, which --speedups reads its figures from.
+    steps = int(flags[flags.index("--max-steps") + 1])
+    train = {"event": "train", "step": steps, "loss": 1.0, "grad_norm": 1.0, "step_ms": 1.0, "tokens_per_s": 1.0}
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    (run_dir / "metrics.jsonl").write_text(json.dumps(train) + "\n" + json.dumps(record) + "\n")
     return record
 
 
 def gpu_check_benchmark_flags() -> list[str]:
     """The flags tests/gpu_check.sh gives tools.benchmarks.benchmark."""
     lines = (REPO / "tests/gpu_check.sh").read_text().splitlines()
-    (line,) = [line for line in lines if "-m tools.benchmarks.benchmark" in line and "--overhead" not in line]
+    commands = [line for line in lines if not line.startswith("#") and "--overhead" not in line]
+    (line,) = [line for line in commands if "-m tools.benchmarks.benchmark" in line]
     return line.split("#", 1)[0].split("-m tools.benchmarks.benchmark", 1)[1].split()
 
 
@@ -287,11 +291,13 @@ def test_a_second_gpu_check_benchmark_replaces_the_first(tmp_path: Path, capsys,
     monkeypatch.setattr(benchmark, "launch", fake_training_run)
     flags = gpu_check_benchmark_flags()
     assert run_main(benchmark.main, flags, capsys)[0] == 0
-    first = Path("runs/benchmark/ddp/metrics.jsonl").stat().st_ino
+    first_run = Path("runs/benchmark/gpu-speedups/ddp-0/metrics.jsonl")
+    first = first_run.stat().st_ino
     code, out, err = run_main(benchmark.main, flags, capsys)
     assert code == 0, (out, err)
-    assert Path("runs/benchmark/ddp/metrics.jsonl").stat().st_ino != first  # the new run's
-    assert sorted(path.name for path in Path("runs/benchmark").iterdir()) == [*benchmark.BENCHMARKED, "gpu.json"]
+    assert first_run.stat().st_ino != first  # the new run's
+    assert sorted(path.name for path in Path("runs/benchmark").iterdir()) == ["gpu-speedups", "gpu-speedups.json"]
+    assert len(json.loads(Path("runs/benchmark/gpu-speedups.json").read_text())["runs"]) == 3 * 6
 
 
 def test_benchmark_run_again_on_one_out_is_refused_up_front(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -49,7 +49,7 @@ SCHEDULES = [
     Mistake(
         name="ddp-lr-times-world-size",
         path="ddp/train_transformer.py",
-        edits={"lr=args.lr,": "lr=args.lr * ctx.world_size,"},
+        edits={"args.lr, weight_decay": "args.lr * ctx.world_size, weight_decay"},
         test="tests/test_equivalence.py::test_transformer_matches_one_process[ddp-2]",
         reason=TRAINS_DIFFERENTLY,
         harm="the learning rate grows with the world size while the global batch stays the same",

@@ -4,6 +4,8 @@
     python -m tools.benchmarks.benchmark --nproc 2 --out b.json  # on CPU: the tiny preset, 2 processes
     python -m tools.benchmarks.benchmark --overhead --model tiny --strategy fsdp2 --nproc 2  # what the harness
                                                           # costs a step, beside a bare loop (overhead.py)
+    python -m tools.benchmarks.benchmark --speedups --nproc 1  # eager, then one option more a row: compile,
+                                                          # fused AdamW, flash attention... (speedups.py)
 
 Each strategy trains the same model, in bf16, on the same global batch, for --warmup steps
 that are not measured (the first collectives, allocations, compilation) and then --steps
@@ -27,8 +29,9 @@ from common.cli import HelpFormatter
 from common.flags import positive_int
 from common.models import GPT_PRESETS
 from common.outputs import OutputExists, output_folder, write_text
-from tools.benchmarks.compare_strategies import STRATEGIES, launch
+from tools.benchmarks.compare_strategies import STRATEGIES, Strategy, launch
 from tools.benchmarks.overhead import OVERHEAD_STRATEGIES, measure, overhead_table
+from tools.benchmarks.speedups import RowFailed, planned_rows, speedup_rows, speedups_table
 from tools.command_flags import micro_batch_size, output_file
 from tools.output_checks import add_overwrite_flag, check_output_path, check_run_folders, finished_run_in
 from tools.processes import exit_code_of
@@ -46,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--nproc",
         type=positive_int,
         default=None,
-        help="processes (default: the GPUs, else 2; --overhead: 1)",
+        help="processes (default: the GPUs, else 2; --overhead and --speedups: 1)",
     )
     parser.add_argument(
         "--model",
@@ -61,10 +64,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="sequences per process per step (default: 16 on GPUs, else 8)",
     )
     parser.add_argument(
-        "--warmup", type=positive_int, default=None, help="steps before the clock starts (default: 5; --overhead: 25)"
+        "--warmup",
+        type=positive_int,
+        default=None,
+        help="steps before the clock starts (default: 5; --overhead: 25; --speedups: 10)",
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=None, help="measured steps (default: 20; --overhead: 200)"
+        "--steps", type=positive_int, default=None, help="measured steps (default: 20; --overhead: 200; --speedups: 30)"
     )
     parser.add_argument(
         "--overhead",
@@ -83,11 +89,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rounds", type=positive_int, default=3, help="--overhead: runs of each, interleaved (default: %(default)s)"
     )
     parser.add_argument(
+        "--speedups",
+        action="store_true",
+        help="instead: each strategy eager, then with one option more a row (--compile, --fused-adamw, --sdpa-backend "
+        "flash, the loss read every --warmup steps, one micro-batch of --larger-batch-size), the same global batch "
+        "in every row (tools/benchmarks/speedups.py)",
+    )
+    parser.add_argument(
+        "--larger-batch-size",
+        type=micro_batch_size,
+        default=None,
+        help="--speedups: the last row's one micro-batch, a multiple of --batch-size; the rows above reach the same "
+        "global batch in micro-steps of --batch-size (default: 4 x --batch-size)",
+    )
+    parser.add_argument(
         "--out",
         type=output_file,
         default=None,
         help="the table as JSON; each strategy's run goes beside it, in a folder of its name (default: "
-        "runs/benchmark/benchmark.json; with --overhead, runs/benchmark/overhead.json)",
+        "runs/benchmark/benchmark.json; with --overhead or --speedups, runs/benchmark/overhead.json or speedups.json)",
     )
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
@@ -96,24 +116,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.overhead and args.strategy is not None:
         parser.error("--strategy applies to --overhead; the benchmark runs every strategy in its table")
     args.strategy = args.strategy or "ddp"
-    args.nproc = args.nproc or (1 if args.overhead else torch.cuda.device_count() or 2)
+    args.nproc = args.nproc or (1 if args.overhead or args.speedups else torch.cuda.device_count() or 2)
     args.batch_size = args.batch_size or (16 if on_gpu else 8)
-    if args.warmup is None:
-        args.warmup = 25 if args.overhead else 5
+    if args.speedups:
+        args.larger_batch_size = args.larger_batch_size or 4 * args.batch_size
+    check_speedup_flags(parser, args)
+    if args.warmup is None:  # --speedups: also the log interval of its later rows
+        args.warmup = 25 if args.overhead else 10 if args.speedups else 5
     if args.steps is None:
-        args.steps = 200 if args.overhead else 20
+        args.steps = 200 if args.overhead else 30 if args.speedups else 20
     if args.out is None:
-        args.out = Path("runs/benchmark") / ("overhead.json" if args.overhead else "benchmark.json")
+        args.out = Path("runs/benchmark") / f"{mode_of(args)}.json"
     check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
     if not args.overhead:  # its runs go to a temporary folder
         earlier = "an earlier benchmark's runs"
-        check_run_folders(parser, run_dirs(args.out).values(), "--out", args.out, args.overwrite, earlier)
+        folders = speedup_run_dirs(args).values() if args.speedups else run_dirs(args.out).values()
+        check_run_folders(parser, folders, "--out", args.out, args.overwrite, earlier)
     return args
+
+
+def mode_of(args: argparse.Namespace) -> str:
+    return "overhead" if args.overhead else "speedups" if args.speedups else "benchmark"
+
+
+def check_speedup_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--speedups and its --larger-batch-size, which must be a multiple of the rows' micro-batch."""
+    if args.speedups and args.overhead:
+        parser.error("give --speedups or --overhead, not both: each is a benchmark of its own")
+    if args.larger_batch_size is not None and not args.speedups:
+        parser.error("--larger-batch-size is the last row of --speedups: give --speedups too")
+    if args.speedups and args.larger_batch_size % args.batch_size:
+        parser.error(
+            f"--larger-batch-size {args.larger_batch_size} must be a multiple of --batch-size {args.batch_size}: "
+            "the rows above it reach the same global batch in micro-steps of --batch-size"
+        )
 
 
 def run_dirs(out: Path) -> dict[str, Path]:
     """Where each benchmarked strategy's run goes: beside --out, in a folder of the strategy's name."""
     return {name: out.parent / name for name in BENCHMARKED}
+
+
+def speedup_run_dirs(args: argparse.Namespace) -> dict[tuple[str, int], Path]:
+    """Where each --speedups row's run goes: beside --out, in a folder of --out's name, one per strategy and row."""
+    rows = planned_rows(args.warmup, args.batch_size, args.larger_batch_size)
+    return {
+        (name, row): args.out.parent / args.out.stem / f"{name}-{row}"
+        for name in BENCHMARKED
+        for row in range(len(rows))
+    }
 
 
 def training_flags(args: argparse.Namespace) -> list[str]:
@@ -156,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.overhead:
         return overhead_main(args)
+    if args.speedups:
+        return speedups_main(args)
     flags = training_flags(args)
     rows = []
     try:
@@ -169,6 +222,53 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     summary = {"model": args.model, "batch_size": args.batch_size, "runs": rows}
     return print_and_write(table(rows), summary, args)
+
+
+def speedups_main(args: argparse.Namespace) -> int:
+    """The --speedups table (tools/benchmarks/speedups.py); --out gets the rows so far after each run."""
+    total = args.warmup + args.steps
+    every_row = [
+        *("--device", "auto", "--model", args.model, "--mixed-precision", "bf16"),
+        *("--max-steps", str(total), "--eval-interval", str(total)),
+        # Enough synthetic sequences for every step, and no more: generating them is not what is measured.
+        *(
+            "--train-sequences",
+            str(total * args.larger_batch_size * args.nproc),
+            "--heldout-sequences",
+            str(args.nproc),
+        ),
+    ]
+    folders = speedup_run_dirs(args)
+
+    def run_one(strategy: Strategy, name: str, row: int, flags: list[str]) -> Path:
+        print(f"\n{strategy.name}: {name}", flush=True)
+        try:
+            with output_folder(folders[strategy.name, row], args.overwrite, finished_run_in) as run_dir:
+                launch(strategy, args.nproc, run_dir, [*every_row, *flags])
+        except SystemExit as failure:  # launch's exit, with the run's output
+            raise RowFailed(str(failure.code)) from None
+        return folders[strategy.name, row]
+
+    def written(rows: list[dict[str, Any]]) -> None:
+        # The first write replaces an earlier --out only under --overwrite (checked before any run); later ones, ours.
+        write_text(args.out, json.dumps(summary(rows), indent=2) + "\n", args.overwrite or len(rows) > 1)
+        print(speedups_table(rows).splitlines()[-1], flush=True)  # the row, before a timeout can stop the table
+
+    def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        sizes = {"batch_size": args.batch_size, "larger_batch_size": args.larger_batch_size}
+        return {"model": args.model, **sizes, "warmup": args.warmup, "steps": args.steps, "runs": rows}
+
+    # FSDP1 last: the legacy API, which a table stopped at its time limit can do without.
+    strategies = sorted((s for s in STRATEGIES if s.name in BENCHMARKED), key=lambda s: s.name.startswith("fsdp1"))
+    plan = planned_rows(args.warmup, args.batch_size, args.larger_batch_size)
+    try:
+        rows = speedup_rows(strategies, plan, run_one, args.warmup, written)
+    except OutputExists as err:  # another benchmark on the same --out finished a run first
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    args.overwrite = True  # --out is this benchmark's own by now
+    written_out = print_and_write(speedups_table(rows), summary(rows), args)
+    return 1 if any("failed" in row for row in rows) else written_out
 
 
 def overhead_main(args: argparse.Namespace) -> int:
