@@ -177,7 +177,6 @@ def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
     # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
-
     checkpoints = Checkpointer(
         ctx,
         args.run_dir,
