@@ -9,18 +9,26 @@ contents, read by the same code, resume the same way (tests/test_checkpoint.py s
 
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from common.async_checkpoint import BackgroundSave
+from common.checkpoint import Checkpointer
+from common.distributed import distributed
+from common.models import GPT, GPTConfig
 from common.run_dir import complete_checkpoints
 from tests.harness.cases import NEEDS_FSDP2_ON_CPU
 from tests.harness.model_files import assert_same_parameters
 from tests.harness.runs import Run, run_script
 from tests.harness.wrappers import INJECT_FAULT
+from tools.benchmarks import benchmark
 
 FSDP1, FSDP2 = "fsdp/train_transformer.py", "fsdp/train_transformer_fsdp2.py"
 STEPS = 20
@@ -114,3 +122,72 @@ def test_fsdp1_background_saves_are_the_synchronous_ones(script: str, tmp_path: 
     every_step_saved(script, tmp_path / "sync", background=False)
     every_step_saved(script, tmp_path / "async", background=True)
     assert_background_saves_hold_what_synchronous_ones_do(tmp_path / "sync", tmp_path / "async", tmp_path)
+
+
+def test_a_load_waits_for_the_background_save_it_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan#930: a load right after an async save read a checkpoint not yet written. Here the write is held
+    until something waits for it; the resume from it must wait, then load the values saved, not those changed
+    after the save."""
+    waited = threading.Event()
+    write_data, wait = dcp.FileSystemWriter.write_data, BackgroundSave.wait
+
+    def held_write(*args: Any, **kwargs: Any) -> Any:
+        assert waited.wait(timeout=60), "nothing waited for the background save"
+        return write_data(*args, **kwargs)
+
+    def waiting(self: BackgroundSave) -> Path | None:
+        waited.set()
+        return wait(self)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_write)
+    monkeypatch.setattr(BackgroundSave, "wait", waiting)
+    with distributed("cpu", 60) as ctx:
+        model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=8))
+        optimizer = torch.optim.AdamW(model.parameters())
+        checkpoints = Checkpointer(
+            *(ctx, tmp_path),
+            **dict(model=model, optimizer=optimizer, extra={}, identity={}, strategy="ddp", settings={}),
+            **dict(global_batch_size=1, sharded=True, interval=1, keep=2, check_before_save=lambda step: None),
+            asynchronous=True,
+        )
+        saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        checkpoints.save(1)
+        assert not waited.is_set()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(1.0)  # what the next step does to the tensors being saved
+        resumed = checkpoints.resume(resume=False, resume_from=tmp_path / "checkpoints" / "step-1")
+    assert resumed.step == 1
+    assert all(torch.equal(saved[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_a_run_that_fails_completes_the_checkpoint_in_flight_first(tmp_path: Path) -> None:
+    """DDP (whose background saves are DCP's too) at 2 ranks: rank 1's loss turns NaN at step 3 while the
+    checkpoint of step 2 is held in the background (slow-disk). The run stops with its one message, and its
+    teardown first waits for that write: step-2 is complete, and the run says so."""
+    flags = ["--max-steps", "6", "--checkpoint-interval", "1", "--log-interval", "1", "--async-checkpoint"]
+    flags += ["--block-size", "32", "--train-sequences", "320", "--heldout-sequences", "40"]
+    run_dir = tmp_path / "run"
+    failed = run_script(
+        "ddp/train_transformer.py", flags, run_dir, 2, timeout=90, wrapper=[INJECT_FAULT, "slow-disk+nan"]
+    )
+    assert failed.returncode == 1, failed.describe()
+    assert failed.output.count("error: the training loss is not finite (NaN or inf) at step 3") == 1, failed.describe()
+    written = f"the checkpoint being written when the run failed, {run_dir / 'checkpoints' / 'step-2'}, is complete"
+    assert failed.output.count(written) == 1, failed.describe()
+    assert [path.name for path in complete_checkpoints(run_dir)] == ["step-1", "step-2"]
+
+
+def test_the_checkpoint_benchmark_times_each_way_of_saving(tmp_path: Path) -> None:
+    """``python -m tools.benchmarks.benchmark --checkpoint`` at its smallest: one round of 4 steps each way, in one
+    process. What it reports is checked, not how fast (the figures in docs/checkpoints.md come from a quiet
+    machine)."""
+    out = tmp_path / "checkpoint.json"
+    argv = ["--checkpoint", "--model", "tiny", "--nproc", "1", "--steps", "4", "--checkpoint-every", "2"]
+    assert benchmark.main([*argv, "--rounds", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    modes = result["modes"]
+    assert list(modes) == ["synchronous", "background", "never"], result
+    assert modes["synchronous"]["blocked_ms_per_save"] > 0 and modes["background"]["blocked_ms_per_save"] > 0
+    assert modes["never"]["blocked_ms_per_save"] is None and modes["never"]["wall_over_never"] == 1.0
+    assert all(len(walls) == 1 and walls[0] > 0 for walls in result["loop_wall_s"].values()), result

@@ -45,7 +45,7 @@ def module_name(path: Path) -> str:
 
 
 # Programs that a command starts and a user never does: each reads what its command wrote, not flags.
-WORKERS = {"tools.benchmarks.bare_loop"}
+WORKERS = {"tools.benchmarks.bare_loop", "tools.benchmarks.timed_saves"}
 
 
 SOURCES = {module_name(path): path for path in sorted([*REPO.glob("common/*.py"), *REPO.glob("tools/**/*.py")])}

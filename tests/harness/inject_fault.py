@@ -10,7 +10,8 @@ FAULT is one of:
                  run, after writing its shards, while the training steps go on
   slow-disk      on every rank, each write of an --async-checkpoint run waits for the optimizer step after
                  it began (or for the run to wait for it): a disk slower than a step, so that every
-                 step changes the parameters under a checkpoint being written
+                 step changes the parameters under a checkpoint being written; slow-disk+FAULT adds
+                 FAULT
   raise          an exception at optimizer step 3 (a bug that only one rank hits)
   sigkill        SIGKILL at optimizer step 3 (a process the kernel kills)
   sigkill-once   the same, in the first generation of workers only: torchrun --max-restarts
@@ -160,6 +161,9 @@ def overflow_after(step: Callable[..., Any], call: int) -> Callable[..., Any]:
 
 def main() -> None:
     fault, script = sys.argv[1], sys.argv[2]
+    if fault.startswith("slow-disk"):  # alone, or with another fault: slow-disk+nan
+        slow_disk()
+        fault = fault.removeprefix("slow-disk").removeprefix("+")
     disk = FILL_DISK.match(fault)
     if disk and os.environ.get("RANK", "0") == "0":
         step, leave_kib = int(disk.group(1)), int(disk.group(2) or 0)
@@ -169,9 +173,7 @@ def main() -> None:
             optimizer.step = on_call(optimizer.step, step, lambda _: fill_disk(folder, leave_kib * 1024))
     elif disk:
         pass
-    elif fault == "slow-disk":
-        slow_disk()
-    elif os.environ.get("RANK") == FAULTY_RANK:
+    elif fault and os.environ.get("RANK") == FAULTY_RANK:
         if fault == "kill-mid-save":
             dcp.save = on_call(dcp.save, 2, die)
         elif fault == "kill-in-background-save":

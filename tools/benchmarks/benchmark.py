@@ -4,6 +4,8 @@
     python -m tools.benchmarks.benchmark --nproc 2 --out b.json  # on CPU: the tiny preset, 2 processes
     python -m tools.benchmarks.benchmark --overhead --model tiny --strategy fsdp2 --nproc 2  # what the harness
                                                           # costs a step, beside a bare loop (overhead.py)
+    python -m tools.benchmarks.benchmark --checkpoint --model tiny --nproc 2  # what checkpoints cost a run,
+                                                          # synchronous and in the background (checkpoint_stall.py)
 
 Each strategy trains the same model, in bf16, on the same global batch, for --warmup steps
 that are not measured (the first collectives, allocations, compilation) and then --steps
@@ -27,6 +29,7 @@ from common.cli import HelpFormatter
 from common.flags import positive_int
 from common.models import GPT_PRESETS
 from common.outputs import OutputExists, output_folder, write_text
+from tools.benchmarks.checkpoint_stall import measure_stall, stall_table
 from tools.benchmarks.compare_strategies import STRATEGIES, launch
 from tools.benchmarks.overhead import OVERHEAD_STRATEGIES, measure, overhead_table
 from tools.command_flags import micro_batch_size, output_file
@@ -64,7 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--warmup", type=positive_int, default=None, help="steps before the clock starts (default: 5; --overhead: 25)"
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=None, help="measured steps (default: 20; --overhead: 200)"
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="measured steps (default: 20; --overhead: 200; --checkpoint: 100)",
     )
     parser.add_argument(
         "--overhead",
@@ -74,13 +80,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rounds apply",
     )
     parser.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="instead: the step's wait per checkpoint and the wall of --steps steps, with a checkpoint every "
+        "--checkpoint-every steps written synchronously or in the background, and with none "
+        "(tools/benchmarks/checkpoint_stall.py); --nproc, --model, --strategy, --steps and --rounds apply",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=positive_int, default=10, help="--checkpoint: steps between two (default: 10)"
+    )
+    parser.add_argument(
         "--strategy",
         choices=OVERHEAD_STRATEGIES,
         default=None,
-        help="--overhead: the script and the bare loop's wrap (default: ddp)",
+        help="--overhead: the script and the bare loop's wrap (default: ddp); --checkpoint: the script (default: "
+        "fsdp2)",
     )
     parser.add_argument(
-        "--rounds", type=positive_int, default=3, help="--overhead: runs of each, interleaved (default: %(default)s)"
+        "--rounds",
+        type=positive_int,
+        default=3,
+        help="--overhead, --checkpoint: runs of each, interleaved (default: %(default)s)",
     )
     parser.add_argument(
         "--out",
@@ -91,21 +111,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    if args.overhead and args.batch_size is not None:
-        parser.error("--overhead runs the script at its own batch: --batch-size does not apply")
-    if not args.overhead and args.strategy is not None:
-        parser.error("--strategy applies to --overhead; the benchmark runs every strategy in its table")
-    args.strategy = args.strategy or "ddp"
+    if args.overhead and args.checkpoint:
+        parser.error("give --overhead or --checkpoint, not both: each is a benchmark of its own")
+    own = "--overhead" if args.overhead else "--checkpoint"
+    if (args.overhead or args.checkpoint) and args.batch_size is not None:
+        parser.error(f"{own} runs the script at its own batch: --batch-size does not apply")
+    if not (args.overhead or args.checkpoint) and args.strategy is not None:
+        parser.error(
+            "--strategy applies to --overhead and --checkpoint; the benchmark runs every strategy in its table"
+        )
+    args.strategy = args.strategy or ("fsdp2" if args.checkpoint else "ddp")
     args.nproc = args.nproc or (1 if args.overhead else torch.cuda.device_count() or 2)
     args.batch_size = args.batch_size or (16 if on_gpu else 8)
     if args.warmup is None:
         args.warmup = 25 if args.overhead else 5
     if args.steps is None:
-        args.steps = 200 if args.overhead else 20
+        args.steps = 200 if args.overhead else 100 if args.checkpoint else 20
     if args.out is None:
-        args.out = Path("runs/benchmark") / ("overhead.json" if args.overhead else "benchmark.json")
+        name = "overhead.json" if args.overhead else "checkpoint.json" if args.checkpoint else "benchmark.json"
+        args.out = Path("runs/benchmark") / name
     check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
-    if not args.overhead:  # its runs go to a temporary folder
+    if not (args.overhead or args.checkpoint):  # their runs go to a temporary folder
         earlier = "an earlier benchmark's runs"
         check_run_folders(parser, run_dirs(args.out).values(), "--out", args.out, args.overwrite, earlier)
     return args
@@ -156,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.overhead:
         return overhead_main(args)
+    if args.checkpoint:
+        result = measure_stall(args.model, args.strategy, args.nproc, args.steps, args.checkpoint_every, args.rounds)
+        return print_and_write(stall_table(result), result, args)
     flags = training_flags(args)
     rows = []
     try:
