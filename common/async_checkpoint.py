@@ -3,7 +3,7 @@
 ``dcp.async_save`` first copies the state off the model and optimizer (staging, while the step waits: the next
 optimizer step changes those tensors in place), then writes the copy from a thread of its own. That thread meets the
 other ranks over a gloo group that nothing else uses: on a group that training's collectives also use, the save hung
-(torch 2.14.1, gloo), and a barrier there failed with "Connection closed by peer". Rank 0 renames the folder into place
+(torch 2.14.1, gloo), and no other call may meet that thread's collectives there. Rank 0 renames the folder into place
 once DCP has written its metadata, so a checkpoint is complete as soon as it is written, and never before.
 """
 
