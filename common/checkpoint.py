@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils._pytree import tree_map, tree_map_only
 
 import common.safe_io as safe_io
+from common.async_checkpoint import BackgroundSave
 from common.distributed import (
     DistContext,
     FatalError,
@@ -44,7 +45,15 @@ from common.fine_tuning import adapter_identity, adapters_difference, trained_di
 from common.flag_checks import NOT_RECORDED, fields_that_differ, plain_setting
 from common.models import tied_parameters
 from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
-from common.run_dir import CHECKPOINTS, MODEL_FILE, checkpoint_step, checkpoint_to_resume, complete_checkpoints
+from common.run_dir import (
+    CHECKPOINTS,
+    MODEL_FILE,
+    checkpoint_step,
+    checkpoint_to_resume,
+    complete_checkpoints,
+    prune_checkpoints,
+    set_aside_newer_than,
+)
 from common.training import capture_rng, restore_rng
 
 TRAINER_FILE = "trainer.pt"  # inside a sharded checkpoint: everything that is not a tensor shard
@@ -97,6 +106,7 @@ class Checkpointer:
     keep: int
     check_before_save: Callable[[int], None]
     trust: bool = False
+    asynchronous: bool = False  # --async-checkpoint: sharded saves written while training goes on
     while_saving: Callable[[], AbstractContextManager[object]] = nullcontext
     # What DCP writes and reads in place of each tensor: the same numbers (a view), laid out as it can write.
     sharded_view: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor
@@ -107,6 +117,7 @@ class Checkpointer:
         lora, tied, trained = adapter_identity(self.model), tied_parameters(self.model), trained_parameters(self.model)
         self.identity = {**self.identity, "lora": lora, "tied": tied or None, "trained": trained}
         self.last_saved: Path | None = None
+        self.background = BackgroundSave(self.ctx.device) if self.asynchronous else None
         self._check_room()
 
     def _check_room(self) -> None:
@@ -130,13 +141,15 @@ class Checkpointer:
             )
 
     def save(self, step: int, force: bool = False) -> Path | None:
-        """The state after ``step`` steps where --checkpoint-interval asks, or ``force`` (a stop request); else None."""
+        """The state after ``step`` steps where --checkpoint-interval asks, or ``force`` (a stop request); else None.
+        In the background (--async-checkpoint) once the one in flight is complete; a forced one is waited for."""
         if not force and not (self.interval > 0 and step > 0 and step % self.interval == 0):
             return None
         self.check_before_save(step)
-        if self.last_saved is not None and checkpoint_step(self.last_saved) == step and self.last_saved.exists():
-            return self.last_saved  # saved already: a stop request right after a resume
         with self.while_saving():
+            self.wait()
+            if self.last_saved is not None and checkpoint_step(self.last_saved) == step and self.last_saved.exists():
+                return self.last_saved  # saved already: a stop request right after a resume
             # A finite loss does not make the update after it finite: check the weights themselves.
             local = [local_part(p) for p in self.model.parameters()]
             finite = bool(torch.stack([torch.isfinite(p).all() for p in local]).all()) if local else True
@@ -160,12 +173,27 @@ class Checkpointer:
             }
             with quiet_internal_warnings():
                 path = self._save_sharded(step, trainer) if self.sharded else self._save_full(step, trainer)
-            self.last_saved = path
-            if self.ctx.is_main:
-                self._prune(keep_newest=path)
-            dist.barrier()  # nobody runs ahead and reads a folder that rank 0 is still pruning
-            print0(f"checkpoint: {path}")
+            if self.background is None:
+                self._saved(path)
+            elif force:
+                self.wait()
             return path
+
+    def wait(self) -> None:
+        """The checkpoint written in the background to its end: complete, or every rank stops with its failure."""
+        if self.background is None or (path := self.background.path) is None:
+            return
+        failure = safe_io.write_failure(self.background.wait)
+        self._written_everywhere(path, failure, self.folder / f"{TEMPORARY_PREFIX}{path.name}")
+        self._saved(path)
+
+    def _saved(self, path: Path) -> None:
+        """``path`` is complete: the newest; older ones beyond --keep-checkpoints go (never one in flight)."""
+        self.last_saved = path
+        if self.ctx.is_main:
+            prune_checkpoints(self.run_dir, newest=path, keep=self.keep)
+        dist.barrier()  # nobody runs ahead and reads a folder that rank 0 is still pruning
+        print0(f"checkpoint: {path}")
 
     def _written_everywhere(self, path: Path, failure: str | None, temporary: Path | None = None) -> None:
         """Stop every rank together if any rank could not write its part of ``path`` (in ``temporary``)."""
@@ -197,14 +225,17 @@ class Checkpointer:
         if self.ctx.is_main:
             shutil.rmtree(temporary, ignore_errors=True)  # left behind by a save that was killed
             failure = safe_io.write_failure(lambda: temporary.mkdir(parents=True))
-        self._written_everywhere(path, failure)
+            # trainer.pt first: the shards may be written after this call returns (--async-checkpoint).
+            failure = failure or safe_io.write_failure(lambda: safe_io.save_atomic(trainer, temporary / TRAINER_FILE))
+        self._written_everywhere(path, failure, temporary)
         # DISTRIBUTED: each rank writes its own shards, rank 0 the metadata (who holds which slice) last;
         # a rank that fails to write makes dcp.save fail on every rank.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = tree_map_only(torch.Tensor, self.sharded_view, {"model": model_state, "optimizer": optimizer_state})
+        if self.background is not None:  # rank 0 renames it once written; wait() reports how that went
+            self.background.start(state, temporary, path, renames=self.ctx.is_main)
+            return path
         failure = safe_io.write_failure(lambda: dcp.save(state, checkpoint_id=temporary))
-        if self.ctx.is_main and failure is None:
-            failure = safe_io.write_failure(lambda: safe_io.save_atomic(trainer, temporary / TRAINER_FILE))
         # Agreed before the rename: every shard is on disk before the folder gets its final name.
         self._written_everywhere(path, failure, temporary)
         if self.ctx.is_main:
@@ -213,21 +244,10 @@ class Checkpointer:
             rename_into_place(temporary, path)
         return path
 
-    def _prune(self, keep_newest: Path) -> None:
-        """Keep the newest ``keep`` checkpoints up to this one; delete leftovers of killed saves."""
-        step = checkpoint_step(keep_newest)
-        older = [path for path in complete_checkpoints(self.run_dir) if checkpoint_step(path) < step]  # type: ignore[operator]
-        doomed = older[: max(0, len(older) - (self.keep - 1))]
-        doomed += [path for path in self.folder.iterdir() if path.name.startswith(TEMPORARY_PREFIX)]
-        for path in doomed:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-
     def resume(self, resume: bool, resume_from: Path | None, init_from: Path | None = None) -> Resumed:
         """Load the checkpoint asked for; without one, start fresh or from ``init_from`` (--init-from: a checkpoint
         of this run comes first). One that cannot be loaded stops the run: starting over would lose its work."""
+        self.wait()  # a load never reads a checkpoint still being written (torchtitan#930)
         path = checkpoint_to_resume(self.run_dir, resume, resume_from)
         if path is None:
             if resume:
@@ -261,7 +281,11 @@ class Checkpointer:
             )
         if changed:
             print0(f"from step {trainer['step']} on, as the flags ask: {describe_changes(changed)}")
-        self._set_aside_newer_than(path)
+        # An older checkpoint of this run starts another branch: the newer ones are set aside, kept.
+        ours = path.resolve().parent == self.folder.resolve()
+        if ours and self.ctx.is_main and (moved := set_aside_newer_than(self.run_dir, path)):
+            print0(moved)
+        dist.barrier()  # no rank looks for checkpoints before they have moved
         if trainer["global_batch_size"] != self.global_batch_size:
             # The epoch's position is kept in steps: at another global batch size some examples are skipped or repeated.
             print0(
@@ -271,30 +295,9 @@ class Checkpointer:
         return Resumed(trainer["step"], path, changed, trainer["world_size"])
 
     def save_model(self, state: dict[str, torch.Tensor] | None) -> None:
-        """model.pt, for inference and --init-from: written as safe_io.save_model_file says."""
+        """model.pt, for inference and --init-from (safe_io.save_model_file), once the last checkpoint is complete."""
+        self.wait()
         safe_io.save_model_file(state, self.run_dir / MODEL_FILE, self.ctx)
-
-    def _set_aside_newer_than(self, resumed: Path) -> None:
-        """Resuming from an older checkpoint of this run starts another branch: the newer ones move to
-        RUN_DIR/abandoned/, never deleted, so that neither a later --resume nor pruning takes them for its own."""
-        if resumed.resolve().parent != self.folder.resolve():
-            return
-        step = checkpoint_step(resumed)
-        newer = [path for path in complete_checkpoints(self.run_dir) if checkpoint_step(path) > step]  # type: ignore[operator]
-        if newer and self.ctx.is_main:
-            aside = self.run_dir / "abandoned" / f"after-step-{step}"
-            tries = 1
-            while aside.exists():
-                tries += 1
-                aside = aside.with_name(f"after-step-{step}-{tries}")
-            aside.mkdir(parents=True)
-            for path in newer:
-                rename_into_place(path, aside / path.name)
-            print0(
-                f"{', '.join(path.name for path in newer)} went further than {resumed.name}: moved to {aside} "
-                "(kept; --resume-from there goes back to that run)"
-            )
-        dist.barrier()  # no rank looks for checkpoints before they have moved
 
     def _load(self, path: Path) -> dict[str, Any]:
         """Load ``path`` into model, optimizer and ``extra``; every rank fails together, with one message."""

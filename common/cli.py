@@ -227,8 +227,9 @@ def add_fsdp2_flags(parser: Parser) -> None:
     group.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help=text)
 
 
-def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
-    """Checkpoint and resume flags; ``sharded`` adds --checkpoint-format (the FSDP scripts)."""
+def add_checkpoint_flags(parser: Parser, *, sharded: bool, asynchronous: bool = False) -> None:
+    """Checkpoint and resume flags; ``sharded`` adds --checkpoint-format (the FSDP scripts), ``asynchronous``
+    --async-checkpoint (the transformer scripts)."""
     group = parser.add_argument_group("checkpoints")
     text = (
         "save a checkpoint into RUN_DIR/checkpoints every this many steps; 0: only when asked to stop (SIGTERM, "
@@ -247,6 +248,12 @@ def add_checkpoint_flags(parser: Parser, *, sharded: bool) -> None:
         "--run-dir comes first"
     )
     group.add_argument("--init-from", type=flags.existing_path, metavar="PATH", help=text)
+    if asynchronous:
+        text = (
+            "write each checkpoint in the background while training goes on: a step waits only while the state is "
+            "copied; sharded (torch.distributed.checkpoint's async_save), so under DDP too"
+        )
+        group.add_argument("--async-checkpoint", action="store_true", help=text)
     if sharded:
         text = (
             "sharded: each rank writes its own shard (torch.distributed.checkpoint), resumable at another world size; "

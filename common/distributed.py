@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from common.async_checkpoint import finish_in_flight
 from common.outputs import write_text
 
 
@@ -150,6 +151,9 @@ def clean_teardown() -> Iterator[None]:
     Collected before the destroy: on torch < 2.8 a group the collector frees holds the GIL while it waits for gloo's
     threads (gloo_destroyed_without_gil)."""
     failure = sys.exc_info()[1]
+    # A checkpoint still being written uses a group of its own, which the destroy would pull from under it.
+    if (written := finish_in_flight()) is not None:
+        print0(written, file=sys.stderr)
     if isinstance(failure, FatalError):
         traceback.clear_frames(failure.__traceback__)
     gc.collect()

@@ -191,6 +191,11 @@ def check_init_from(parser: Parser, path: Path) -> None:
 def check_checkpoint_flags(parser: Parser, args: argparse.Namespace) -> None:
     """Refuse a resume that cannot work, and a start that would replace or mix with an earlier run's files."""
     check_run_dir(parser, args.run_dir)
+    if getattr(args, "async_checkpoint", False) and getattr(args, "checkpoint_format", None) == "full":
+        parser.error(
+            "--async-checkpoint writes sharded checkpoints, each rank its own shards, in the background; "
+            "--checkpoint-format full gathers everything onto rank 0 and writes one file: drop one of them"
+        )
     if args.resume and args.resume_from is not None:
         parser.error("give --resume (the newest checkpoint) or --resume-from PATH, not both")
     if args.init_from is not None:
@@ -239,6 +244,7 @@ NOT_TRAINING_SETTINGS = {
     *("--log-interval", "--profile", "--tensorboard"),  # what is reported; none touches the weights or the data order
     *("--eval-interval", "--eval-batch-size", "--test-batch-size"),  # evaluation never updates a weight
     *("--checkpoint-interval", "--keep-checkpoints", "--checkpoint-format", "--trust-checkpoint"),  # saving
+    "--async-checkpoint",  # how a checkpoint is written, not what it holds
     *("--resume", "--resume-from", "--init-from"),  # where the run starts; a resume starts from a checkpoint
 }
 

@@ -19,12 +19,14 @@ import errno
 import fcntl
 import os
 import re
+import shutil
 import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.flags import output_dir
+from common.outputs import TEMPORARY_PREFIX, rename_into_place
 
 if TYPE_CHECKING:
     from common.distributed import DistContext
@@ -56,6 +58,42 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
         return []
     found = [path for path in folder.iterdir() if checkpoint_step(path) is not None]
     return sorted(found, key=checkpoint_step)  # type: ignore[arg-type]
+
+
+def prune_checkpoints(run_dir: Path, newest: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints up to ``newest``; delete leftovers of killed saves. Called only
+    with no save in flight (common.checkpoint waits for a background one first), so its folder is never one of them."""
+    folder, step = run_dir / CHECKPOINTS, checkpoint_step(newest)
+    older = [path for path in complete_checkpoints(run_dir) if checkpoint_step(path) < step]  # type: ignore[operator]
+    doomed = older[: max(0, len(older) - (keep - 1))]
+    doomed += [path for path in folder.iterdir() if path.name.startswith(TEMPORARY_PREFIX)]
+    for path in doomed:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def set_aside_newer_than(run_dir: Path, resumed: Path) -> str | None:
+    """The checkpoints of ``run_dir`` newer than ``resumed``, one of its own, moved to RUN_DIR/abandoned/: a resume
+    from an older one starts another branch, and neither a later --resume nor pruning may take them for its own.
+    They are never deleted. What moved, said in a line; None if nothing did."""
+    step = checkpoint_step(resumed)
+    newer = [path for path in complete_checkpoints(run_dir) if checkpoint_step(path) > step]  # type: ignore[operator]
+    if not newer:
+        return None
+    aside = run_dir / "abandoned" / f"after-step-{step}"
+    tries = 1
+    while aside.exists():
+        tries += 1
+        aside = aside.with_name(f"after-step-{step}-{tries}")
+    aside.mkdir(parents=True)
+    for path in newer:
+        rename_into_place(path, aside / path.name)
+    names = ", ".join(path.name for path in newer)
+    return (
+        f"{names} went further than {resumed.name}: moved to {aside} (kept; --resume-from there goes back to that run)"
+    )
 
 
 def checkpoint_to_resume(run_dir: Path, resume: bool, resume_from: Path | None) -> Path | None:

@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None):
     cli.add_schedule_flags(parser, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.1)
     cli.add_transformer_flags(parser)
     cli.add_compute_flags(parser, precisions=["fp32", "bf16"])
-    cli.add_checkpoint_flags(parser, sharded=False)
+    cli.add_checkpoint_flags(parser, sharded=False, asynchronous=True)
     args = parser.parse_args(argv)
     settings = flag_checks.training_settings(parser, args)  # as given: what each checkpoint records
     flag_checks.resolve_flags(parser, args)  # the values the flags leave open, such as the per-rank batch
@@ -179,7 +179,6 @@ def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
     # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
     optimizer = torch.optim.AdamW(model.parameters(), args.lr, weight_decay=args.weight_decay, fused=args.fused_adamw)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
-
     checkpoints = Checkpointer(
         ctx,
         args.run_dir,
@@ -190,7 +189,8 @@ def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
         strategy="ddp",  # recorded; a resume names a switch
         settings=settings,  # the flags as given, recorded; a resume names each change
         global_batch_size=global_batch,
-        sharded=False,  # DISTRIBUTED: rank 0 writes every rank's state: they are all the same
+        sharded=args.async_checkpoint,  # DISTRIBUTED: rank 0 writes every rank's state (the same), or DCP shares it
+        asynchronous=args.async_checkpoint,  # written in the background while the steps go on
         interval=args.checkpoint_interval,  # save(step) writes one every N steps
         keep=args.keep_checkpoints,
         check_before_save=run.check_loss,  # a non-finite loss never reaches a checkpoint

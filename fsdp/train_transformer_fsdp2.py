@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None):
     cli.add_compute_flags(parser, precisions=["fp32", "bf16"])
     cli.add_fsdp_flags(parser)
     cli.add_fsdp2_flags(parser)
-    cli.add_checkpoint_flags(parser, sharded=True)
+    cli.add_checkpoint_flags(parser, sharded=True, asynchronous=True)
     args = parser.parse_args(argv)
     settings = flag_checks.training_settings(parser, args)  # as given: what each checkpoint records
     flag_checks.resolve_flags(parser, args)  # the values the flags leave open, such as the per-rank batch
@@ -226,7 +226,6 @@ def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
     # DISTRIBUTED: built after the wrap: under FSDP it must hold (and keep state for) only this rank's shards.
     optimizer = torch.optim.AdamW(model.parameters(), args.lr, weight_decay=args.weight_decay, fused=args.fused_adamw)
     scheduler = warmup_cosine(optimizer, args.warmup_steps, total_steps, args.min_lr_ratio)
-
     checkpoints = Checkpointer(
         ctx,
         args.run_dir,
@@ -239,6 +238,7 @@ def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",  # DISTRIBUTED: each rank writes its shards, or rank 0 all
         trust=args.trust_checkpoint,
+        asynchronous=args.async_checkpoint,  # written in the background while the steps go on
         interval=args.checkpoint_interval,  # save(step) writes one every N steps
         keep=args.keep_checkpoints,
         check_before_save=run.check_loss,  # a non-finite loss never reaches a checkpoint

@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None):
     cli.add_fsdp_flags(parser)
     cli.add_fsdp2_flags(parser)
     tp.add_tensor_parallel_flags(parser)
-    cli.add_checkpoint_flags(parser, sharded=True)
+    cli.add_checkpoint_flags(parser, sharded=True, asynchronous=True)
     args = parser.parse_args(argv)
     settings = flag_checks.training_settings(parser, args)  # as given: what each checkpoint records
     args.tp_degree = tp.tensor_parallel_size(parser, args.tp_degree)  # 1 in a world of one; resolve_flags reads it
@@ -281,7 +281,6 @@ def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
     steps_per_epoch = len(loader) // args.grad_accum_steps
     total_steps = plan_total_steps(steps_per_epoch, args.epochs, args.max_steps)
     global_batch = args.batch_size * args.grad_accum_steps * dp_size
-
     config = gpt_config(args, data.vocab_size)
     # DISTRIBUTED: shapes without memory: wrap_model gives each rank its shards alone (see there).
     with torch.device("meta"):
@@ -305,6 +304,7 @@ def train(args, settings: dict, ctx: DistContext, lock: RunDirLock) -> None:
         global_batch_size=global_batch,
         sharded=args.checkpoint_format == "sharded",  # DISTRIBUTED: each rank writes its shards, or rank 0 all
         trust=args.trust_checkpoint,
+        asynchronous=args.async_checkpoint,  # written in the background while the steps go on
         interval=args.checkpoint_interval,  # save(step) writes one every N steps
         keep=args.keep_checkpoints,
         check_before_save=run.check_loss,  # a non-finite loss never reaches a checkpoint

@@ -140,6 +140,19 @@ def test_tensorboard_without_its_package_is_refused_before_any_work(
     assert not (tmp_path / "run").exists(), "a run that fails its checks must write nothing"
 
 
+@pytest.mark.parametrize("script", [name for name in SCRIPTS if "transformer" in name and name.startswith("fsdp/")])
+def test_async_checkpoint_with_full_checkpoints_is_refused(
+    script: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--async-checkpoint writes sharded checkpoints in the background; a full one is rank 0's file: one message."""
+    flags = ["--async-checkpoint", "--checkpoint-format", "full", "--max-steps", "1"]
+    code, output = run_in_process(script, flags, tmp_path / "run", capsys)
+    assert code == 2, output
+    message = "--async-checkpoint writes sharded checkpoints, each rank its own shards, in the background; "
+    assert output.count(message) == 1 and output.count("error") == 1, output
+    assert not (tmp_path / "run").exists(), "a run that fails its checks must write nothing"
+
+
 TP_SCRIPT = "fsdp/train_transformer_fsdp2_tp.py"
 
 

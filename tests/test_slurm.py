@@ -441,9 +441,11 @@ class TestOnARealCluster:
 
         One CPU each, so one thread each: at two, the two jobs and the time-limit job's two processes ran six
         threads on this machine's two cores, and the 195 steps after the requeue took 40 s instead of 3."""
-        # A global batch of 4 (the last --global-batch-size wins): the steps at a quarter of the cost.
+        # A global batch of 4 (the last --global-batch-size wins): the steps at a quarter of the cost. Checkpoints
+        # written in the background (issue 71), one every 5 steps: the one of step 5 begins as the trainers go on
+        # after their hold, and the stop's own save, a step or two later, first waits for it.
         args = [*TRANSFORMER_ARGS, "--global-batch-size", "4", "--max-steps", str(PREEMPTED_STEPS),
-                "--checkpoint-interval", "20"]  # fmt: skip
+                "--checkpoint-interval", "5", "--async-checkpoint"]  # fmt: skip
         reads = checkout.parent / f"{checkout.name}-reads"
         jobs = {
             partition: submit(

@@ -5,6 +5,13 @@
 FAULT is one of:
   kill-mid-save  SIGKILL during the second checkpoint save, after writing its shards and
                  before the checkpoint is complete (a node failure or an OOM kill mid-save)
+  kill-in-background-save
+                 SIGKILL in the thread that writes the fifth checkpoint of an --async-checkpoint
+                 run, after writing its shards, while the training steps go on
+  slow-disk      on every rank, each write of an --async-checkpoint run waits for the optimizer step after
+                 it began (or for the run to wait for it): a disk slower than a step, so that every
+                 step changes the parameters under a checkpoint being written; slow-disk+FAULT adds
+                 FAULT
   raise          an exception at optimizer step 3 (a bug that only one rank hits)
   sigkill        SIGKILL at optimizer step 3 (a process the kernel kills)
   sigkill-once   the same, in the first generation of workers only: torchrun --max-restarts
@@ -27,6 +34,7 @@ import re
 import runpy
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +45,7 @@ import torch.nn.functional as F
 
 FAULTY_RANK = "1"
 FAULTY_STEP = 3
+BACKGROUND_SAVE_KILLED = 5
 
 
 def on_call(function: Callable[..., Any], call: int, fault: Callable[[Any], Any]) -> Callable[..., Any]:
@@ -82,6 +91,53 @@ def fill_disk(folder: Path, leave_bytes: int) -> None:
     os.truncate(filler, max(0, filler.stat().st_size - leave_bytes))
 
 
+def slow_disk() -> None:
+    """Background writes that start only once the training has moved on: after the next optimizer step, or when
+    the run waits for the write (the last save has no next step)."""
+    from common.async_checkpoint import BackgroundSave
+
+    moved_on = threading.Condition()
+    steps, waiting = 0, False
+
+    def after_step(step: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            nonlocal steps
+            result = step(*args, **kwargs)
+            with moved_on:
+                steps += 1
+                moved_on.notify_all()
+            return result
+
+        return wrapper
+
+    def waited_for(wait: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            nonlocal waiting
+            with moved_on:
+                waiting = True
+                moved_on.notify_all()
+            try:
+                return wait(*args, **kwargs)
+            finally:
+                with moved_on:
+                    waiting = False
+
+        return wrapper
+
+    def held(write: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with moved_on:
+                began = steps
+                moved_on.wait_for(lambda: steps > began or waiting)
+            return write(*args, **kwargs)
+
+        return wrapper
+
+    torch.optim.AdamW.step = after_step(torch.optim.AdamW.step)  # type: ignore[method-assign]
+    BackgroundSave.wait = waited_for(BackgroundSave.wait)  # type: ignore[method-assign]
+    dcp.FileSystemWriter.write_data = held(dcp.FileSystemWriter.write_data)  # type: ignore[method-assign]
+
+
 def run_dir_of(argv: list[str]) -> Path:
     return Path(argv[argv.index("--run-dir") + 1])
 
@@ -105,6 +161,9 @@ def overflow_after(step: Callable[..., Any], call: int) -> Callable[..., Any]:
 
 def main() -> None:
     fault, script = sys.argv[1], sys.argv[2]
+    if fault.startswith("slow-disk"):  # alone, or with another fault: slow-disk+nan
+        slow_disk()
+        fault = fault.removeprefix("slow-disk").removeprefix("+")
     disk = FILL_DISK.match(fault)
     if disk and os.environ.get("RANK", "0") == "0":
         step, leave_kib = int(disk.group(1)), int(disk.group(2) or 0)
@@ -114,9 +173,12 @@ def main() -> None:
             optimizer.step = on_call(optimizer.step, step, lambda _: fill_disk(folder, leave_kib * 1024))
     elif disk:
         pass
-    elif os.environ.get("RANK") == FAULTY_RANK:
+    elif fault and os.environ.get("RANK") == FAULTY_RANK:
         if fault == "kill-mid-save":
             dcp.save = on_call(dcp.save, 2, die)
+        elif fault == "kill-in-background-save":
+            writer = dcp.FileSystemWriter
+            writer.write_data = on_call(writer.write_data, BACKGROUND_SAVE_KILLED, die)  # type: ignore[method-assign]
         elif fault == "sigkill-once" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             pass
         elif fault in ("raise", "sigkill", "sigkill-once"):

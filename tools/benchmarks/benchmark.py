@@ -6,6 +6,8 @@
                                                           # costs a step, beside a bare loop (overhead.py)
     python -m tools.benchmarks.benchmark --speedups --nproc 1  # eager, then one option more a row: compile,
                                                           # fused AdamW, flash attention... (speedups.py)
+    python -m tools.benchmarks.benchmark --checkpoint --model tiny --nproc 2  # what checkpoints cost a run,
+                                                          # synchronous and in the background (checkpoint_stall.py)
 
 Each strategy trains the same model, in bf16, on the same global batch, for --warmup steps
 that are not measured (the first collectives, allocations, compilation) and then --steps
@@ -29,6 +31,7 @@ from common.cli import HelpFormatter
 from common.flags import positive_int
 from common.models import GPT_PRESETS
 from common.outputs import OutputExists, output_folder, write_text
+from tools.benchmarks.checkpoint_stall import measure_stall, stall_table
 from tools.benchmarks.compare_strategies import STRATEGIES, Strategy, launch
 from tools.benchmarks.overhead import OVERHEAD_STRATEGIES, measure, overhead_table
 from tools.benchmarks.speedups import RowFailed, planned_rows, speedup_rows, speedups_table
@@ -70,7 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="steps before the clock starts (default: 5; --overhead: 25; --speedups: 10)",
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=None, help="measured steps (default: 20; --overhead: 200; --speedups: 30)"
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="measured steps (default: 20; --overhead: 200; --checkpoint: 100; --speedups: 30)",
     )
     parser.add_argument(
         "--overhead",
@@ -80,13 +86,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rounds apply",
     )
     parser.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="instead: the step's wait per checkpoint and the wall of --steps steps, with a checkpoint every "
+        "--checkpoint-every steps written synchronously or in the background, and with none "
+        "(tools/benchmarks/checkpoint_stall.py); --nproc, --model, --strategy, --steps and --rounds apply",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=positive_int, default=10, help="--checkpoint: steps between two (default: 10)"
+    )
+    parser.add_argument(
         "--strategy",
         choices=OVERHEAD_STRATEGIES,
         default=None,
-        help="--overhead: the script and the bare loop's wrap (default: ddp)",
+        help="--overhead: the script and the bare loop's wrap (default: ddp); --checkpoint: the script (default: "
+        "fsdp2)",
     )
     parser.add_argument(
-        "--rounds", type=positive_int, default=3, help="--overhead: runs of each, interleaved (default: %(default)s)"
+        "--rounds",
+        type=positive_int,
+        default=3,
+        help="--overhead, --checkpoint: runs of each, interleaved (default: %(default)s)",
     )
     parser.add_argument(
         "--speedups",
@@ -107,15 +127,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=output_file,
         default=None,
         help="the table as JSON; each strategy's run goes beside it, in a folder of its name (default: "
-        "runs/benchmark/benchmark.json; with --overhead or --speedups, runs/benchmark/overhead.json or speedups.json)",
+        "runs/benchmark/benchmark.json; with --overhead, --checkpoint or --speedups: overhead.json, checkpoint.json or "
+        "speedups.json)",
     )
     add_overwrite_flag(parser)
     args = parser.parse_args(argv)
-    if args.overhead and args.batch_size is not None:
-        parser.error("--overhead runs the script at its own batch: --batch-size does not apply")
-    if not args.overhead and args.strategy is not None:
-        parser.error("--strategy applies to --overhead; the benchmark runs every strategy in its table")
-    args.strategy = args.strategy or "ddp"
+    modes = [flag for flag in ("--overhead", "--checkpoint", "--speedups") if getattr(args, flag[2:])]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)} are benchmarks of their own: give one")
+    own = "--overhead" if args.overhead else "--checkpoint"
+    if (args.overhead or args.checkpoint) and args.batch_size is not None:
+        parser.error(f"{own} runs the script at its own batch: --batch-size does not apply")
+    if not (args.overhead or args.checkpoint) and args.strategy is not None:
+        parser.error(
+            "--strategy applies to --overhead and --checkpoint; the benchmark runs every strategy in its table"
+        )
+    args.strategy = args.strategy or ("fsdp2" if args.checkpoint else "ddp")
     args.nproc = args.nproc or (1 if args.overhead or args.speedups else torch.cuda.device_count() or 2)
     args.batch_size = args.batch_size or (16 if on_gpu else 8)
     if args.speedups:
@@ -124,11 +151,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.warmup is None:  # --speedups: also the log interval of its later rows
         args.warmup = 25 if args.overhead else 10 if args.speedups else 5
     if args.steps is None:
-        args.steps = 200 if args.overhead else 30 if args.speedups else 20
+        args.steps = 200 if args.overhead else 100 if args.checkpoint else 30 if args.speedups else 20
     if args.out is None:
         args.out = Path("runs/benchmark") / f"{mode_of(args)}.json"
     check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
-    if not args.overhead:  # its runs go to a temporary folder
+    if not (args.overhead or args.checkpoint):  # their runs go to a temporary folder
         earlier = "an earlier benchmark's runs"
         folders = speedup_run_dirs(args).values() if args.speedups else run_dirs(args.out).values()
         check_run_folders(parser, folders, "--out", args.out, args.overwrite, earlier)
@@ -136,13 +163,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def mode_of(args: argparse.Namespace) -> str:
-    return "overhead" if args.overhead else "speedups" if args.speedups else "benchmark"
+    return next((mode for mode in ("overhead", "checkpoint", "speedups") if getattr(args, mode)), "benchmark")
 
 
 def check_speedup_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--speedups and its --larger-batch-size, which must be a multiple of the rows' micro-batch."""
-    if args.speedups and args.overhead:
-        parser.error("give --speedups or --overhead, not both: each is a benchmark of its own")
     if args.larger_batch_size is not None and not args.speedups:
         parser.error("--larger-batch-size is the last row of --speedups: give --speedups too")
     if args.speedups and args.larger_batch_size % args.batch_size:
@@ -207,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.overhead:
         return overhead_main(args)
+    if args.checkpoint:
+        result = measure_stall(args.model, args.strategy, args.nproc, args.steps, args.checkpoint_every, args.rounds)
+        return print_and_write(stall_table(result), result, args)
     if args.speedups:
         return speedups_main(args)
     flags = training_flags(args)
