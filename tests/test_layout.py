@@ -127,7 +127,7 @@ def test_a_copy_of_any_script_carries_no_more_modules_and_lines_than_its_budget(
 # (issue 69: train() was 100 to 123 lines in the six scripts, the TP script 552 lines before its helpers moved out).
 MOST_IMPORT_LINES = 30
 MOST_LINES_OF_TRAIN = 80
-MOST_LINES_OF_THE_TP_SCRIPT = 380
+MOST_LINES_OF_THE_TP_SCRIPT = 381  # issue 70: the hang watch takes one line of main(), its import one
 
 
 def import_lines(module: ast.Module) -> int:
