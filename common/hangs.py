@@ -80,6 +80,7 @@ class HangWatch:
         self.handling = threading.Lock()  # one path per rank reports: the watchdog's or the failed collective's
         self.signalled_at: float | None = None
         self.wakeup: tuple[int, int] | None = None
+        self.previous_wakeup = -1
         record_collectives(run_dir, self.enabled)
 
     def __enter__(self) -> HangWatch:
@@ -89,7 +90,7 @@ class HangWatch:
             # Python handler (common.distributed's StopRequest) cannot run until the collective returns.
             self.wakeup = os.pipe()
             os.set_blocking(self.wakeup[1], False)
-            signal.set_wakeup_fd(self.wakeup[1], warn_on_full_buffer=False)
+            self.previous_wakeup = signal.set_wakeup_fd(self.wakeup[1], warn_on_full_buffer=False)
             threading.Thread(target=self._watch, name="hang watchdog", daemon=True).start()
         return self
 
@@ -99,7 +100,7 @@ class HangWatch:
         if err is not None and is_collective_failure(err):
             self.report_and_exit(f"a collective failed on rank {self.ctx.rank}: {first_line(err)}")
         self.done.set()
-        signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(self.previous_wakeup)
 
     def _watch(self) -> None:
         while not self.done.is_set():
@@ -119,8 +120,8 @@ class HangWatch:
         now, last = time.monotonic(), HangWatch.last_step_end
         if last is not None and now - last > self.timeout_s:
             return f"no step ended on rank {self.ctx.rank} for {now - last:.0f} s (--hang-timeout {self.timeout_s:g})"
-        if self.signalled_at is not None:
-            if last is not None and last > self.signalled_at:
+        if self.signalled_at is not None and last is not None:  # before the first step ends, torchrun's grace rules
+            if last > self.signalled_at:
                 self.signalled_at = None  # a step ended since: the stop request is on its way (StopRequest)
                 return None
             # A stop acts at a step boundary: one that does not come soon is a rank blocked in a collective.
@@ -167,7 +168,12 @@ def first_line(err: BaseException) -> str:
 
 def write_dumps(folder: Path, ctx: DistContext, reason: str, alarm: str) -> None:
     """This rank's Flight Recorder trace (torch's pickle, with what this hang is added) and its Python stacks."""
-    trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    c10d = torch._C._distributed_c10d
+    trace = pickle.loads(c10d._dump_fr_trace())
+    if ctx.backend == "nccl":  # NCCL's collectives have a recorder of their own, beside gloo's (the host group)
+        nccl = pickle.loads(c10d._dump_nccl_trace())
+        trace["entries"] += nccl.get("entries", [])
+        trace["pg_config"] = {**trace.get("pg_config", {}), **nccl.get("pg_config", {})}
     main = sys.modules["__main__"]
     trace["hang"] = {
         "alarm": alarm,  # the first rank's reason: the same in every file of one hang
@@ -244,12 +250,20 @@ def last_calls(trace: dict[str, Any]) -> dict[str, Call]:
     return newest
 
 
+def is_in(file: str, script: str) -> bool:
+    """Whether a frame's file is the script: the path it was started by may be relative (runpy keeps it so)."""
+    path = Path(file)
+    return file == script or (not path.is_absolute() and Path(script).parts[-len(path.parts) :] == path.parts)
+
+
 def where(frames: list[tuple[str, int, str]], script: str) -> str:
-    """The script's line (the innermost frame in it) and the innermost frame outside torch, innermost first."""
-    own = [f"{Path(file).name}:{line} in {name}" for file, line, name in frames if file == script]
-    outside_torch = [f"{file}:{line} in {name}" for file, line, name in frames if "/torch/" not in file]
-    found = own[:1] + [text for text in outside_torch[:1] if not text.startswith(script)]
-    return " <- ".join(reversed(found)) if found else "no frame of the script"
+    """The innermost frame outside torch, then the script's line (its innermost frame in it); frames innermost first."""
+    own = [(file, line, name) for file, line, name in frames if is_in(file, script)][:1]
+    outside_torch = [frame for frame in frames if "/torch/" not in frame[0] and "<frozen" not in frame[0]][:1]
+    shown = [f"{Path(file).parent.name}/{Path(file).name}:{line} in {name}" for file, line, name in own]
+    shown += [f"{Path(file).parent.name}/{Path(file).name}:{line} in {name}" for file, line, name in outside_torch
+              if not is_in(file, script)]  # fmt: skip
+    return " <- ".join(reversed(shown)) if shown else "no frame of the script"
 
 
 def main_thread_frames(stacks: str) -> list[tuple[str, int, str]]:

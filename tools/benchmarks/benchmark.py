@@ -80,6 +80,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="--overhead: the script and the bare loop's wrap (default: ddp)",
     )
     parser.add_argument(
+        "--no-flight-recorder",
+        action="store_true",
+        help="--overhead: run the script with --no-flight-recorder (no Flight Recorder, no hang watchdog), to see "
+        "what recording the collectives costs a step",
+    )
+    parser.add_argument(
         "--rounds", type=positive_int, default=3, help="--overhead: runs of each, interleaved (default: %(default)s)"
     )
     parser.add_argument(
@@ -93,6 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.overhead and args.batch_size is not None:
         parser.error("--overhead runs the script at its own batch: --batch-size does not apply")
+    if not args.overhead and args.no_flight_recorder:
+        parser.error("--no-flight-recorder applies to --overhead")
     if not args.overhead and args.strategy is not None:
         parser.error("--strategy applies to --overhead; the benchmark runs every strategy in its table")
     args.strategy = args.strategy or "ddp"
@@ -172,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def overhead_main(args: argparse.Namespace) -> int:
-    result = measure(args.model, args.strategy, args.nproc, args.warmup, args.steps, args.rounds)
+    script_flags = ["--no-flight-recorder"] if args.no_flight_recorder else []
+    result = measure(args.model, args.strategy, args.nproc, args.warmup, args.steps, args.rounds, script_flags)
     return print_and_write(overhead_table(result), result, args)
 
 

@@ -20,10 +20,18 @@ from tools.command_flags import existing_dir
 from tools.processes import exit_code_of
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.checks.hang_report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("run_dir", type=existing_dir, help="the run directory of the job that hung")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         print(hang_report(args.run_dir / HANG_DIR))
     except HangFilesError as err:
