@@ -82,6 +82,8 @@ class HangWatch:
         self.wakeup: tuple[int, int] | None = None
         self.previous_wakeup = -1
         record_collectives(run_dir, self.enabled)
+        if self.enabled and ctx.backend == "nccl":
+            self.folder.mkdir(parents=True, exist_ok=True)  # torch's dump opens its file there, making no folder
 
     def __enter__(self) -> HangWatch:
         if self.enabled:

@@ -11,6 +11,7 @@ last complete checkpoint as it was. ``tools.checks.hang_report`` reads (a)'s fol
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -169,3 +170,24 @@ def test_a_rank_killed_mid_step_in_fsdp2_is_named(tmp_path: Path) -> None:
     assert "rank 0: stopped in #" in report and "in mean_over_ranks" in report and logged in report, run.describe()
     assert_traces_of(run, [0])
     assert_checkpoint_intact(run)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs: NCCL takes one GPU per rank")
+def test_on_nccl_the_report_names_the_rank_and_torch_dumps_its_own_trace_on_a_timeout(tmp_path: Path) -> None:
+    """(b) on NCCL: the watchdog's report as on gloo; then with --hang-timeout above --dist-timeout, NCCL's own
+    watchdog times the collective out and writes its Flight Recorder trace into RUN_DIR/hang/ (nccl_trace_rank_N)."""
+    script = patched_copy(tmp_path, SLEEP_IN_LOADING)
+    for name, flags in [("ours", []), ("torch's", ["--dist-timeout", "10", "--hang-timeout", "120"])]:
+        run_dir = tmp_path / name
+        # script_invocation passes --device cpu first: the later --device cuda wins.
+        invocation = script_invocation(str(script), [*ARGS, *flags, "--device", "cuda"], run_dir, [])
+        run = run_hang([*launcher_prefix(2), *invocation], run_dir, project_env(tmp_path), tmp_path)
+        if name == "ours":
+            report = the_report(run)
+            assert report.startswith("HANG: rank(s) 1 never entered collective #"), run.describe()
+            assert "nccl:all_reduce" in report and "rank 1: never entered it" in report, run.describe()
+        else:
+            dumps = sorted((run_dir / HANG_DIR).glob("nccl_trace_rank_*"))
+            assert dumps, run.describe()
+            assert all(pickle.loads(dump.read_bytes())["entries"] for dump in dumps), run.describe()

@@ -4,10 +4,12 @@
 
 A run whose ranks stopped on a hang (no step for --hang-timeout seconds, a collective that failed, a stop signal
 that no step boundary answered) left RUN_DIR/hang/: each live rank's Flight Recorder trace (fr_trace_rank_N, the
-pickle torch dumps, which ``python -m torch.distributed.flight_recorder.fr_trace`` reads too) and its Python stacks.
-This prints the report the job printed: which rank stopped at which collective, which never entered it, and the line
-of the script where each was. The reading is common.hangs' own, not fr_trace's: fr_trace refuses a folder without
-every rank's trace (the hang of a dead rank), and judges by completion states, which gloo does not record.
+pickle torch dumps, named as torch's analyzer ``torch.distributed.flight_recorder.fr_trace`` expects) and its Python
+stacks. This prints the report the job printed: which rank stopped at which collective, which never entered it, and
+the line of the script where each was. The reading is common.hangs' own, not fr_trace's: on torch 2.14.1 fr_trace
+stops with KeyError ('0', 1) on gloo's dumps (their pg_config names the default group '', their entries
+'default_pg'); it wants every rank's dump, where a dead rank leaves none; and it judges by completion states, which
+gloo does not record ("scheduled" only).
 """
 
 from __future__ import annotations
