@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -102,6 +103,8 @@ class HangWatch:
         if err is not None and is_collective_failure(err):
             self.report_and_exit(f"a collective failed on rank {self.ctx.rank}: {first_line(err)}")
         self.done.set()
+        with suppress(Exception):  # a rank that leaves writes no trace: a report need not wait for one
+            self.store.add(KEY + "accounted", 1)
         signal.set_wakeup_fd(self.previous_wakeup)
 
     def _watch(self) -> None:
@@ -138,12 +141,13 @@ class HangWatch:
             self.done.wait()  # the other path of this rank ends the process
             return
         try:
-            alarm = self.store.compare_set(KEY + "alarm", "", f"{self.ctx.rank}: {reason}").decode()
+            mine = f"{self.ctx.rank} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {reason}"  # the time tells hangs apart
+            alarm = self.store.compare_set(KEY + "alarm", "", mine).decode()
             write_dumps(self.folder, self.ctx, reason, alarm)
-            self.store.add(KEY + "dumped", 1)
+            self.store.add(KEY + "accounted", 1)
             deadline = time.monotonic() + DUMPS_WAIT_S
-            while int(self.store.add(KEY + "dumped", 0)) < self.ctx.world_size and time.monotonic() < deadline:
-                time.sleep(0.2)  # polls the store's count, up to the deadline (a dead rank never adds to it)
+            while int(self.store.add(KEY + "accounted", 0)) < self.ctx.world_size and time.monotonic() < deadline:
+                time.sleep(0.2)  # polls the store's count, up to the deadline (a killed rank never adds to it)
             if self.store.compare_set(KEY + "reporter", "", str(self.ctx.rank)).decode() == str(self.ctx.rank):
                 report = hang_report(self.folder)
                 write_text(self.folder / REPORT_FILE, report + "\n", overwrite=True)  # this hang's report
@@ -210,17 +214,17 @@ def read_traces(folder: Path) -> dict[int, dict[str, Any]]:
     paths = sorted(folder.glob(f"{TRACE_PREFIX}*"), key=lambda path: path.stat().st_mtime)
     if not paths:
         raise HangFilesError(f"{folder} holds no trace ({TRACE_PREFIX}N): this run did not stop on a hang")
-    traces = {}
+    traces = []
     for path in paths:
         try:
             with path.open("rb") as file:
                 trace = PlainData(file).load()
-            traces[int(trace["hang"]["rank"])] = trace
+            traces.append((int(trace["hang"]["rank"]), trace["hang"]["alarm"], trace))
         except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, IndexError) as err:
             why = str(err) or type(err).__name__
             raise HangFilesError(f"{path} is cut short or not a trace of a hang ({why})") from None
-    newest = traces[int(paths[-1].name.removeprefix(TRACE_PREFIX))]["hang"]["alarm"]
-    return {rank: trace for rank, trace in traces.items() if trace["hang"]["alarm"] == newest}
+    newest = traces[-1][1]  # files an earlier hang of this run directory left are not this one's
+    return {rank: trace for rank, alarm, trace in traces if alarm == newest}
 
 
 @dataclass(frozen=True)
