@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.hangs import HANG_DIR, REPORT_FILE, STACKS_PREFIX, TRACE_PREFIX
+from common.distributed import DistContext
+from common.hangs import HANG_DIR, REPORT_FILE, STACKS_PREFIX, TRACE_PREFIX, HangWatch
 from common.run_dir import complete_checkpoints
 from tests.harness.copies import copy_common, project_env
 from tests.harness.runs import REPO, Run, launcher_prefix, run_command, script_invocation
@@ -170,6 +171,31 @@ def test_a_rank_killed_mid_step_in_fsdp2_is_named(tmp_path: Path) -> None:
     assert "rank 0: stopped in #" in report and "in mean_over_ranks" in report and logged in report, run.describe()
     assert_traces_of(run, [0])
     assert_checkpoint_intact(run)
+
+
+def test_a_stop_signal_is_a_hang_only_when_no_step_boundary_answers_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM or SIGUSR1 (torchrun's, when another worker died; the scheduler's) reaches a rank blocked in a
+    collective: no step ends, and the watchdog reports after 3 slowest steps (10 s at least). A rank that is not
+    blocked reaches a step boundary first, where common.distributed's StopRequest saves and stops."""
+    ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), "gloo")
+    watch = HangWatch(tmp_path, ctx, timeout_s=300, enabled=False)  # only its clock: no thread, no variable set
+    now = time.monotonic()
+    monkeypatch.setattr(HangWatch, "slowest_step", 1.0)
+    monkeypatch.setattr(HangWatch, "last_step_end", now - 12)
+    watch.signalled_at = now - 11
+    assert "a stop signal reached rank 0, and no step ended within 10 s" in (watch._reason_to_stop() or "")
+    watch.signalled_at = now - 5
+    assert watch._reason_to_stop() is None  # within the grace
+    monkeypatch.setattr(HangWatch, "slowest_step", 5.0)
+    watch.signalled_at = now - 11
+    assert watch._reason_to_stop() is None  # slow steps: 3 of them, 15 s
+    monkeypatch.setattr(HangWatch, "last_step_end", now - 1)  # a step ended after the signal
+    watch.signalled_at = now - 100
+    assert watch._reason_to_stop() is None and watch.signalled_at is None
+    monkeypatch.setattr(HangWatch, "last_step_end", now - 301)
+    assert "no step ended on rank 0 for 301 s (--hang-timeout 300)" in (watch._reason_to_stop() or "")
 
 
 @pytest.mark.cuda
