@@ -1,8 +1,8 @@
 """When a job hangs: torch's Flight Recorder records each collective, and a watchdog of this process's own ends the
 job with one report of which rank stopped at which collective, and where.
 
-The Flight Recorder (``TORCH_FR_BUFFER_SIZE``, read when the process group is made) keeps each collective's sequence
-number per group, its name, sizes and the Python frames that called it, on gloo as on NCCL. ``HangWatch`` reacts to
+The Flight Recorder (``TORCH_FR_BUFFER_SIZE``) keeps each collective's sequence number per group, its name, sizes and
+the Python frames that called it, on gloo as on NCCL. ``HangWatch`` reacts to
 no step ending for ``--hang-timeout`` seconds, a collective that fails (a peer died, the group's timeout), or a stop
 signal (SIGTERM, SIGUSR1) that no step boundary answers: each rank still alive writes its trace and its Python stacks
 into RUN_DIR/hang/, one rank prints the report (``hang_report``), and every rank ends with exit code 1. The ranks
@@ -48,8 +48,9 @@ KEY = "hang/"
 
 
 def record_collectives(run_dir: Path, enabled: bool) -> None:
-    """Turn the Flight Recorder on, before the process group exists (torch reads the variables when it makes it);
-    on NCCL, torch's own dump on a collective timeout goes into RUN_DIR/hang/ too. A variable set already is kept."""
+    """Turn the Flight Recorder on, and on NCCL torch's own dump on a collective timeout into RUN_DIR/hang/; before
+    the process group exists: ProcessGroupNCCL reads its variables when it is made (gloo's recorder starts at the
+    first collective, measured on torch 2.14.1). A variable set already is kept."""
     if not enabled:
         return
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FR_BUFFER_ENTRIES))
@@ -281,6 +282,13 @@ def main_thread_frames(stacks: str) -> list[tuple[str, int, str]]:
     return []
 
 
+def stalled_group(calls: dict[int, dict[str, Call]]) -> str:
+    """The process group whose ranks got to different collectives; else the default group (or any)."""
+    groups = sorted({group for found in calls.values() for group in found})
+    apart = [g for g in groups if len({found[g].seq for found in calls.values() if g in found}) > 1]
+    return next(iter(apart), next((g for g in groups if "default" in g), groups[0] if groups else ""))
+
+
 def hang_report(folder: Path) -> str:
     """The report of the newest hang in ``folder``: which rank stopped at which collective, which never entered it,
     and the script's line of each."""
@@ -288,9 +296,7 @@ def hang_report(folder: Path) -> str:
     meta = next(iter(traces.values()))["hang"]
     script, world_size = meta["script"], int(meta["world_size"])
     calls = {rank: last_calls(trace) for rank, trace in traces.items()}
-    groups = sorted({group for found in calls.values() for group in found})
-    group = next((g for g in groups if len({found[g].seq for found in calls.values() if g in found}) > 1), "")
-    group = group or next((g for g in groups if "default" in g), groups[0] if groups else "")
+    group = stalled_group(calls)
     furthest = max((found[group].seq for found in calls.values() if group in found), default=0)
     missing = [rank for rank in range(world_size) if rank not in traces]
     behind = sorted(rank for rank, found in calls.items() if group not in found or found[group].seq < furthest)
