@@ -45,6 +45,18 @@ def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> 
     add_device_flag(run)
     text = "how long a collective waits for the other ranks before failing"
     run.add_argument("--dist-timeout", type=flags.timeout_seconds, default=600.0, metavar="SECONDS", help=text)
+    text = (
+        "end the job with one hang report (which rank, which collective, which line; files in RUN_DIR/hang/) when no "
+        "training step ends for this long; the clock starts when the first step ends, so a first step that compiles "
+        "for minutes (--compile on a large cluster) is not counted, while an evaluation or a checkpoint save between "
+        "two steps is: keep it above the longest of those, and below --dist-timeout so that the report comes first"
+    )
+    run.add_argument("--hang-timeout", type=flags.hang_seconds, default=300.0, metavar="SECONDS", help=text)
+    text = (
+        "torch's Flight Recorder keeps the last collectives of each rank for the hang report; --no-flight-recorder "
+        "turns it and the hang watchdog off"
+    )
+    run.add_argument("--flight-recorder", action=argparse.BooleanOptionalAction, default=True, help=text)
     text = "seeds the initial weights, the data order and dropout, the same on every rank"
     run.add_argument("--seed", type=flags.seed_value, default=1, help=text)
     text = "where metrics.jsonl and model.pt go"

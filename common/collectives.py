@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from common.distributed import DistContext, print0
+from common.hangs import step_finished
 from common.outputs import write_by_name
 from common.run_dir import PROFILE_DIR
 
@@ -225,6 +226,7 @@ class StepObserver:
             self._recorder.__enter__()
 
     def end_step(self) -> None:
+        step_finished()  # the hang watchdog's heartbeat
         if self._recorder is not None:
             self._recorder.__exit__(None, None, None)
             self._traffic = Traffic.of((c.kind, c.message_bytes, c.group_size) for c in self._recorder.collectives)

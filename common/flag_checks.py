@@ -242,6 +242,7 @@ def check_synthetic_size(parser: argparse.ArgumentParser, args: argparse.Namespa
 NOT_TRAINING_SETTINGS = {
     *("--run-dir", "--data-dir", "--device", "--dist-timeout"),  # where, and how long a collective waits
     *("--log-interval", "--profile", "--tensorboard"),  # what is reported; none touches the weights or the data order
+    *("--hang-timeout", "--no-flight-recorder"),  # the hang watch: it watches the run, never changes it
     *("--eval-interval", "--eval-batch-size", "--test-batch-size"),  # evaluation never updates a weight
     *("--checkpoint-interval", "--keep-checkpoints", "--checkpoint-format", "--trust-checkpoint"),  # saving
     "--async-checkpoint",  # how a checkpoint is written, not what it holds

@@ -158,6 +158,10 @@ def timeout_seconds(text: str) -> float:
     return value
 
 
+# The hang watchdog's limit (--hang-timeout): from a second, which a test of a hang waits, to gloo's week.
+hang_seconds = float_in_range(1, DIST_TIMEOUT_RANGE_S[1], unit=" s", name="hang_seconds")
+
+
 @flag_kind(NAME_PATTERN)
 def name_pattern(text: str) -> str:
     """A shell-style glob over names (``'blocks.0.*'``). Blank is refused: no name is blank."""

@@ -46,6 +46,7 @@ from common.checkpoint import Checkpointer, full_state_dict_options
 from common.data import CompactDistributedSampler, eval_loader, train_loader
 from common.distributed import DistContext, clean_teardown, errors_reported_once, launch_context, print0
 from common.fine_tuning import LowRankUpdate, add_adapters, freeze, merge_adapters
+from common.hangs import HangWatch
 from common.models import GPT, checkpoint_activations, compile_layers, count_parameters, gpt_config, init_parameters
 from common.run_dir import RunDirLock
 from common.tokens import check_data_flags, transformer_data
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     args, settings = parse_args(argv)
     with errors_reported_once():  # a FatalError or a Ctrl-C: one line from rank 0, one exit code from all
         ctx = launch_context(args.device)  # rank, world size and device, from torchrun's variables
+        hang_watch = HangWatch(args.run_dir, ctx, args.hang_timeout, args.flight_recorder)  # before the group
         timeout = timedelta(seconds=args.dist_timeout)
         # DISTRIBUTED: every rank waits here until all WORLD_SIZE ranks have joined: NCCL between
         # GPUs, gloo between CPU processes. They meet in torchrun's store (ctx.rendezvous_store).
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             ctx = ctx.with_host_group()  # where ranks agree on host-side facts: a stop, a failed save
             # One run at a time writes RUN_DIR; the lock goes with this process, however it ends.
-            with RunDirLock(args.run_dir, ctx) as lock:
+            with RunDirLock(args.run_dir, ctx) as lock, hang_watch:  # DISTRIBUTED: a hang ends in one report
                 train(args, settings, ctx, lock)
         finally:
             with clean_teardown():  # what holds the groups lets go first (FSDP's cycles, a failed step)

@@ -146,6 +146,7 @@ BASE: dict[str, tuple[list[str], dict[str, list[str]]]] = {
     "tools.runs.export_checkpoint": ([], {"checkpoint": ["{checkpoint}"], "output": ["{out}"]}),
     "tools.runs.plot": (["--out", "{out}.png"], {"run_dirs": ["{finished_run}"]}),
     "tools.checks.preflight": (["--nproc", "2"], {"script": ["{script}"]}),
+    "tools.checks.hang_report": ([], {"run_dir": ["{finished_run}"]}),
     "tools.runs.prepare_tokens": (["--output", "{out}"], {"sources": ["{text}"]}),
     "tools.runs.sample": (["--prompt", "3 14 15"], {"run_dir": ["{finished_run}"]}),
     "tools.estimates.simulate": (["--world-size", "8", "--strategy", "fsdp2"], {}),

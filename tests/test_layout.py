@@ -31,9 +31,12 @@ MNIST_SCRIPTS = [script for script in SCRIPTS if "mnist" in script.name]
 # staging, the rename once written, the wait of a failed run's teardown), the waits and the pruning that spares a save
 # in flight in checkpoint.py and run_dir.py (41, with pruning and the setting aside of newer checkpoints moved to
 # run_dir.py so that checkpoint.py stays under 450), the flag and its check (13), the teardown's wait (4): 17 modules
-# and 4,707 lines.
-MOST_MODULES_A_SCRIPT_NEEDS = 17
-MOST_LINES_A_SCRIPT_NEEDS = 4_707
+# and 4,707 lines. Issue 70's hang report took a module of its own and 345 lines (common/hangs.py, 326: the Flight
+# Recorder's switch, the watchdog, the ranks meeting in the store, reading the traces back into one report, which the
+# job prints itself, so common/ must hold it; the two flags, their place among the settings a checkpoint does not
+# record, and the heartbeat, 19): 18 modules, 5,052 lines.
+MOST_MODULES_A_SCRIPT_NEEDS = 18
+MOST_LINES_A_SCRIPT_NEEDS = 5_052
 # The code that reads text and token files, which the MNIST scripts have no use for.
 TOKEN_FILE_MODULES = {"common.tokens"}
 
@@ -133,7 +136,7 @@ def test_a_copy_of_any_script_carries_no_more_modules_and_lines_than_its_budget(
 # (issue 69: train() was 100 to 123 lines in the six scripts, the TP script 552 lines before its helpers moved out).
 MOST_IMPORT_LINES = 30
 MOST_LINES_OF_TRAIN = 80
-MOST_LINES_OF_THE_TP_SCRIPT = 380
+MOST_LINES_OF_THE_TP_SCRIPT = 382  # issue 70: the hang watch, a line of main() and its import; issue 73: eager eval
 
 
 def import_lines(module: ast.Module) -> int:

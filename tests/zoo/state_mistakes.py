@@ -194,11 +194,13 @@ LOCKS = [
         name="run-dir-lock-released-before-training",
         path="ddp/train_transformer.py",
         edits={
-            "            with RunDirLock(args.run_dir, ctx) as lock:\n"
+            "            with RunDirLock(args.run_dir, ctx) as lock, hang_watch:  # DISTRIBUTED: a hang ends in one "
+            "report\n"
             "                train(args, settings, ctx, lock)\n": (
                 "            with RunDirLock(args.run_dir, ctx) as lock:\n"
                 "                pass\n"
-                "            train(args, settings, ctx, lock)\n"
+                "            with hang_watch:\n"
+                "                train(args, settings, ctx, lock)\n"
             )
         },
         test="tests/test_run_dir.py::test_one_run_at_a_time_and_a_killed_run_leaves_no_lock",

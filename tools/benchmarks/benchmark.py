@@ -103,6 +103,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "fsdp2)",
     )
     parser.add_argument(
+        "--no-flight-recorder",
+        action="store_true",
+        help="--overhead: run the script with --no-flight-recorder (no Flight Recorder, no hang watchdog), to see "
+        "what recording the collectives costs a step",
+    )
+    parser.add_argument(
         "--rounds",
         type=positive_int,
         default=3,
@@ -138,6 +144,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     own = "--overhead" if args.overhead else "--checkpoint"
     if (args.overhead or args.checkpoint) and args.batch_size is not None:
         parser.error(f"{own} runs the script at its own batch: --batch-size does not apply")
+    if not args.overhead and args.no_flight_recorder:
+        parser.error("--no-flight-recorder applies to --overhead")
     if not (args.overhead or args.checkpoint) and args.strategy is not None:
         parser.error(
             "--strategy applies to --overhead and --checkpoint; the benchmark runs every strategy in its table"
@@ -300,7 +308,8 @@ def speedups_main(args: argparse.Namespace) -> int:
 
 
 def overhead_main(args: argparse.Namespace) -> int:
-    result = measure(args.model, args.strategy, args.nproc, args.warmup, args.steps, args.rounds)
+    script_flags = ["--no-flight-recorder"] if args.no_flight_recorder else []
+    result = measure(args.model, args.strategy, args.nproc, args.warmup, args.steps, args.rounds, script_flags)
     return print_and_write(overhead_table(result), result, args)
 
 

@@ -53,13 +53,17 @@ def bare_settings_of(args: Any, strategy: str, warmup: int, steps: int) -> dict[
     }
 
 
-def script_run(strategy: Strategy, model: str, nproc: int, warmup: int, steps: int, run_dir: Path) -> dict[str, float]:
-    """The script's own mean step time: its final record's step_ms, which leaves out the first log interval."""
+def script_run(
+    strategy: Strategy, model: str, nproc: int, warmup: int, steps: int, run_dir: Path, flags: list[str]
+) -> dict[str, float]:
+    """The script's own mean step time: its final record's step_ms, which leaves out the first log interval.
+    ``flags``: more of the script's own (--no-flight-recorder), which change what it does, not what it trains."""
     total = warmup + steps
     command = [
         *standalone_torchrun(nproc),
         *(strategy.script, *strategy.flags, "--model", model, "--device", "auto", "--run-dir", str(run_dir)),
         *("--max-steps", str(total), "--log-interval", str(warmup), "--eval-interval", str(total)),
+        *flags,
     ]
     returncode, output = output_of(command, env=one_thread_per_rank(), cwd=REPO)
     if returncode != 0:
@@ -83,7 +87,9 @@ def bare_run(settings_file: Path, nproc: int) -> dict[str, float]:
     return json.loads(results[0])
 
 
-def measure(model: str, strategy_name: str, nproc: int, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
+def measure(
+    model: str, strategy_name: str, nproc: int, warmup: int, steps: int, rounds: int, script_flags: list[str]
+) -> dict[str, Any]:
     """Interleaved runs of the script and the bare loop; their medians and the ratio."""
     strategy = BY_NAME[strategy_name]
     ours, bare, last_losses, parameter_bytes = [], [], [], set()
@@ -91,7 +97,7 @@ def measure(model: str, strategy_name: str, nproc: int, warmup: int, steps: int,
         settings_file = scratch / "bare-loop.json"
         settings_file.write_text(json.dumps(bare_settings(strategy, model, warmup, steps, scratch)))
         for round_ in range(rounds):
-            script = script_run(strategy, model, nproc, warmup, steps, scratch / f"script-{round_}")
+            script = script_run(strategy, model, nproc, warmup, steps, scratch / f"script-{round_}", script_flags)
             loop = bare_run(settings_file, nproc)
             last_losses.append(loop["last_loss"])
             ours.append(script["step_ms"])
@@ -110,6 +116,7 @@ def measure(model: str, strategy_name: str, nproc: int, warmup: int, steps: int,
         "model": model,
         "strategy": strategy_name,
         "processes": nproc,
+        "script_flags": script_flags,
         "threads_per_process": one_thread_per_rank()["OMP_NUM_THREADS"],  # as given: torch reads it, not this
         "warmup": warmup,
         "steps": steps,
