@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from common.distributed import STOP_SIGNALS, DistContext
-from common.outputs import write_by_name, write_text
+from common.outputs import write_outputs, write_text
 
 HANG_DIR = "hang"
 TRACE_PREFIX = "fr_trace_rank_"  # + rank: the names torch's fr_trace analyzer reads a folder of
@@ -189,13 +189,16 @@ def write_dumps(folder: Path, ctx: DistContext, reason: str, alarm: str) -> None
         "world_size": ctx.world_size,
         "script": str(Path(getattr(main, "__file__", "") or "").absolute()),
     }
-    write_by_name(folder / f"{TRACE_PREFIX}{ctx.rank}", lambda name: Path(name).write_bytes(pickle.dumps(trace)), True)
-
-    def stacks(name: str) -> None:
-        with open(name, "w") as file:
-            faulthandler.dump_traceback(file, all_threads=True)
-
-    write_by_name(folder / f"{STACKS_PREFIX}{ctx.rank}.txt", stacks, overwrite=True)  # this hang's own
+    write_outputs(  # this hang's own: an earlier hang's files are replaced
+        [
+            (folder / f"{TRACE_PREFIX}{ctx.rank}", lambda file: file.write(pickle.dumps(trace))),
+            (
+                folder / f"{STACKS_PREFIX}{ctx.rank}.txt",
+                lambda file: faulthandler.dump_traceback(file, all_threads=True),
+            ),
+        ],
+        overwrite=True,
+    )
 
 
 class HangFilesError(Exception):

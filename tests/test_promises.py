@@ -25,7 +25,7 @@ from tests.harness.runs import REPO
 
 MARKER = re.compile(r"<!-- test: (.*?) -->", re.DOTALL)
 COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
-FENCED_BLOCK = re.compile(r"^```.*?^```[^\n]*$", re.MULTILINE | re.DOTALL)
+FENCED_BLOCK = re.compile(r"^[ \t]*```.*?^[ \t]*```[^\n]*$", re.MULTILINE | re.DOTALL)  # in list items too
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 BLOCK_START = re.compile(r"\s*(?:[-*]|\d+\.) ")
 # A sentence ends at . ! or ? before a space or the end of its paragraph; the markers after it are its own.
