@@ -255,7 +255,10 @@ BREAKAGES = {
          "torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf)"},
     ),
     # The learning rate scaled by the world size: right for some recipes, never the same training.
-    "lr-times-world-size": ("ddp/train_transformer.py", {"args.lr, weight_decay": "args.lr * ctx.world_size, weight_decay"}),
+    "lr-times-world-size": (
+        "ddp/train_transformer.py",
+        {"args.lr, weight_decay": "args.lr * ctx.world_size, weight_decay"},
+    ),
     # A subtle one: rank 1's loss off by 0.1% must not hide in the band.
     "one-rank-off-by-0.1%": (
         "ddp/train_transformer.py", {"loss.backward()": "(loss * (1.001 if ctx.rank == 1 else 1.0)).backward()"}

@@ -34,9 +34,9 @@ MNIST_SCRIPTS = [script for script in SCRIPTS if "mnist" in script.name]
 # and 4,707 lines. Issue 70's hang report took a module of its own and 345 lines (common/hangs.py, 326: the Flight
 # Recorder's switch, the watchdog, the ranks meeting in the store, reading the traces back into one report, which the
 # job prints itself, so common/ must hold it; the two flags, their place among the settings a checkpoint does not
-# record, and the heartbeat, 19): 18 modules, 5,052 lines.
+# record, and the heartbeat, 19; then 3 more to write its files through write_outputs): 18 modules, 5,055 lines.
 MOST_MODULES_A_SCRIPT_NEEDS = 18
-MOST_LINES_A_SCRIPT_NEEDS = 5_052
+MOST_LINES_A_SCRIPT_NEEDS = 5_055
 # The code that reads text and token files, which the MNIST scripts have no use for.
 TOKEN_FILE_MODULES = {"common.tokens"}
 
