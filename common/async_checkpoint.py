@@ -18,9 +18,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from common.outputs import rename_into_place
+
+
+class CloneStager(BlockingAsyncStager):
+    """On the CPU, a clone of each tensor: a third of the time torch's stager takes to build a new state dict and
+    copy into it (the tiny preset under FSDP2: 7 against 25 ms a save, torch 2.14.1), which the step waits for.
+    FSDP1's ShardedTensors, which cannot be cloned, and a GPU's tensors go to torch's stager."""
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        tensors = tree_leaves(state_dict)
+        if self.cache_staged_state_dict or any(isinstance(leaf, ShardedTensor) for leaf in tensors):
+            return super().stage(state_dict)
+        return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().clone(), state_dict)
 
 
 class BackgroundSave:
@@ -32,9 +46,9 @@ class BackgroundSave:
         self.group = dist.new_group(backend="gloo")  # DISTRIBUTED: the writing thread's own, used by nothing else
         # The copy is made here, while the step waits (the next optimizer step changes those tensors in place): of
         # every tensor, on the CPU too (pytorch#144657: an async save of CPU tensors once wrote later steps' values).
-        # This stager copies FSDP1's ShardedTensors as well, which DefaultStager cannot (torch 2.14.1). On a GPU it
-        # keeps one page-locked copy for every save: they move off the GPU faster, and one save is in flight at most.
-        self.stager = BlockingAsyncStager(cache_staged_state_dict=device.type == "cuda")
+        # On a GPU, one page-locked host copy kept for every save: it moves off the GPU faster, and one save is in
+        # flight at most.
+        self.stager = CloneStager(cache_staged_state_dict=device.type == "cuda")
         self.path: Path | None = None  # the checkpoint being written, under its final name
         self.written = threading.Event()
         self.failure: BaseException | None = None

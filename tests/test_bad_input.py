@@ -298,6 +298,10 @@ COMMAND_CASES = [
     # The rows above the last reach its one micro-batch in micro-steps of --batch-size: a whole number of them.
     ("benchmarks.benchmark", ["--speedups", "--batch-size", "3", "--larger-batch-size", "8"], "a multiple of --batch"),
     ("benchmarks.benchmark", ["--larger-batch-size", "8"], "--larger-batch-size is the last row of --speedups"),
+    # A flag of one benchmark given to another was ignored, and the figures said nothing of it.
+    ("benchmarks.benchmark", ["--checkpoint-every", "5"], "give --checkpoint too"),
+    ("benchmarks.benchmark", ["--checkpoint", "--warmup", "5"], "--warmup does not apply"),
+    ("benchmarks.benchmark", ["--checkpoint", "--speedups"], "are benchmarks of their own"),
 ]
 
 

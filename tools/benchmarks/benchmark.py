@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(tools/benchmarks/checkpoint_stall.py); --nproc, --model, --strategy, --steps and --rounds apply",
     )
     parser.add_argument(
-        "--checkpoint-every", type=positive_int, default=10, help="--checkpoint: steps between two (default: 10)"
+        "--checkpoint-every", type=positive_int, default=None, help="--checkpoint: steps between two (default: 10)"
     )
     parser.add_argument(
         "--strategy",
@@ -156,6 +156,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.speedups:
         args.larger_batch_size = args.larger_batch_size or 4 * args.batch_size
     check_speedup_flags(parser, args)
+    check_checkpoint_flags(parser, args)
     if args.warmup is None:  # --speedups: also the log interval of its later rows
         args.warmup = 25 if args.overhead else 10 if args.speedups else 5
     if args.steps is None:
@@ -183,6 +184,15 @@ def check_speedup_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
             f"--larger-batch-size {args.larger_batch_size} must be a multiple of --batch-size {args.batch_size}: "
             "the rows above it reach the same global batch in micro-steps of --batch-size"
         )
+
+
+def check_checkpoint_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--checkpoint times its runs from before step 1, and --checkpoint-every is its own."""
+    if args.checkpoint_every is not None and not args.checkpoint:
+        parser.error("--checkpoint-every is the interval of --checkpoint's saves: give --checkpoint too")
+    if args.checkpoint and args.warmup is not None:
+        parser.error("--checkpoint times every step, from before step 1: --warmup does not apply")
+    args.checkpoint_every = args.checkpoint_every or 10
 
 
 def run_dirs(out: Path) -> dict[str, Path]:
