@@ -43,6 +43,7 @@ FR_BUFFER_ENTRIES = 2000
 EXIT_CODE = 1
 POLL_S = 1.0  # how often the watchdog looks at the clock and at the store
 DUMPS_WAIT_S = 5.0  # for the other ranks' traces: a live rank writes its own within a poll or two; a dead one never
+STOP_WAIT_S = 10.0  # for the watchdog to end with training: it is back from the store within a poll
 REPORT_WAIT_S = 20.0  # for the report: then this rank ends anyway
 KEY = "hang/"
 
@@ -95,7 +96,8 @@ class HangWatch:
             self.wakeup = os.pipe()
             os.set_blocking(self.wakeup[1], False)
             self.previous_wakeup = signal.set_wakeup_fd(self.wakeup[1], warn_on_full_buffer=False)
-            threading.Thread(target=self._watch, name="hang watchdog", daemon=True).start()
+            self.thread = threading.Thread(target=self._watch, name="hang watchdog", daemon=True)
+            self.thread.start()
         return self
 
     def __exit__(self, kind: type | None, err: BaseException | None, tb: object) -> None:
@@ -104,13 +106,30 @@ class HangWatch:
         if err is not None and is_collective_failure(err):
             self.report_and_exit(f"a collective failed on rank {self.ctx.rank}: {first_line(err)}")
         self.done.set()
+        self.stop_watching()
         with suppress(Exception):  # a rank that leaves writes no trace: a report need not wait for one
             self.store.add(KEY + "accounted", 1)
+
+    def stop_watching(self) -> None:
+        """The watchdog thread ended before training's context does. Left running, it could be inside the store's
+        C++ call when the interpreter exits, which then ends the thread as it takes the GIL back, inside a C++
+        destructor: the process aborts ("terminate called without an active exception") after a finished run. A
+        run of the checkpoint benchmark ended so once in 9 (torch 2.14.1); this is one way to it, not proved the
+        way it went."""
+        assert self.wakeup is not None
         signal.set_wakeup_fd(self.previous_wakeup)
+        with suppress(BlockingIOError):
+            os.write(self.wakeup[1], b"\0")  # wakes the select: the thread sees done and returns
+        self.thread.join(timeout=STOP_WAIT_S)
+        if not self.thread.is_alive():  # else it still selects on the pipe (a store that stopped answering)
+            for end in self.wakeup:
+                os.close(end)
 
     def _watch(self) -> None:
         while not self.done.is_set():
             self._wait_for_signal()
+            if self.done.is_set():  # training ended meanwhile: nothing to watch
+                return
             reason = self._reason_to_stop()
             if reason is not None or self.store.check([KEY + "alarm"]):
                 self.report_and_exit(reason or "another rank raised the alarm")

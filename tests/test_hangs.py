@@ -217,3 +217,16 @@ def test_on_nccl_the_report_names_the_rank_and_torch_dumps_its_own_trace_on_a_ti
             dumps = sorted((run_dir / HANG_DIR).glob("nccl_trace_rank_*"))
             assert dumps, run.describe()
             assert all(pickle.loads(dump.read_bytes())["entries"] for dump in dumps), run.describe()
+
+
+def test_the_watchdog_thread_has_ended_when_training_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watchdog still polling the store at the interpreter's exit aborted a finished run (rank 1 of one run of the
+    checkpoint benchmark in 9: "terminate called without an active exception"): it ends with the context."""
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.setenv(name, "kept")  # the watch keeps a variable set already; monkeypatch restores each
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", torch.distributed.HashStore)
+    ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), "gloo")
+    with HangWatch(tmp_path, ctx, timeout_s=300, enabled=True) as watch:
+        assert watch.thread.is_alive()
+    assert not watch.thread.is_alive()
+    assert watch.store.add("hang/accounted", 0) == 1  # this rank counted as gone: a report would not wait for it
