@@ -220,6 +220,10 @@ def write_dumps(folder: Path, ctx: DistContext, reason: str, alarm: str) -> None
     )
 
 
+# What reading a file that is plain data, but not a trace, raises.
+NOT_A_TRACE = (KeyError, TypeError, ValueError, IndexError, AttributeError)
+
+
 class HangFilesError(Exception):
     """RUN_DIR/hang/ holds no hang of this repository's scripts, or a trace cut short."""
 
@@ -242,10 +246,14 @@ def read_traces(folder: Path) -> dict[int, dict[str, Any]]:
         try:
             with path.open("rb") as file:
                 trace = PlainData(file).load()
-            traces.append((int(trace["hang"]["rank"]), trace["hang"]["alarm"], trace))
-        except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, IndexError) as err:
-            why = str(err) or type(err).__name__
-            raise HangFilesError(f"{path} is cut short or not a trace of a hang ({why})") from None
+            rank, world_size = int(trace["hang"]["rank"]), int(trace["hang"]["world_size"])
+            if not 0 <= rank < world_size:
+                raise ValueError(f"rank {rank} of a world of {world_size}")
+            traces.append((rank, trace["hang"]["alarm"], trace))
+        except OSError as err:
+            raise HangFilesError(f"{path} cannot be read: {err.strerror or err}") from None
+        except (pickle.UnpicklingError, EOFError, *NOT_A_TRACE) as err:
+            raise HangFilesError(f"{path} is cut short or not a trace of a hang ({reason(err)})") from None
     newest = traces[-1][1]  # files an earlier hang of this run directory left are not this one's
     return {rank: trace for rank, alarm, trace in traces if alarm == newest}
 
@@ -315,6 +323,17 @@ def hang_report(folder: Path) -> str:
     """The report of the newest hang in ``folder``: which rank stopped at which collective, which never entered it,
     and the script's line of each."""
     traces = read_traces(folder)
+    try:
+        return report_of(folder, traces)
+    except NOT_A_TRACE as err:  # a file that unpickles to plain data, but not to what torch's recorder writes
+        raise HangFilesError(f"{folder} holds a trace that is not the Flight Recorder's ({reason(err)})") from None
+
+
+def reason(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+def report_of(folder: Path, traces: dict[int, dict[str, Any]]) -> str:
     meta = next(iter(traces.values()))["hang"]
     script, world_size = meta["script"], int(meta["world_size"])
     calls = {rank: last_calls(trace) for rank, trace in traces.items()}

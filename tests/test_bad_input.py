@@ -302,6 +302,7 @@ COMMAND_CASES = [
     ("benchmarks.benchmark", ["--checkpoint-every", "5"], "give --checkpoint too"),
     ("benchmarks.benchmark", ["--checkpoint", "--warmup", "5"], "--warmup does not apply"),
     ("benchmarks.benchmark", ["--checkpoint", "--speedups"], "are benchmarks of their own"),
+    ("benchmarks.benchmark", ["--checkpoint", "--steps", "5"], "no checkpoint to time"),
 ]
 
 

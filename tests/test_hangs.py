@@ -230,3 +230,34 @@ def test_the_watchdog_thread_has_ended_when_training_does(tmp_path: Path, monkey
         assert watch.thread.is_alive()
     assert not watch.thread.is_alive()
     assert watch.store.add("hang/accounted", 0) == 1  # this rank counted as gone: a report would not wait for it
+
+
+class RunsCode:
+    def __reduce__(self) -> tuple:
+        return (os.system, ("echo the report ran code",))
+
+
+HANG = {"rank": 0, "alarm": "0 at noon: test", "reason": "test", "world_size": 2, "script": "train.py"}
+HOSTILE_TRACES = {
+    "a folder by a trace's name": (None, "cannot be read: Is a directory"),
+    "a pickle that runs code": ({"hang": HANG, "entries": [RunsCode()]}, "names posix.system"),
+    "no entries": ({"hang": HANG}, "not the Flight Recorder's (KeyError: 'entries')"),
+    "an entry without its group": ({"hang": HANG, "entries": [{"collective_seq_id": 1}]}, "KeyError: 'process_group'"),
+    "entries that are text": ({"hang": HANG, "entries": "text"}, "AttributeError"),
+    "a rank outside its world": ({"hang": {**HANG, "rank": 5}, "entries": []}, "rank 5 of a world of 2"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_TRACES)
+def test_a_trace_that_is_not_one_is_one_message(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Files of a run directory are anyone's: each of these is one line naming what is wrong, exit code 1."""
+    content, message = HOSTILE_TRACES[case]
+    trace = tmp_path / HANG_DIR / f"{TRACE_PREFIX}0"
+    if content is None:
+        trace.mkdir(parents=True)
+    else:
+        trace.parent.mkdir()
+        trace.write_bytes(pickle.dumps(content))
+    assert hang_report.main([str(tmp_path)]) == 1
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.count("\n") == 1 and message in said.err, said

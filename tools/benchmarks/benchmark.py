@@ -163,6 +163,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.steps = 200 if args.overhead else 100 if args.checkpoint else 30 if args.speedups else 20
     if args.out is None:
         args.out = Path("runs/benchmark") / f"{mode_of(args)}.json"
+    if args.checkpoint and args.checkpoint_every > args.steps:
+        parser.error(
+            f"--checkpoint-every {args.checkpoint_every} is more than --steps {args.steps}: no checkpoint to time"
+        )
     check_output_path(parser, args.out, "--out", overwrite=args.overwrite)
     if not (args.overhead or args.checkpoint):  # their runs go to a temporary folder
         earlier = "an earlier benchmark's runs"
