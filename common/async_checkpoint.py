@@ -9,7 +9,6 @@ once DCP has written its metadata, so a checkpoint is complete as soon as it is 
 
 from __future__ import annotations
 
-import shutil
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -22,7 +21,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from common.outputs import rename_into_place
+from common.outputs import replace_folder
 
 
 class CloneStager(BlockingAsyncStager):
@@ -67,10 +66,7 @@ class BackgroundSave:
         try:
             upload.result()
             if rename is not None:
-                temporary, path = rename
-                if path.exists():  # from an abandoned run that went further; this one replaces it
-                    shutil.rmtree(path)
-                rename_into_place(temporary, path)
+                replace_folder(*rename)  # a step-N of an abandoned run that went further is replaced
         except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is one; the waiter reports it
             self.failure = err
         finally:

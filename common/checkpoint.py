@@ -44,7 +44,7 @@ from common.distributed import (
 from common.fine_tuning import adapter_identity, adapters_difference, trained_difference, trained_parameters
 from common.flag_checks import NOT_RECORDED, fields_that_differ, plain_setting
 from common.models import tied_parameters
-from common.outputs import TEMPORARY_PREFIX, nearest_existing, rename_into_place
+from common.outputs import TEMPORARY_PREFIX, nearest_existing, replace_folder
 from common.run_dir import (
     CHECKPOINTS,
     MODEL_FILE,
@@ -184,8 +184,12 @@ class Checkpointer:
         if self.background is None or (path := self.background.path) is None:
             return
         failure = safe_io.write_failure(self.background.wait)
-        self._written_everywhere(path, failure, self.folder / f"{TEMPORARY_PREFIX}{path.name}")
+        self._written_everywhere(path, failure, self._temporary(path))
         self._saved(path)
+
+    def _temporary(self, path: Path) -> Path:
+        """Where the sharded checkpoint ``path`` is written until it is complete (pruning deletes one left behind)."""
+        return self.folder / f"{TEMPORARY_PREFIX}{path.name}"
 
     def _saved(self, path: Path) -> None:
         """``path`` is complete: the newest; older ones beyond --keep-checkpoints go (never one in flight)."""
@@ -220,7 +224,7 @@ class Checkpointer:
 
     def _save_sharded(self, step: int, trainer: dict[str, Any]) -> Path:
         path = self.folder / f"step-{step}"
-        temporary = self.folder / f"{TEMPORARY_PREFIX}step-{step}"
+        temporary = self._temporary(path)
         failure = None
         if self.ctx.is_main:
             shutil.rmtree(temporary, ignore_errors=True)  # left behind by a save that was killed
@@ -239,9 +243,7 @@ class Checkpointer:
         # Agreed before the rename: every shard is on disk before the folder gets its final name.
         self._written_everywhere(path, failure, temporary)
         if self.ctx.is_main:
-            if path.exists():  # from an abandoned run that went further; this one replaces it
-                shutil.rmtree(path)
-            rename_into_place(temporary, path)
+            replace_folder(temporary, path)  # a step-N of an abandoned run that went further is replaced
         return path
 
     def resume(self, resume: bool, resume_from: Path | None, init_from: Path | None = None) -> Resumed:

@@ -57,6 +57,14 @@ def patched_copy(project: Path, edits: dict[str, str]) -> Path:
     return project / "train" / "train_transformer.py"
 
 
+def hang_of_patched_copy(project: Path, edits: dict[str, str]) -> tuple[Path, Run]:
+    """The DDP script, edited as ``patched_copy`` does, run at 2 processes from its copy to the end of its hang."""
+    script = patched_copy(project, edits)
+    run_dir = project / "run"
+    command = [*launcher_prefix(2), *script_invocation(str(script), ARGS, run_dir, [])]
+    return script, run_hang(command, run_dir, project_env(project), project)
+
+
 def line_of(script: Path, text: str) -> int:
     return script.read_text().splitlines(keepends=True).index(text) + 1
 
@@ -113,10 +121,8 @@ def test_a_rank_that_skips_an_all_reduce_is_named_and_the_command_reads_the_same
 ) -> None:
     """(a), and tools.checks.hang_report on its folder; on a folder of a run that never hung, or a trace cut short,
     the command says so in one line (exit code 1)."""
-    script = patched_copy(tmp_path, SKIP_ALL_REDUCE)
-    run_dir = tmp_path / "run"
-    command = [*launcher_prefix(2), *script_invocation(str(script), ARGS, run_dir, [])]
-    run = run_hang(command, run_dir, project_env(tmp_path), tmp_path)
+    script, run = hang_of_patched_copy(tmp_path, SKIP_ALL_REDUCE)
+    run_dir = run.run_dir
     report = the_report(run)
     assert report.startswith("HANG: rank(s) 1 never entered collective #"), run.describe()
     # Rank 1 met a collective of another size where rank 0 all-reduced its gradients: gloo aborted it (no trace).
@@ -143,10 +149,7 @@ def test_a_rank_that_skips_an_all_reduce_is_named_and_the_command_reads_the_same
 
 
 def test_a_rank_stuck_in_data_loading_is_named_with_its_line(tmp_path: Path) -> None:
-    script = patched_copy(tmp_path, SLEEP_IN_LOADING)
-    run_dir = tmp_path / "run"
-    command = [*launcher_prefix(2), *script_invocation(str(script), ARGS, run_dir, [])]
-    run = run_hang(command, run_dir, project_env(tmp_path), tmp_path)
+    script, run = hang_of_patched_copy(tmp_path, SLEEP_IN_LOADING)
     report = the_report(run)
     assert report.startswith("HANG: rank(s) 1 never entered collective #"), run.describe()
     assert "no step ended on rank" in report and f"--hang-timeout {HANG_TIMEOUT_S}" in report, run.describe()
