@@ -184,12 +184,8 @@ class Checkpointer:
         if self.background is None or (path := self.background.path) is None:
             return
         failure = safe_io.write_failure(self.background.wait)
-        self._written_everywhere(path, failure, self._temporary(path))
+        self._written_everywhere(path, failure, self.folder / f"{TEMPORARY_PREFIX}{path.name}")
         self._saved(path)
-
-    def _temporary(self, path: Path) -> Path:
-        """Where the sharded checkpoint ``path`` is written until it is complete (pruning deletes one left behind)."""
-        return self.folder / f"{TEMPORARY_PREFIX}{path.name}"
 
     def _saved(self, path: Path) -> None:
         """``path`` is complete: the newest; older ones beyond --keep-checkpoints go (never one in flight)."""
@@ -224,7 +220,7 @@ class Checkpointer:
 
     def _save_sharded(self, step: int, trainer: dict[str, Any]) -> Path:
         path = self.folder / f"step-{step}"
-        temporary = self._temporary(path)
+        temporary = self.folder / f"{TEMPORARY_PREFIX}{path.name}"
         failure = None
         if self.ctx.is_main:
             shutil.rmtree(temporary, ignore_errors=True)  # left behind by a save that was killed
