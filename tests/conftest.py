@@ -76,6 +76,8 @@ LONGEST_FIRST = (
     "tests/test_checkpoint.py",
     "tests/test_tensor_parallel.py::test_2x2",
     "tests/test_failures.py",
+    "tests/test_hangs.py",
+    "tests/test_async_checkpoint.py::test_fsdp",
     "tests/test_ddp.py",
     "tests/test_commands_end.py::test_a_command_stopped_mid_run_leaves_nothing",
     "tests/test_bad_input.py::test_bad_flag_is_reported_once_under_torchrun",

@@ -26,9 +26,9 @@ from common.models import GPT, GPT_PRESETS, GPTConfig, count_parameters
 from common.run_dir import TENSORBOARD_DIR
 from tests.harness.cases import FSDP2_SCRIPT, NEEDS_FSDP2_ON_CPU
 from tests.harness.per_image_mnist import per_image_mnist
-from tests.harness.runs import Run, run_script
+from tests.harness.runs import Run, run_script, warm_output_of
 from tests.harness.wrappers import OBSERVE, PER_IMAGE_MNIST
-from tools.benchmarks import benchmark
+from tools.benchmarks import benchmark, overhead
 from tools.benchmarks.compare_strategies import Strategy
 
 # Not fsdp/train_transformer_fsdp2_tp.py: its loop is the FSDP2 script's line for line (diff the two: they differ in
@@ -201,13 +201,14 @@ def test_the_benchmark_compares_ddp_fsdp1_and_fsdp2_in_bf16(
 
 @NEEDS_FSDP2_ON_CPU
 def test_the_overhead_benchmark_times_a_script_beside_a_bare_loop_that_trains_the_same_numbers(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`python -m tools.benchmarks.benchmark --overhead --strategy fsdp2 --nproc 2`, in this process, with its
-    runs under torchrun: a round of each, the same shards trained by both (rank 0's share of the tiny preset),
-    and the same last loss to the bit, or the command fails: on CPU a step's time depends on its numbers
-    (subnormals), so a bare loop that trained others would measure them. The times themselves are a
-    benchmark's, not a test's (docs/performance.md)."""
+    runs' ranks forked warm, as torchrun would start them: a round of each, the same shards trained by both
+    (rank 0's share of the tiny preset), and the same last loss to the bit, or the command fails: on CPU a
+    step's time depends on its numbers (subnormals), so a bare loop that trained others would measure them.
+    The times themselves are a benchmark's, not a test's (docs/performance.md)."""
+    monkeypatch.setattr(overhead, "output_of", warm_output_of)
     out = tmp_path / "overhead.json"
     flags = ["--overhead", "--model", "tiny", "--strategy", "fsdp2", "--nproc", "2", "--warmup", "2", "--steps", "3"]
     assert benchmark.main([*flags, "--rounds", "1", "--out", str(out)]) == 0

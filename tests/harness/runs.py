@@ -3,6 +3,7 @@
 - ``run_script``: a training script under ``python`` or ``torchrun --standalone``, its ranks forked
   from the warm server (tests/harness/launcher.py) unless ``real_launcher`` asks for the real one;
 - ``run_warm``: the same with a prepared command line, and a callback on each line of output;
+- ``warm_output_of``: a benchmark's torchrun command, its ranks forked from the warm server;
 - ``run_command``: any command in a subprocess of its own session, in the clean environment;
 - ``run_until_stopped``: a run asked to stop (RUN_DIR/STOP) once it reports a given step.
 
@@ -162,6 +163,22 @@ def run_warm(
     if finished.timed_out:
         pytest.fail(f"timed out after {timeout} s\n{run.describe()}")
     return run
+
+
+def warm_output_of(command: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[int, str]:
+    """``tools.processes.output_of`` for the commands a benchmark starts with ``standalone_torchrun(n)``, their
+    ranks forked from the warm server: a test patches it into the benchmark's module, since what it checks is
+    the benchmark's runs and figures, and torchrun's start would cost each of them seconds of imports (the
+    launcher tests run torchrun itself). ``env`` is the benchmark's, the caller's own minus torchrun's
+    variables: the ranks get ``clean_env()``, which has those settings too (one thread each)."""
+    prefix = standalone_torchrun(1)[:-1]
+    nproc_flag, program, *argv = command[len(prefix) :]
+    assert command[: len(prefix)] == prefix and nproc_flag.startswith("--nproc_per_node="), command
+    nproc = int(nproc_flag.split("=", 1)[1])
+    finished = launcher.launch(program, argv, clean_env(), nproc, timeout=300, cwd=cwd or REPO)
+    if finished.timed_out:
+        pytest.fail(f"timed out after 300 s: {' '.join(command)}\n{finished.output}")
+    return finished.returncode, finished.output
 
 
 def run_command(
