@@ -33,6 +33,7 @@ from common.distributed import (
     print0,
     shard_group_size,
 )
+from common.hangs import training_ended, watch_paused
 from common.models import transformer_flops_per_token
 from common.outputs import open_log, write_text
 from common.run_dir import METRICS_FILE, PREEMPTED_FILE, STOP_FILE, TENSORBOARD_DIR, RunDirLock
@@ -242,7 +243,8 @@ class ProgressReporter:
     def paused(self) -> Iterator[None]:
         self._stop_clock()
         try:
-            yield
+            with watch_paused():  # nor does the hang watch wait for a step meanwhile
+                yield
         finally:
             self._running_since = time.perf_counter()
 
@@ -267,12 +269,10 @@ class ProgressReporter:
         self._last_step, self._interval_seconds = step, 0.0
         if step == self.total_steps:
             self.peak_memory = peak_memory_bytes(self.ctx.device)
-        mean_loss = mean_over_ranks(loss)
-        norm = grad_norm.item()
-        rates = {f"{self.unit}_per_s": rate}
+            training_ended()  # the hang watch's too
+        mean_loss, norm, rates = mean_over_ranks(loss), grad_norm.item(), {f"{self.unit}_per_s": rate}
         self.log.write("train", step=step, epoch=epoch, loss=mean_loss, grad_norm=norm, lr=lr, step_ms=step_ms, **rates)
-        short_unit = "tok" if self.unit == "tokens" else "img"
-        rate_text = f"{rate:9.0f} {short_unit}/s"
+        rate_text = f"{rate:9.0f} {'tok' if self.unit == 'tokens' else 'img'}/s"
         print0(progress_line(step, self.total_steps, epoch, mean_loss, norm, lr, rate_text, step_ms))
         self._running_since = time.perf_counter()
 

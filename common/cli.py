@@ -47,9 +47,9 @@ def make_parser(description: str | None, *, run_dir: str, log_interval: int) -> 
     run.add_argument("--dist-timeout", type=flags.timeout_seconds, default=600.0, metavar="SECONDS", help=text)
     text = (
         "end the job with one hang report (which rank, which collective, which line; files in RUN_DIR/hang/) when no "
-        "training step ends for this long; the clock starts when the first step ends, so a first step that compiles "
-        "for minutes (--compile on a large cluster) is not counted, while an evaluation or a checkpoint save between "
-        "two steps is: keep it above the longest of those, and below --dist-timeout so that the report comes first"
+        "training step ends for this long; the clock runs from the first step's end to the last's and stands still in "
+        "evaluations and checkpoint saves (a hang in those ends at --dist-timeout, with the same report); keep it "
+        "below --dist-timeout so that the report comes first"
     )
     run.add_argument("--hang-timeout", type=flags.hang_seconds, default=300.0, metavar="SECONDS", help=text)
     text = (

@@ -21,7 +21,8 @@ import signal
 import sys
 import threading
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -68,13 +69,34 @@ def step_finished() -> None:
     HangWatch.last_step_end = now
 
 
+@contextmanager
+def watch_paused() -> Iterator[None]:
+    """An evaluation or a checkpoint save (Bookkeeping.paused, around both in every script): no step ends in it for as
+    long as the held-out set or the file system takes, which on a cluster can pass --hang-timeout and is no hang. A
+    rank stuck in one of their collectives is still named: the collective fails at --dist-timeout, then the report."""
+    HangWatch.paused += 1
+    try:
+        yield
+    finally:
+        HangWatch.paused -= 1
+        if HangWatch.last_step_end is not None:  # the clock starts again from here
+            HangWatch.last_step_end = time.monotonic()
+
+
+def training_ended() -> None:
+    """After the last step: the last checkpoint and model.pt (a gather of the whole model to rank 0, then its write)
+    take what they take, and a collective that fails among them still ends in the report."""
+    HangWatch.last_step_end = None
+
+
 class HangWatch:
     """The watchdog of one rank, as a context around training: made before the process group (it turns the Flight
     Recorder on, which torch reads when it makes the group), started once the group exists, stopped when training
     ends; a collective that fails inside it ends the job with the report instead of a traceback per rank."""
 
-    last_step_end: float | None = None  # armed by the first step's end: a first step may compile for minutes
+    last_step_end: float | None = None  # armed by the first step's end (a first step may compile for minutes)
     slowest_step = 0.0
+    paused = 0  # inside watch_paused
 
     def __init__(self, run_dir: Path, ctx: DistContext, timeout_s: float, enabled: bool) -> None:
         self.folder, self.ctx, self.timeout_s = run_dir / HANG_DIR, ctx, timeout_s
@@ -143,9 +165,11 @@ class HangWatch:
 
     def _reason_to_stop(self) -> str | None:
         now, last = time.monotonic(), HangWatch.last_step_end
-        if last is not None and now - last > self.timeout_s:
+        if last is None or HangWatch.paused:  # before the first step ends and after the last, torchrun's rules
+            return None
+        if now - last > self.timeout_s:
             return f"no step ended on rank {self.ctx.rank} for {now - last:.0f} s (--hang-timeout {self.timeout_s:g})"
-        if self.signalled_at is not None and last is not None:  # before the first step ends, torchrun's grace rules
+        if self.signalled_at is not None:
             if last > self.signalled_at:
                 self.signalled_at = None  # a step ended since: the stop request is on its way (StopRequest)
                 return None

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.distributed import DistContext
+from common.bookkeeping import MetricsLog, ProgressReporter
+from common.distributed import DistContext, distributed
 from common.hangs import HANG_DIR, REPORT_FILE, STACKS_PREFIX, TRACE_PREFIX, HangWatch
 from common.run_dir import complete_checkpoints
 from tests.harness.copies import copy_common, project_env
@@ -199,6 +200,30 @@ def test_a_stop_signal_is_a_hang_only_when_no_step_boundary_answers_it(
     assert watch._reason_to_stop() is None and watch.signalled_at is None
     monkeypatch.setattr(HangWatch, "last_step_end", now - 301)
     assert "no step ended on rank 0 for 301 s (--hang-timeout 300)" in (watch._reason_to_stop() or "")
+
+
+def test_the_watch_waits_out_evaluations_and_saves_and_rests_after_the_last_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a cluster a large held-out set, a checkpoint on a network file system, or the gather and write of model.pt
+    after the last step can outlast --hang-timeout with every rank at work. Bookkeeping's paused, which every script
+    puts around its evaluations and saves, holds the watch's clock and starts it again at its end (a stop signal
+    meanwhile waits for the step boundary after it); the last step's report stops the clock."""
+    watch = HangWatch(tmp_path, DistContext(0, 0, 2, 2, torch.device("cpu"), "gloo"), timeout_s=300, enabled=False)
+    monkeypatch.setattr(HangWatch, "paused", 0)
+    monkeypatch.setattr(HangWatch, "last_step_end", time.monotonic() - 301)
+    one = torch.tensor(1.0)
+    with distributed("cpu", 60) as ctx:
+        reporter = ProgressReporter(MetricsLog(tmp_path, ctx), ctx, 2, 10, 1, 0)  # 2 steps
+        with reporter.paused():  # 301 s after the last step's end, and a stop signal 100 s ago
+            watch.signalled_at = time.monotonic() - 100
+            assert watch._reason_to_stop() is None
+        assert watch._reason_to_stop() is None and watch.signalled_at is None  # the clock runs from the save's end
+        reporter.report(1, 1, one, one, 0.1)
+        monkeypatch.setattr(HangWatch, "last_step_end", time.monotonic() - 301)
+        assert "no step ended on rank 0 for 301 s" in (watch._reason_to_stop() or "")  # between steps it counts
+        reporter.report(2, 1, one, one, 0.1)  # the last step
+        assert HangWatch.last_step_end is None and watch._reason_to_stop() is None
 
 
 @pytest.mark.cuda
