@@ -258,8 +258,7 @@ class ProgressReporter:
     def report(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         """``grad_norm`` is the global norm, already the same on every rank."""
         self._stop_clock()
-        steps = step - self._last_step
-        elapsed = max(self._interval_seconds, 1e-9)
+        steps, elapsed = step - self._last_step, max(self._interval_seconds, 1e-9)
         rate = self.items_per_step * steps / elapsed
         step_ms = 1000 * elapsed / steps
         if self._warm:
@@ -270,7 +269,8 @@ class ProgressReporter:
         if step == self.total_steps:
             self.peak_memory = peak_memory_bytes(self.ctx.device)
             training_ended()  # the hang watch's too
-        mean_loss, norm, rates = mean_over_ranks(loss), grad_norm.item(), {f"{self.unit}_per_s": rate}
+        mean_loss = mean_over_ranks(loss)
+        norm, rates = grad_norm.item(), {f"{self.unit}_per_s": rate}
         self.log.write("train", step=step, epoch=epoch, loss=mean_loss, grad_norm=norm, lr=lr, step_ms=step_ms, **rates)
         rate_text = f"{rate:9.0f} {'tok' if self.unit == 'tokens' else 'img'}/s"
         print0(progress_line(step, self.total_steps, epoch, mean_loss, norm, lr, rate_text, step_ms))
