@@ -165,7 +165,7 @@ class HangWatch:
 
     def _reason_to_stop(self) -> str | None:
         now, last = time.monotonic(), HangWatch.last_step_end
-        if last is None or HangWatch.paused:  # before the first step ends and after the last, torchrun's rules
+        if last is None or HangWatch.paused:  # before the first step's end, after the last, in evaluations and saves
             return None
         if now - last > self.timeout_s:
             return f"no step ended on rank {self.ctx.rank} for {now - last:.0f} s (--hang-timeout {self.timeout_s:g})"

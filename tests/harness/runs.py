@@ -172,13 +172,12 @@ def warm_output_of(command: list[str], env: dict[str, str] | None = None, cwd: P
     launcher tests run torchrun itself). ``env`` is the benchmark's, the caller's own minus torchrun's
     variables: the ranks get ``clean_env()``, which has those settings too (one thread each)."""
     prefix = standalone_torchrun(1)[:-1]
-    nproc_flag, program, *argv = command[len(prefix) :]
+    nproc_flag, *invocation = command[len(prefix) :]
     assert command[: len(prefix)] == prefix and nproc_flag.startswith("--nproc_per_node="), command
-    nproc = int(nproc_flag.split("=", 1)[1])
-    finished = launcher.launch(program, argv, clean_env(), nproc, timeout=300, cwd=cwd or REPO)
-    if finished.timed_out:
-        pytest.fail(f"timed out after 300 s: {' '.join(command)}\n{finished.output}")
-    return finished.returncode, finished.output
+    assert cwd in (None, REPO), f"run_warm starts the ranks in the repository, not in {cwd}"
+    # The run's own --run-dir, if any, is in the invocation: the Run is read for its exit code and output only.
+    run = run_warm(invocation, REPO, int(nproc_flag.split("=", 1)[1]), timeout=300)
+    return run.returncode, run.output
 
 
 def run_command(
